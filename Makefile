@@ -1,0 +1,42 @@
+# Two entry points do all the set-up on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The torch build to install. 2.13.0 is a CPU build on this project's CI machines; on a CUDA
+# machine pass e.g. TORCH=torch to take the default CUDA build.
+TORCH ?= torch==2.13.0
+# The Mooncake wheel: mooncake-cpu (no CUDA runtime needed) or mooncake (CUDA machines).
+MOONCAKE_EXTRA ?= mooncake-cpu
+STAMP := $(VENV)/.kvxfer-installed
+
+.PHONY: all demo test lint unit triton-tests bench clean
+
+all: test
+
+$(STAMP): pyproject.toml Makefile scripts/install-system-deps.sh
+	./scripts/install-system-deps.sh
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test,triton,$(MOONCAKE_EXTRA)]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvxfer plan --prefill-tp 3 --decode-tp 4 --prefill-block-size 16 \
+		--decode-block-size 48 --prefill-layout NHD --decode-layout HND --tokens 300
+	$(PY) -m kvxfer.examples.reshard_demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not triton"
+
+test: lint unit
+
+bench: $(STAMP)
+	$(VENV)/bin/pytest -q benchmarks --benchmark-enable --benchmark-only --benchmark-columns=min,median,mean,ops
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis .benchmarks

@@ -1,0 +1,19 @@
+"""kvxfer: move LLM KV caches between differently sharded prefill and decode engines."""
+
+from kvxfer.plan import STRATEGIES, CostModel, PairPlan, plan_pairs
+from kvxfer.reshard import PairReport, ReshardResult, reshard
+from kvxfer.spec import KVCacheSpec, allocate_kv_caches, decode_spec, encode_spec
+
+__all__ = [
+    "STRATEGIES",
+    "CostModel",
+    "KVCacheSpec",
+    "PairPlan",
+    "PairReport",
+    "ReshardResult",
+    "allocate_kv_caches",
+    "decode_spec",
+    "encode_spec",
+    "plan_pairs",
+    "reshard",
+]

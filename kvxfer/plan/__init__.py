@@ -1,0 +1,31 @@
+"""Pure planning: head routes, cell addresses, byte segments, strategies and their costs."""
+
+from kvxfer.plan.cost import CostModel, StrategyEstimate, estimate_strategy
+from kvxfer.plan.heads import HeadRoute, heads_of_rank, ranks_holding_head, route_heads
+from kvxfer.plan.layout import BlockGeometry, PagedView
+from kvxfer.plan.pairs import PairPlan, check_pairable, check_side, plan_pairs
+from kvxfer.plan.program import STRATEGIES, CellCopy, Strategy, TransferProgram, build_program
+from kvxfer.plan.segments import Segments, coalesce
+
+__all__ = [
+    "STRATEGIES",
+    "BlockGeometry",
+    "CellCopy",
+    "CostModel",
+    "HeadRoute",
+    "PagedView",
+    "PairPlan",
+    "Segments",
+    "Strategy",
+    "StrategyEstimate",
+    "TransferProgram",
+    "build_program",
+    "check_pairable",
+    "check_side",
+    "coalesce",
+    "estimate_strategy",
+    "heads_of_rank",
+    "plan_pairs",
+    "ranks_holding_head",
+    "route_heads",
+]

@@ -1,0 +1,179 @@
+"""`KVCacheSpec`: the geometry of one rank's paged KV cache, and the handshake's payload.
+
+The layout contract (DESIGN.md) fixes the per-layer tensor shape for every combination of
+`layout`, `kv_placement` and `mla`; `layer_shape` below is its single source of truth.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+import torch
+
+DType = Literal["float16", "bfloat16", "float32"]
+Layout = Literal["NHD", "HND"]
+KVPlacement = Literal["kv_first", "blocks_first"]
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+DTYPE_ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+LAYOUTS: tuple[str, ...] = ("NHD", "HND")
+KV_PLACEMENTS: tuple[str, ...] = ("kv_first", "blocks_first")
+
+
+def _fail(field: str, problem: str, fix: str) -> None:
+    raise ValueError(f"KVCacheSpec.{field}: {problem}; {fix}")
+
+
+class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One rank's KV cache geometry: what the rank holds and how it lays it out in memory.
+
+    Attributes:
+        num_layers: attention layers, one cache tensor each.
+        num_kv_heads: KV heads of the whole model (`H`), not of this rank. 1 when `mla`.
+        head_dim: elements per head (the MLA latent width when `mla`).
+        dtype: "float16", "bfloat16" or "float32".
+        tp_size: tensor-parallel size of this engine (`T`).
+        tp_rank: this rank, in `[0, tp_size)`.
+        block_size: tokens per block (page).
+        num_blocks: blocks per layer tensor.
+        layout: "NHD" (tokens, heads) or "HND" (heads, tokens) inside a block.
+        kv_placement: "kv_first" (`[2, blocks, ...]`) or "blocks_first" (`[blocks, 2, ...]`).
+        mla: one latent plane `[num_blocks, block_size, head_dim]`, the same on every rank;
+            `layout` and `kv_placement` are then ignored.
+
+    Head ownership (DESIGN.md): with `H >= T`, `T` divides `H` and rank `r` holds heads
+    `[r*H/T, (r+1)*H/T)`; with `H < T`, `H` divides `T` and rank `r` holds head `r // (T/H)`.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: DType
+    tp_size: int
+    tp_rank: int
+    block_size: int
+    num_blocks: int
+    layout: Layout = "NHD"
+    kv_placement: KVPlacement = "kv_first"
+    mla: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "tp_size", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                _fail(name, f"must be a positive integer, got {value!r}", "pass a value >= 1")
+        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int):
+            _fail("num_blocks", f"must be an integer, got {self.num_blocks!r}", "pass >= 1")
+        if self.num_blocks <= 0:
+            _fail("num_blocks", f"must be positive, got {self.num_blocks}", "pass >= 1")
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            _fail(
+                "tp_rank",
+                f"{self.tp_rank!r} is out of range for tp_size {self.tp_size}",
+                f"pass a rank in [0, {self.tp_size})",
+            )
+        if self.dtype not in TORCH_DTYPES:
+            _fail("dtype", f"unknown dtype {self.dtype!r}", f"use one of {sorted(TORCH_DTYPES)}")
+        if self.layout not in LAYOUTS:
+            _fail("layout", f"unknown layout {self.layout!r}", f"use one of {list(LAYOUTS)}")
+        if self.kv_placement not in KV_PLACEMENTS:
+            _fail(
+                "kv_placement",
+                f"unknown placement {self.kv_placement!r}",
+                f"use one of {list(KV_PLACEMENTS)}",
+            )
+        if not isinstance(self.mla, bool):
+            _fail("mla", f"must be a bool, got {self.mla!r}", "pass True or False")
+        if self.mla and self.num_kv_heads != 1:
+            _fail(
+                "num_kv_heads",
+                f"an MLA cache has one latent head, got {self.num_kv_heads}",
+                "pass num_kv_heads=1 with mla=True",
+            )
+        heads, tp = self.num_kv_heads, self.tp_size
+        if heads >= tp and heads % tp != 0:
+            _fail(
+                "num_kv_heads",
+                f"{heads} KV heads cannot be split evenly over tp_size {tp}",
+                "use a tp_size that divides num_kv_heads",
+            )
+        if heads < tp and tp % heads != 0:
+            _fail(
+                "num_kv_heads",
+                f"{heads} KV heads cannot be replicated evenly over tp_size {tp}",
+                "use a tp_size that is a multiple of num_kv_heads",
+            )
+
+    @property
+    def heads_per_rank(self) -> int:
+        """KV heads held by one rank (`h`)."""
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    @property
+    def first_head(self) -> int:
+        """Global index of this rank's first KV head."""
+        if self.num_kv_heads >= self.tp_size:
+            return self.tp_rank * self.heads_per_rank
+        return self.tp_rank // (self.tp_size // self.num_kv_heads)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of the cache tensors."""
+        return TORCH_DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        """The per-layer tensor shape of the layout contract."""
+        b, s, h, d = self.num_blocks, self.block_size, self.heads_per_rank, self.head_dim
+        if self.mla:
+            return (b, s, d)
+        block = (s, h, d) if self.layout == "NHD" else (h, s, d)
+        return (2, b, *block) if self.kv_placement == "kv_first" else (b, 2, *block)
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer tensor."""
+        n = self.itemsize
+        for dim in self.layer_shape:
+            n *= dim
+        return n
+
+    def with_rank(self, tp_rank: int) -> KVCacheSpec:
+        """The same geometry as seen by another rank of the same engine."""
+        return msgspec.structs.replace(self, tp_rank=tp_rank)
+
+
+def encode_spec(spec: KVCacheSpec) -> bytes:
+    """Serialize a spec with msgpack (the handshake's wire format)."""
+    return msgspec.msgpack.encode(spec)
+
+
+def decode_spec(data: bytes) -> KVCacheSpec:
+    """Parse and validate a spec from msgpack; a bad field raises `msgspec.ValidationError`."""
+    return msgspec.msgpack.decode(data, type=KVCacheSpec)
+
+
+def allocate_kv_caches(spec: KVCacheSpec, device: str | torch.device = "cpu") -> list[torch.Tensor]:
+    """Allocate one uninitialized tensor per layer, shaped by the layout contract.
+
+    Args:
+        spec: the rank's geometry.
+        device: where to allocate.
+
+    Returns:
+        `spec.num_layers` contiguous tensors of shape `spec.layer_shape` and dtype `spec.dtype`.
+    """
+    return [
+        torch.empty(spec.layer_shape, dtype=spec.torch_dtype, device=device)
+        for _ in range(spec.num_layers)
+    ]

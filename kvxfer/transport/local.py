@@ -1,0 +1,107 @@
+"""`LocalTransport`: executes segment lists as in-process memory copies.
+
+It runs exactly the segment lists a network transport would send, so `reshard` exercises the
+same plans as the connectors. Segments of equal length are copied together with one indexed
+gather/scatter per group, using the widest integer word that divides every offset and length.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import torch
+
+from kvxfer.plan.segments import Segments
+from kvxfer.transport.base import Region, check_segments_in_regions
+
+_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+# Above this many words per segment, one slice copy per segment (memcpy) beats index arithmetic.
+_SLICE_COPY_WORDS = 4096
+# Caps the index tensors of one vectorized copy (8 bytes per word copied).
+_MAX_WORDS_PER_BATCH = 1 << 22
+
+
+class LocalTransport:
+    """In-process transport over CPU or same-device tensors."""
+
+    def __init__(self) -> None:
+        self._bytes: dict[int, torch.Tensor] = {}
+        self._ids = itertools.count()
+
+    def register(self, tensor: torch.Tensor) -> Region:
+        """Register a contiguous tensor's memory and return its region."""
+        if not tensor.is_contiguous():
+            raise ValueError("tensor: must be contiguous to be registered; call .contiguous()")
+        region_id = next(self._ids)
+        self._bytes[region_id] = tensor.reshape(-1).view(torch.uint8)
+        return Region(region_id, tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+    def unregister(self, region: Region) -> None:
+        """Forget a region."""
+        self._bytes.pop(region.region_id, None)
+
+    def write(self, segments: Segments) -> None:
+        """Copy every segment; all are bounds-checked before the first byte moves."""
+        sizes = {rid: int(buf.numel()) for rid, buf in self._bytes.items()}
+        check_segments_in_regions(segments, sizes, sizes)
+        if len(segments) == 0:
+            return
+        keys = np.stack([segments.src_region, segments.dst_region, segments.length], axis=1)
+        groups, inverse = np.unique(keys, axis=0, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        for g, (src_id, dst_id, length) in enumerate(groups):
+            members = np.flatnonzero(inverse == g)
+            self._copy_group(
+                int(src_id),
+                segments.src_offset[members],
+                int(dst_id),
+                segments.dst_offset[members],
+                int(length),
+            )
+
+    def _copy_group(
+        self,
+        src_id: int,
+        src_offsets: np.ndarray,
+        dst_id: int,
+        dst_offsets: np.ndarray,
+        length: int,
+    ) -> None:
+        src, dst = self._bytes[src_id], self._bytes[dst_id]
+        word = _word_size(length, src_offsets, dst_offsets, src, dst)
+        src_w, dst_w = src.view(_WORD_DTYPES[word]), dst.view(_WORD_DTYPES[word])
+        n = length // word
+        if n >= _SLICE_COPY_WORDS:
+            for s, d in zip(
+                (src_offsets // word).tolist(), (dst_offsets // word).tolist(), strict=True
+            ):
+                dst_w[d : d + n].copy_(src_w[s : s + n])
+            return
+        lane = torch.arange(n, dtype=torch.int64)
+        rows = max(1, _MAX_WORDS_PER_BATCH // n)
+        for i in range(0, len(src_offsets), rows):
+            s = torch.from_numpy(src_offsets[i : i + rows] // word)[:, None] + lane
+            d = torch.from_numpy(dst_offsets[i : i + rows] // word)[:, None] + lane
+            dst_w[d.reshape(-1)] = src_w[s.reshape(-1)]
+
+
+def _word_size(
+    length: int,
+    src_offsets: np.ndarray,
+    dst_offsets: np.ndarray,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+) -> int:
+    # A word view needs every offset, length, region size and storage offset to be a multiple.
+    common = math.gcd(
+        length,
+        src.numel(),
+        dst.numel(),
+        src.storage_offset(),
+        dst.storage_offset(),
+        int(np.gcd.reduce(src_offsets)),
+        int(np.gcd.reduce(dst_offsets)),
+    )
+    return next(w for w in (8, 4, 2, 1) if common % w == 0)
