@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 MOONCAKE_EXTRA ?= mooncake-cpu
 STAMP := $(VENV)/.kvxfer-installed
 
-.PHONY: all demo test lint unit triton-tests bench clean
+.PHONY: all demo test lint unit bench clean
 
 all: test
 
@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml Makefile scripts/install-system-deps.sh
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/kvxfer plan --prefill-tp 3 --decode-tp 4 --prefill-block-size 16 \
-		--decode-block-size 48 --prefill-layout NHD --decode-layout HND --tokens 300
+	$(VENV)/bin/kvxfer plan --kv-heads 24 --prefill-tp 3 --decode-tp 4 --prefill-block-size 16 \
+		--decode-block-size 48 --prefill-layout NHD --decode-layout HND \
+		--decode-placement blocks_first --tokens 300
 	$(PY) -m kvxfer.examples.reshard_demo
 
 lint: $(STAMP)
@@ -31,12 +32,13 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP)
-	$(VENV)/bin/pytest -q -m "not triton"
+	$(VENV)/bin/pytest -q
 
 test: lint unit
 
 bench: $(STAMP)
-	$(VENV)/bin/pytest -q benchmarks --benchmark-enable --benchmark-only --benchmark-columns=min,median,mean,ops
+	$(VENV)/bin/pytest -q benchmarks --benchmark-enable --benchmark-columns=min,median,max,rounds \
+		--benchmark-sort=name
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis .benchmarks

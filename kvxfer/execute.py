@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from kvxfer.kernels import canonical_kv_view, remap_kv_torch
-from kvxfer.plan.layout import BlockGeometry, PagedView
+from kvxfer.plan.layout import PagedView
 from kvxfer.plan.program import CellCopy
 
 Backend = Literal["torch", "triton"]
@@ -32,13 +32,6 @@ def resolve_backend(backend: str, device: torch.device) -> Backend:
             "use backend='torch'"
         )
     return cast(Backend, backend)
-
-
-def allocate_staging(
-    geometry: BlockGeometry, num_layers: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """One flat, contiguous staging buffer holding `num_layers` layers of `geometry`."""
-    return torch.empty(num_layers * geometry.layer_elements, dtype=dtype, device=device)
 
 
 def layer_views(view: PagedView, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

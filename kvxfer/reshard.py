@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvxfer.execute import Backend, allocate_staging, resolve_backend, run_cell_copy
+from kvxfer.execute import Backend, resolve_backend, run_cell_copy
 from kvxfer.plan import (
     CostModel,
     PairPlan,
@@ -130,42 +130,53 @@ def reshard(
     result = ReshardResult(backend=resolved)
     if start_token == num_tokens:
         return result
+    programs = [
+        build_program(
+            plan.route,
+            plan.strategy,
+            src_ranks[plan.src_rank].spec,
+            dst_ranks[plan.dst_rank].spec,
+            src_ranks[plan.src_rank].block_ids,
+            dst_ranks[plan.dst_rank].block_ids,
+            start_token,
+            num_tokens,
+        )
+        for plan in plans
+    ]
     transport = LocalTransport()
+    regions: list[Region] = []
     for rank in (*src_ranks, *dst_ranks):
-        rank.regions = {i: transport.register(t).region_id for i, t in enumerate(rank.caches)}
+        for layer, tensor in enumerate(rank.caches):
+            regions.append(transport.register(tensor))
+            rank.regions[layer] = regions[-1].region_id
+    # Pairs run one after another, so each side needs one staging buffer, sized for the largest
+    # program, allocated (and first touched) once per call rather than once per pair.
+    dtype = src_ranks[0].caches[0].dtype
+    staging: dict[str, torch.Tensor] = {}
+    for side, ranks in (("src", src_ranks), ("dst", dst_ranks)):
+        elements = max(_staging_elements(p, side) for p in programs)
+        if elements > 0:
+            staging[side] = torch.empty(elements, dtype=dtype, device=device)
+            regions.append(transport.register(staging[side]))
+            for rank in ranks:
+                rank.regions[STAGING_REGION] = regions[-1].region_id
     try:
-        for plan in plans:
-            result.pairs.append(
-                _run_pair(plan, src_ranks, dst_ranks, start_token, num_tokens, transport, resolved)
-            )
+        for plan, program in zip(plans, programs, strict=True):
+            s, d = src_ranks[plan.src_rank], dst_ranks[plan.dst_rank]
+            _execute(program, s, d, staging, transport, resolved)
+            result.pairs.append(_report(plan, program))
     finally:
-        for rank in (*src_ranks, *dst_ranks):
-            for region_id in rank.regions.values():
-                transport.unregister(Region(region_id, 0, 0))
+        for region in regions:
+            transport.unregister(region)
     return result
 
 
-def _run_pair(
-    plan: PairPlan,
-    src_ranks: list[_Rank],
-    dst_ranks: list[_Rank],
-    start_token: int,
-    num_tokens: int,
-    transport: LocalTransport,
-    backend: Backend,
-) -> PairReport:
-    s, d = src_ranks[plan.src_rank], dst_ranks[plan.dst_rank]
-    program = build_program(
-        plan.route,
-        plan.strategy,
-        s.spec,
-        d.spec,
-        s.block_ids,
-        d.block_ids,
-        start_token,
-        num_tokens,
-    )
-    _execute(program, s, d, transport, backend)
+def _staging_elements(program: TransferProgram, side: str) -> int:
+    geometry = program.src_staging if side == "src" else program.dst_staging
+    return 0 if geometry is None else program.num_layers * geometry.layer_elements
+
+
+def _report(plan: PairPlan, program: TransferProgram) -> PairReport:
     return PairReport(
         src_rank=plan.src_rank,
         dst_rank=plan.dst_rank,
@@ -177,29 +188,20 @@ def _run_pair(
 
 
 def _execute(
-    program: TransferProgram, s: _Rank, d: _Rank, transport: LocalTransport, backend: Backend
+    program: TransferProgram,
+    s: _Rank,
+    d: _Rank,
+    staging: dict[str, torch.Tensor],
+    transport: LocalTransport,
+    backend: Backend,
 ) -> None:
-    device, dtype = s.caches[0].device, s.caches[0].dtype
-    layers = program.num_layers
-    src_staging = dst_staging = None
-    src_regions, dst_regions = dict(s.regions), dict(d.regions)
-    staged: list[Region] = []
-    try:
-        if program.src_staging is not None:
-            src_staging = allocate_staging(program.src_staging, layers, dtype, device)
-            staged.append(transport.register(src_staging))
-            src_regions[STAGING_REGION] = staged[-1].region_id
-        if program.dst_staging is not None:
-            dst_staging = allocate_staging(program.dst_staging, layers, dtype, device)
-            staged.append(transport.register(dst_staging))
-            dst_regions[STAGING_REGION] = staged[-1].region_id
-        if program.pack is not None:
-            assert src_staging is not None
-            run_cell_copy(program.pack, s.caches, [src_staging], backend)
-        transport.write(program.segments.with_regions(src_regions, dst_regions))
-        if program.unpack is not None:
-            assert dst_staging is not None
-            run_cell_copy(program.unpack, [dst_staging], d.caches, backend)
-    finally:
-        for region in staged:
-            transport.unregister(region)
+    src_staging, dst_staging = staging.get("src"), staging.get("dst")
+    if program.pack is not None:
+        assert src_staging is not None
+        packed = src_staging[: _staging_elements(program, "src")]
+        run_cell_copy(program.pack, s.caches, [packed], backend)
+    transport.write(program.segments.with_regions(s.regions, d.regions))
+    if program.unpack is not None:
+        assert dst_staging is not None
+        unpacked = dst_staging[: _staging_elements(program, "dst")]
+        run_cell_copy(program.unpack, [unpacked], d.caches, backend)

@@ -85,45 +85,56 @@ def coalesce(segments: Segments) -> Segments:
     )
 
 
-def cells_in_address_order(
-    view: PagedView, token_start: int, token_end: int, num_heads: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(plane, token, head) of every moved cell, ordered as they lie in `view`'s memory.
+def cell_offsets_in_address_order(
+    src: PagedView, dst: PagedView, token_start: int, token_end: int, num_heads: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Byte offsets (from each side's layer start) of every moved cell, in `src`'s address order.
 
-    The order nests the canonical axes by decreasing stride (blocks follow the request's token
-    order), so any run that is contiguous in `view` appears as consecutive cells.
+    The order nests the canonical axes (plane, block, slot, head) by decreasing stride in `src`,
+    with blocks in the request's token order, so any run contiguous in `src` appears as
+    consecutive cells. Block lookups are done once per token; the per-cell work is broadcast
+    additions.
     """
-    g = view.geometry
+    g = src.geometry
     bs = g.block_size
-    first_block = (token_start - view.token_shift) // bs
-    last_block = (token_end - 1 - view.token_shift) // bs
-    sizes = {
-        "plane": g.num_planes,
-        "chunk": last_block - first_block + 1,
-        "slot": bs,
-        "head": num_heads,
-    }
+    first_block = (token_start - src.token_shift) // bs
+    last_block = (token_end - 1 - src.token_shift) // bs
+    chunk_tokens = (
+        src.token_shift
+        + (first_block + np.arange(last_block - first_block + 1, dtype=np.int64))[:, None] * bs
+        + np.arange(bs, dtype=np.int64)[None, :]
+    )  # [chunks, slots]: the tokens of each touched source block, in slot order
+    valid = (chunk_tokens >= token_start) & (chunk_tokens < token_end)
+    tokens = np.clip(chunk_tokens, token_start, token_end - 1)
+
     stride = dict(zip(_AXES, g.strides, strict=True))
     # A stable sort keeps the canonical order for ties (size-1 axes, MLA's zero strides).
+    # Blocks always come before slots: a block holds its slots.
     order = sorted(_AXES, key=lambda axis: -stride[axis])
-    grid = np.indices([sizes[a] for a in order], dtype=np.int64).reshape(4, -1)
-    axis = dict(zip(order, grid, strict=True))
-    token = view.token_shift + (first_block + axis["chunk"]) * bs + axis["slot"]
-    keep = (token >= token_start) & (token < token_end)
-    return axis["plane"][keep], token[keep], axis["head"][keep]
+    planes = np.arange(g.num_planes, dtype=np.int64)
+    heads = np.arange(num_heads, dtype=np.int64)
 
+    def on_axes(values: np.ndarray, *axes: str) -> np.ndarray:
+        shape = [1] * 4
+        for axis, size in zip(axes, values.shape, strict=True):
+            shape[order.index(axis)] = size
+        return values.reshape(shape)
 
-def cell_byte_offsets(
-    view: PagedView, plane: np.ndarray, token: np.ndarray, head: np.ndarray
-) -> np.ndarray:
-    """Byte offset of each cell from the start of its layer."""
-    g = view.geometry
-    block, slot = view.token_cells(token)
-    s_plane, s_block, s_slot, s_head = g.strides
-    elements = (
-        plane * s_plane + block * s_block + slot * s_slot + (view.head_offset + head) * s_head
-    )
-    return elements * g.itemsize
+    offsets = []
+    for view in (src, dst):
+        s_plane, s_block, s_slot, s_head = view.geometry.strides
+        block, slot = view.token_cells(tokens)
+        elements = (
+            on_axes(planes * s_plane, "plane")
+            + on_axes(block * s_block + slot * s_slot, "chunk", "slot")
+            + on_axes((view.head_offset + heads) * s_head, "head")
+        )
+        offsets.append(elements * view.geometry.itemsize)
+    src_off, dst_off = np.broadcast_arrays(*offsets)
+    if valid.all():
+        return src_off.reshape(-1), dst_off.reshape(-1)
+    keep = np.broadcast_to(on_axes(valid, "chunk", "slot"), src_off.shape)
+    return src_off[keep], dst_off[keep]
 
 
 @dataclass(frozen=True)
@@ -146,10 +157,13 @@ def layer_template(
     if token_end <= token_start:
         z = np.zeros(0, dtype=np.int64)
         return LayerTemplate(z, z, z)
-    plane, token, head = cells_in_address_order(src, token_start, token_end, num_heads)
-    src_off = cell_byte_offsets(src, plane, token, head)
-    dst_off = cell_byte_offsets(dst, plane, token, head)
-    unit = src.geometry.head_dim * src.geometry.itemsize
+    head_dim = src.geometry.head_dim
+    # Where both sides keep a token's heads side by side (NHD, the wire layout), the moved
+    # heads of one token form one cell: 1/num_heads of the cells to enumerate.
+    fuse_heads = src.geometry.strides[3] == head_dim == dst.geometry.strides[3]
+    cell_heads = 1 if fuse_heads else num_heads
+    src_off, dst_off = cell_offsets_in_address_order(src, dst, token_start, token_end, cell_heads)
+    unit = head_dim * src.geometry.itemsize * (num_heads if fuse_heads else 1)
     continues = (np.diff(src_off) == unit) & (np.diff(dst_off) == unit)
     starts = np.flatnonzero(np.concatenate(([True], ~continues)))
     lengths = np.diff(np.append(starts, src_off.shape[0])) * unit

@@ -1,0 +1,67 @@
+"""A plain reference for the layout contract: put a request's KV into a rank's cache.
+
+It indexes each layout of DESIGN.md's table directly, with no planner involved, so tests, the
+demo and notebooks can build source caches and expected destination caches independently of
+the code under test. Global KV is `[layers, 2, tokens, heads, head_dim]` (MLA:
+`[layers, tokens, head_dim]`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvxfer.spec import KVCacheSpec
+
+
+def random_global_kv(
+    spec: KVCacheSpec, num_tokens: int, seed: int = 0, device: str | torch.device = "cpu"
+) -> torch.Tensor:
+    """Random KV for a whole request (all heads), with distinct bit patterns everywhere."""
+    gen = torch.Generator().manual_seed(seed)
+    if spec.mla:
+        shape: tuple[int, ...] = (spec.num_layers, num_tokens, spec.head_dim)
+    else:
+        shape = (spec.num_layers, 2, num_tokens, spec.num_kv_heads, spec.head_dim)
+    return torch.randn(shape, generator=gen).to(dtype=spec.torch_dtype, device=device)
+
+
+def rank_heads(spec: KVCacheSpec) -> list[int]:
+    """Global heads of `spec.tp_rank`, from DESIGN.md's ownership rule."""
+    heads, tp = spec.num_kv_heads, spec.tp_size
+    if heads >= tp:
+        return list(range(spec.tp_rank * heads // tp, (spec.tp_rank + 1) * heads // tp))
+    return [spec.tp_rank // (tp // heads)]
+
+
+def write_rank_cells(
+    spec: KVCacheSpec,
+    caches: Sequence[torch.Tensor],
+    block_ids: Sequence[int] | np.ndarray,
+    global_kv: torch.Tensor,
+    token_start: int,
+    token_end: int,
+) -> None:
+    """Write tokens `[token_start, token_end)` of `global_kv` into one rank's cache, for the
+    heads that rank holds."""
+    tokens = torch.arange(token_start, token_end)
+    ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64))
+    blocks, slots = ids[tokens // spec.block_size], tokens % spec.block_size
+    heads = rank_heads(spec)
+    for layer, cache in enumerate(caches):
+        if spec.mla:
+            cache[blocks, slots] = global_kv[layer, token_start:token_end].to(cache.device)
+            continue
+        for local, head in enumerate(heads):
+            for plane in (0, 1):
+                value = global_kv[layer, plane, token_start:token_end, head].to(cache.device)
+                if spec.kv_placement == "kv_first" and spec.layout == "NHD":
+                    cache[plane, blocks, slots, local] = value
+                elif spec.kv_placement == "kv_first":
+                    cache[plane, blocks, local, slots] = value
+                elif spec.layout == "NHD":
+                    cache[blocks, plane, slots, local] = value
+                else:
+                    cache[blocks, plane, local, slots] = value

@@ -1,0 +1,113 @@
+"""Scenario builders shared by the tests: ranks filled from a global KV, poisoned outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvxfer import KVCacheSpec, allocate_kv_caches
+from kvxfer.reference import random_global_kv, write_rank_cells
+
+POISON_BYTE = 0xA5
+
+
+def side_specs(
+    tp: int,
+    *,
+    heads: int = 4,
+    block_size: int = 16,
+    layout: str = "NHD",
+    placement: str = "kv_first",
+    mla: bool = False,
+    num_layers: int = 2,
+    head_dim: int = 8,
+    dtype: str = "float16",
+    num_blocks: int = 64,
+) -> list[KVCacheSpec]:
+    """Every rank's spec of one engine."""
+    return [
+        KVCacheSpec(
+            num_layers=num_layers,
+            num_kv_heads=1 if mla else heads,
+            head_dim=head_dim,
+            dtype=dtype,  # type: ignore[arg-type]
+            tp_size=tp,
+            tp_rank=rank,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            layout=layout,  # type: ignore[arg-type]
+            kv_placement=placement,  # type: ignore[arg-type]
+            mla=mla,
+        )
+        for rank in range(tp)
+    ]
+
+
+def block_table(spec: KVCacheSpec, num_tokens: int, rng: np.random.Generator, contiguous: bool):
+    """A request's block ids on one rank: a random permutation, or a run from a random start."""
+    needed = -(-num_tokens // spec.block_size)
+    if contiguous:
+        start = int(rng.integers(0, spec.num_blocks - needed + 1))
+        return np.arange(start, start + needed, dtype=np.int64)
+    return rng.permutation(spec.num_blocks)[:needed].astype(np.int64)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor, for exact comparison."""
+    return t.contiguous().view(torch.uint8)
+
+
+@dataclass
+class Scenario:
+    """Source ranks holding a request, poisoned destination ranks, and what they must become."""
+
+    src: list
+    dst: list
+    expected: list[list[torch.Tensor]]
+    num_tokens: int
+    start_token: int
+
+    def assert_exact(self) -> None:
+        """Every destination layer equals its expectation bit for bit, untouched cells too."""
+        for (spec, caches, _), expected in zip(self.dst, self.expected, strict=True):
+            for layer, (got, want) in enumerate(zip(caches, expected, strict=True)):
+                if not torch.equal(bits(got), bits(want)):
+                    diff = (bits(got) != bits(want)).nonzero()
+                    raise AssertionError(
+                        f"destination rank {spec.tp_rank} layer {layer}: "
+                        f"{diff.shape[0]} bytes differ, first at byte {diff[0].tolist()}"
+                    )
+
+
+def make_scenario(
+    src_specs: list[KVCacheSpec],
+    dst_specs: list[KVCacheSpec],
+    num_tokens: int,
+    start_token: int = 0,
+    seed: int = 0,
+    contiguous: bool = False,
+) -> Scenario:
+    """Fill sources with noise plus the request's KV; poison destinations; compute expectations."""
+    rng = np.random.default_rng(seed)
+    kv = random_global_kv(src_specs[0], num_tokens, seed=seed)
+    src = []
+    for spec in src_specs:
+        caches = allocate_kv_caches(spec)
+        for t in caches:
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(seed + 7)))
+        ids = block_table(spec, num_tokens, rng, contiguous)
+        write_rank_cells(spec, caches, ids, kv, 0, num_tokens)
+        src.append((spec, caches, ids))
+    dst, expected = [], []
+    for spec in dst_specs:
+        caches = allocate_kv_caches(spec)
+        for t in caches:
+            bits(t).fill_(POISON_BYTE)
+        ids = block_table(spec, num_tokens, rng, contiguous)
+        want = [t.clone() for t in caches]
+        write_rank_cells(spec, want, ids, kv, start_token, num_tokens)
+        dst.append((spec, caches, ids))
+        expected.append(want)
+    return Scenario(src, dst, expected, num_tokens, start_token)
