@@ -31,11 +31,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# The Triton kernels run on CPU tensors under the interpreter, which must be chosen before
+# kvxfer.kernels is imported: hence their own pytest process.
 unit: $(STAMP)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --ignore=tests/triton
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q tests/triton
 
 test: lint unit
 
+# CPU benchmarks; on a CUDA machine also run: $(PY) benchmarks/gpu_kernels.py
 bench: $(STAMP)
 	$(VENV)/bin/pytest -q benchmarks --benchmark-enable --benchmark-columns=min,median,max,rounds \
 		--benchmark-sort=name

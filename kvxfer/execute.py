@@ -1,7 +1,8 @@
 """Runs a program's local parts (pack and unpack cell copies) on tensors, with a chosen backend.
 
 This is the bridge from the pure plan (numpy views) to the kernels (torch tensors); both the
-in-process `reshard` and the connectors use it.
+in-process `reshard` and the connectors use it. A pack is a gather (cache -> dense staging),
+an unpack a scatter (dense staging -> cache).
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ from typing import Literal, cast
 import numpy as np
 import torch
 
-from kvxfer.kernels import canonical_kv_view, remap_kv_torch
+from kvxfer.kernels import (
+    KVBuffer,
+    check_launchable,
+    gather_kv,
+    gather_kv_torch,
+    scatter_kv,
+    scatter_kv_torch,
+)
 from kvxfer.plan.layout import PagedView
 from kvxfer.plan.program import CellCopy
 
@@ -27,26 +35,31 @@ def resolve_backend(backend: str, device: torch.device) -> Backend:
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
     if backend == "triton":
-        raise NotImplementedError(
-            "backend='triton': the Triton gather/scatter kernels are not built yet; "
-            "use backend='torch'"
-        )
+        check_launchable(device)
     return cast(Backend, backend)
 
 
-def layer_views(view: PagedView, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Canonical `[plane, block, slot, head, head_dim]` views of every layer of a buffer.
-
-    A cache passes its layer tensors; a staging buffer passes its one flat tensor.
-    """
+def kv_buffer(view: PagedView, tensors: Sequence[torch.Tensor]) -> KVBuffer:
+    """The kernels' view of a plan buffer: a cache passes its layer tensors (paged), a staging
+    buffer its one flat tensor (dense: staging blocks are numbered in token order)."""
     g = view.geometry
+    block_ids = None
     if view.region == "staging":
+        if not np.array_equal(view.block_ids, np.arange(len(view.block_ids))):
+            raise ValueError("view: a staging buffer's blocks must be numbered in token order")
         (flat,) = tensors
         n = g.layer_elements
         layers = [flat[i * n : (i + 1) * n].view(g.shape) for i in range(flat.numel() // n)]
     else:
         layers = list(tensors)
-    return [canonical_kv_view(t, g.layout, g.kv_placement, g.mla) for t in layers]
+        block_ids = torch.from_numpy(view.block_ids).to(layers[0].device)
+    return KVBuffer(
+        layers, g.layout, g.kv_placement, g.mla, block_ids, view.token_shift, view.head_offset
+    )
+
+
+_GATHER = {"torch": gather_kv_torch, "triton": gather_kv}
+_SCATTER = {"torch": scatter_kv_torch, "triton": scatter_kv}
 
 
 def run_cell_copy(
@@ -55,21 +68,7 @@ def run_cell_copy(
     dst_tensors: Sequence[torch.Tensor],
     backend: Backend,
 ) -> None:
-    """Execute one pack or unpack: copy the moved cells from `copy.src` to `copy.dst`."""
-    if backend != "torch":
-        raise NotImplementedError(f"backend={backend!r}: only the torch backend runs cell copies")
-    device = src_tensors[0].device
-    tokens = np.arange(copy.token_start, copy.token_end, dtype=np.int64)
-    src_blocks, src_slots = (torch.from_numpy(a).to(device) for a in copy.src.token_cells(tokens))
-    dst_blocks, dst_slots = (torch.from_numpy(a).to(device) for a in copy.dst.token_cells(tokens))
-    remap_kv_torch(
-        layer_views(copy.src, src_tensors),
-        src_blocks,
-        src_slots,
-        copy.src.head_offset,
-        layer_views(copy.dst, dst_tensors),
-        dst_blocks,
-        dst_slots,
-        copy.dst.head_offset,
-        copy.num_heads,
-    )
+    """Execute one pack (cache -> staging) or unpack (staging -> cache)."""
+    src, dst = kv_buffer(copy.src, src_tensors), kv_buffer(copy.dst, dst_tensors)
+    op = _GATHER[backend] if src.paged else _SCATTER[backend]
+    op(src, dst, copy.token_start, copy.token_end, copy.num_heads)

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from hypothesis import strategies as st
 
-from kvxfer import KVCacheSpec, allocate_kv_caches
+from kvxfer import STRATEGIES, KVCacheSpec, allocate_kv_caches, reshard
 from kvxfer.reference import random_global_kv, write_rank_cells
 
 POISON_BYTE = 0xA5
@@ -80,6 +81,12 @@ class Scenario:
                         f"{diff.shape[0]} bytes differ, first at byte {diff[0].tolist()}"
                     )
 
+    def assert_untouched(self) -> None:
+        """Every destination byte still holds the poison."""
+        for spec, caches, _ in self.dst:
+            for layer, got in enumerate(caches):
+                assert (bits(got) == POISON_BYTE).all(), f"rank {spec.tp_rank} layer {layer}"
+
 
 def make_scenario(
     src_specs: list[KVCacheSpec],
@@ -111,3 +118,64 @@ def make_scenario(
         dst.append((spec, caches, ids))
         expected.append(want)
     return Scenario(src, dst, expected, num_tokens, start_token)
+
+
+def _valid_tp(heads: int) -> st.SearchStrategy[int]:
+    options = [
+        t for t in range(1, 9) if (heads >= t and heads % t == 0) or (heads < t and t % heads == 0)
+    ]
+    return st.sampled_from(options)
+
+
+@st.composite
+def geometries(draw: st.DrawFn) -> dict:
+    """A random pair of shardings, request and strategy."""
+    mla = draw(st.booleans())
+    heads = 1 if mla else draw(st.sampled_from([1, 2, 3, 4, 6, 12]))
+    sides = [
+        dict(
+            tp=draw(_valid_tp(heads)),
+            block_size=draw(st.sampled_from([1, 2, 3, 5, 8, 16, 32, 48])),
+            layout=draw(st.sampled_from(["NHD", "HND"])),
+            placement=draw(st.sampled_from(["kv_first", "blocks_first"])),
+        )
+        for _ in range(2)
+    ]
+    tokens = draw(st.integers(1, 70))
+    return dict(
+        mla=mla,
+        heads=heads,
+        sides=sides,
+        head_dim=draw(st.sampled_from([1, 3, 4, 8])),
+        dtype=draw(st.sampled_from(["float16", "bfloat16", "float32"])),
+        num_layers=draw(st.integers(1, 3)),
+        tokens=tokens,
+        start=draw(st.integers(0, tokens)),
+        strategy=draw(st.sampled_from([None, *STRATEGIES])),
+        contiguous=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def reshard_random_geometry(g: dict, backend: str) -> None:
+    """Reshard the request `g` describes with `backend`, and check every destination byte."""
+    specs = []
+    for side in g["sides"]:
+        needed = -(-g["tokens"] // side["block_size"])
+        specs.append(
+            side_specs(
+                side["tp"],
+                heads=g["heads"],
+                block_size=side["block_size"],
+                layout=side["layout"],
+                placement=side["placement"],
+                mla=g["mla"],
+                num_layers=g["num_layers"],
+                head_dim=g["head_dim"],
+                dtype=g["dtype"],
+                num_blocks=needed + 3,
+            )
+        )
+    sc = make_scenario(specs[0], specs[1], g["tokens"], g["start"], g["seed"], g["contiguous"])
+    reshard(sc.src, sc.dst, g["tokens"], g["start"], strategy=g["strategy"], backend=backend)
+    sc.assert_exact()

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from helpers import make_scenario, side_specs
+from helpers import geometries, make_scenario, reshard_random_geometry, side_specs
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from kvxfer import STRATEGIES, reshard
 from kvxfer.reference import rank_heads
@@ -95,63 +94,7 @@ def test_contiguous_blocks_coalesce_into_long_runs():
     assert [p.num_segments for p in result.pairs] == [2 * 2, 2 * 2]
 
 
-def _valid_tp(heads: int):
-    options = [
-        t for t in range(1, 9) if (heads >= t and heads % t == 0) or (heads < t and t % heads == 0)
-    ]
-    return st.sampled_from(options)
-
-
-@st.composite
-def geometries(draw):
-    mla = draw(st.booleans())
-    heads = 1 if mla else draw(st.sampled_from([1, 2, 3, 4, 6, 12]))
-    sides = []
-    for _ in range(2):
-        sides.append(
-            dict(
-                tp=draw(_valid_tp(heads)),
-                block_size=draw(st.sampled_from([1, 2, 3, 5, 8, 16, 32, 48])),
-                layout=draw(st.sampled_from(["NHD", "HND"])),
-                placement=draw(st.sampled_from(["kv_first", "blocks_first"])),
-            )
-        )
-    tokens = draw(st.integers(1, 70))
-    return dict(
-        mla=mla,
-        heads=heads,
-        sides=sides,
-        head_dim=draw(st.sampled_from([1, 3, 4, 8])),
-        dtype=draw(st.sampled_from(["float16", "bfloat16", "float32"])),
-        num_layers=draw(st.integers(1, 3)),
-        tokens=tokens,
-        start=draw(st.integers(0, tokens)),
-        strategy=draw(st.sampled_from([None, *STRATEGIES])),
-        contiguous=draw(st.booleans()),
-        seed=draw(st.integers(0, 2**16)),
-    )
-
-
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(geometries())
 def test_reshard_matches_reference_on_random_geometries(g):
-    specs = []
-    for side in g["sides"]:
-        needed = -(-g["tokens"] // side["block_size"])
-        specs.append(
-            side_specs(
-                side["tp"],
-                heads=g["heads"],
-                block_size=side["block_size"],
-                layout=side["layout"],
-                placement=side["placement"],
-                mla=g["mla"],
-                num_layers=g["num_layers"],
-                head_dim=g["head_dim"],
-                dtype=g["dtype"],
-                num_blocks=needed + 3,
-            )
-        )
-    sc = make_scenario(specs[0], specs[1], g["tokens"], g["start"], g["seed"], g["contiguous"])
-    reshard(sc.src, sc.dst, g["tokens"], g["start"], strategy=g["strategy"])
-    sc.assert_exact()
+    reshard_random_geometry(g, backend="torch")

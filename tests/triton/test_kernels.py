@@ -1,0 +1,199 @@
+"""gather_kv, scatter_kv and remap_kv: Triton against torch and against the layout contract,
+bit for bit, outputs poisoned first. Runs on CPU tensors under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from helpers import POISON_BYTE, bits, side_specs
+
+from kvxfer import allocate_kv_caches
+from kvxfer.kernels import (
+    KVBuffer,
+    copy_cells,
+    gather_kv,
+    gather_kv_torch,
+    remap_kv,
+    remap_kv_torch,
+    scatter_kv,
+    scatter_kv_torch,
+    wire_kv_buffer,
+)
+from kvxfer.reference import random_global_kv, write_rank_cells
+
+DTYPES = ["float16", "bfloat16", "float32"]
+GEOMETRIES = [
+    pytest.param(layout, placement, False, id=f"{layout}-{placement}")
+    for layout, placement in itertools.product(["NHD", "HND"], ["kv_first", "blocks_first"])
+] + [pytest.param("NHD", "kv_first", True, id="MLA")]
+TOKENS, START = 13, 2  # odd sizes on purpose: partial first and last blocks
+
+
+def _cache(layout, placement, mla, dtype, block_size=4, heads=3, seed=0, poison=False):
+    """A one-rank cache holding a random request (or only poison), with a scattered table."""
+    (spec,) = side_specs(
+        1,
+        heads=heads,
+        block_size=block_size,
+        layout=layout,
+        placement=placement,
+        mla=mla,
+        head_dim=5,
+        dtype=dtype,
+        num_blocks=9,
+    )
+    caches = allocate_kv_caches(spec)
+    ids = np.random.default_rng(seed).permutation(spec.num_blocks)[: -(-TOKENS // block_size)]
+    kv = random_global_kv(spec, TOKENS, seed=1)
+    for t in caches:
+        bits(t).fill_(POISON_BYTE) if poison else t.copy_(torch.randn(t.shape))
+    if not poison:
+        write_rank_cells(spec, caches, ids, kv, 0, TOKENS)
+    return spec, caches, ids, kv
+
+
+def _paged(spec, caches, ids, head_offset=0):
+    return KVBuffer(
+        caches,
+        spec.layout,
+        spec.kv_placement,
+        spec.mla,
+        torch.from_numpy(ids),
+        0,
+        head_offset,
+    )
+
+
+def _poisoned_like(tensors):
+    out = [torch.empty_like(t) for t in tensors]
+    for t in out:
+        bits(t).fill_(POISON_BYTE)
+    return out
+
+
+def _wire(kv, heads, mla):
+    layers = kv.shape[0]
+    shape = (
+        (layers, TOKENS - START, kv.shape[-1])
+        if mla
+        else (layers, 2, TOKENS - START, heads, kv.shape[-1])
+    )
+    wire = torch.empty(shape, dtype=kv.dtype)
+    bits(wire).fill_(POISON_BYTE)
+    return wire
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout,placement,mla", GEOMETRIES)
+def test_gather_to_wire_matches_contract_and_torch(layout, placement, mla, dtype):
+    spec, caches, ids, kv = _cache(layout, placement, mla, dtype)
+    n = 1 if mla else 2  # heads [1, 3) of 3
+    offset = 0 if mla else 1
+    outs = {}
+    for name, op in (("triton", gather_kv), ("torch", gather_kv_torch)):
+        wire = _wire(kv, n, mla)
+        op(_paged(spec, caches, ids, offset), wire_kv_buffer(wire, START, mla), START, TOKENS, n)
+        outs[name] = wire
+    want = kv[:, START:TOKENS] if mla else kv[:, :, START:TOKENS, offset : offset + n]
+    assert torch.equal(bits(outs["triton"]), bits(want.contiguous()))
+    assert torch.equal(bits(outs["torch"]), bits(want.contiguous()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout,placement,mla", GEOMETRIES)
+def test_scatter_from_wire_matches_contract_and_torch(layout, placement, mla, dtype):
+    spec, poisoned, ids, kv = _cache(layout, placement, mla, dtype, poison=True)
+    heads = spec.heads_per_rank
+    wire = (kv[:, START:TOKENS] if mla else kv[:, :, START:TOKENS]).contiguous()
+    want = [t.clone() for t in poisoned]
+    write_rank_cells(spec, want, ids, kv, START, TOKENS)
+    for op in (scatter_kv, scatter_kv_torch):
+        caches = [t.clone() for t in poisoned]
+        op(wire_kv_buffer(wire, START, mla), _paged(spec, caches, ids), START, TOKENS, heads)
+        for got, exp in zip(caches, want, strict=True):
+            assert torch.equal(bits(got), bits(exp)), op.__name__
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "src_geometry,dst_geometry",
+    [
+        pytest.param(a.values, b.values, id=f"{a.id}-to-{b.id}")
+        for a, b in itertools.product(GEOMETRIES, GEOMETRIES)
+        if (a.id == "MLA") == (b.id == "MLA")
+    ],
+)
+def test_remap_between_block_sizes_matches_contract_and_torch(src_geometry, dst_geometry, dtype):
+    src_spec, src_caches, src_ids, kv = _cache(*src_geometry, dtype, block_size=4)
+    dst_spec, poisoned, dst_ids, _ = _cache(*dst_geometry, dtype, block_size=3, seed=5, poison=True)
+    want = [t.clone() for t in poisoned]
+    write_rank_cells(dst_spec, want, dst_ids, kv, START, TOKENS)
+    heads = src_spec.heads_per_rank
+    for op in (remap_kv, remap_kv_torch):
+        caches = [t.clone() for t in poisoned]
+        op(
+            _paged(src_spec, src_caches, src_ids),
+            _paged(dst_spec, caches, dst_ids),
+            START,
+            TOKENS,
+            heads,
+        )
+        for got, exp in zip(caches, want, strict=True):
+            assert torch.equal(bits(got), bits(exp)), op.__name__
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout,placement,mla", GEOMETRIES[:4])
+def test_head_offsets_on_both_sides_match_torch(layout, placement, mla, dtype):
+    src_spec, src_caches, src_ids, _ = _cache(layout, placement, mla, dtype, heads=3)
+    dst_spec, poisoned, dst_ids, _ = _cache(
+        "HND", "blocks_first", mla, dtype, heads=3, block_size=5, seed=3, poison=True
+    )
+    results = []
+    for op in (remap_kv, remap_kv_torch):
+        caches = [t.clone() for t in poisoned]
+        op(
+            _paged(src_spec, src_caches, src_ids, head_offset=1),
+            _paged(dst_spec, caches, dst_ids, head_offset=0),
+            START,
+            TOKENS,
+            2,
+        )
+        results.append(caches)
+    for a, b, untouched in zip(*results, poisoned, strict=True):
+        assert torch.equal(bits(a), bits(b))
+        assert not torch.equal(bits(a), bits(untouched))  # something was written
+        # head 2 of the destination ([blocks, 2, heads, slots, dim]) was not copied: poison
+        assert (bits(a[:, :, 2].contiguous()) == POISON_BYTE).all()
+
+
+@pytest.mark.parametrize("block_t", [1, 2, 4, 16])
+def test_every_tile_size_gives_the_same_bits(block_t):
+    spec, caches, ids, kv = _cache("HND", "kv_first", False, "bfloat16")
+    wire = _wire(kv, 3, False)
+    copy_cells(
+        _paged(spec, caches, ids), wire_kv_buffer(wire, START), START, TOKENS, 3, block_t=block_t
+    )
+    assert torch.equal(bits(wire), bits(kv[:, :, START:TOKENS].contiguous()))
+
+
+def test_gather_refuses_a_dense_cache():
+    _, caches, _, kv = _cache("NHD", "kv_first", False, "float16")
+    dense = KVBuffer(caches, "NHD", "kv_first", False, None)
+    with pytest.raises(ValueError, match="cache: gather reads a paged cache"):
+        gather_kv(dense, wire_kv_buffer(_wire(kv, 3, False), START), START, TOKENS, 3)
+
+
+def test_head_range_outside_the_buffer_is_refused():
+    spec, caches, ids, kv = _cache("NHD", "kv_first", False, "float16")
+    with pytest.raises(ValueError, match=r"src.head_offset: heads \[2, 5\) exceed"):
+        gather_kv(
+            _paged(spec, caches, ids, head_offset=2),
+            wire_kv_buffer(_wire(kv, 3, False), START),
+            START,
+            TOKENS,
+            3,
+        )
