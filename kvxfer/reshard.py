@@ -65,7 +65,8 @@ class _Rank:
     spec: KVCacheSpec
     caches: Sequence[torch.Tensor]
     block_ids: np.ndarray
-    regions: dict[int, int] = field(default_factory=dict)  # region key -> registered id
+    # region key -> (registered id, offset of the buffer in the region)
+    regions: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 def _check_side(entries: Sequence[RankCache], side: str, num_tokens: int) -> list[_Rank]:
@@ -148,7 +149,7 @@ def reshard(
     for rank in (*src_ranks, *dst_ranks):
         for layer, tensor in enumerate(rank.caches):
             regions.append(transport.register(tensor))
-            rank.regions[layer] = regions[-1].region_id
+            rank.regions[layer] = (regions[-1].region_id, 0)
     # Pairs run one after another, so each side needs one staging buffer, sized for the largest
     # program, allocated (and first touched) once per call rather than once per pair.
     dtype = src_ranks[0].caches[0].dtype
@@ -159,7 +160,7 @@ def reshard(
             staging[side] = torch.empty(elements, dtype=dtype, device=device)
             regions.append(transport.register(staging[side]))
             for rank in ranks:
-                rank.regions[STAGING_REGION] = regions[-1].region_id
+                rank.regions[STAGING_REGION] = (regions[-1].region_id, 0)
     try:
         for plan, program in zip(plans, programs, strict=True):
             s, d = src_ranks[plan.src_rank], dst_ranks[plan.dst_rank]
@@ -200,7 +201,7 @@ def _execute(
         assert src_staging is not None
         packed = src_staging[: _staging_elements(program, "src")]
         run_cell_copy(program.pack, s.caches, [packed], backend)
-    transport.write(program.segments.with_regions(s.regions, d.regions))
+    transport.write(program.segments.with_regions(s.regions, d.regions), transport.peer())
     if program.unpack is not None:
         assert dst_staging is not None
         unpacked = dst_staging[: _staging_elements(program, "dst")]

@@ -28,7 +28,9 @@ def test_copies_exactly_the_listed_bytes(length):
     dst_off = [5 * length, 8, 2 * length + 16]
     if length > 8:
         dst_off[1] = 10 * length
-    t.write(segments([a.region_id] * 3, src_off, [b.region_id] * 3, dst_off, [length] * 3))
+    t.write(
+        segments([a.region_id] * 3, src_off, [b.region_id] * 3, dst_off, [length] * 3), t.peer()
+    )
     for s, d in zip(src_off, dst_off, strict=True):
         want[d : d + length] = src[s : s + length]
     assert torch.equal(dst, want)
@@ -39,7 +41,7 @@ def test_copies_between_dtypes_by_bits():
     dst = torch.zeros(32, dtype=torch.float32)
     t = LocalTransport()
     a, b = t.register(src), t.register(dst)
-    t.write(segments([a.region_id], [0], [b.region_id], [0], [128]))
+    t.write(segments([a.region_id], [0], [b.region_id], [0], [128]), t.peer())
     assert torch.equal(dst.view(torch.bfloat16), src)
 
 
@@ -49,7 +51,7 @@ def test_segment_past_the_region_end_is_refused_before_any_copy():
     a, b = t.register(src), t.register(dst)
     bad = segments([a.region_id] * 2, [0, 90], [b.region_id] * 2, [0, 50], [10, 20])
     with pytest.raises(TransferError, match=r"segment 1 .* source region"):
-        t.write(bad)
+        t.write(bad, t.peer())
     assert int(dst.sum()) == 0  # the valid first segment did not run either
 
 
@@ -57,7 +59,7 @@ def test_unregistered_region_is_refused():
     t = LocalTransport()
     a = t.register(torch.ones(8))
     with pytest.raises(TransferError, match=r"destination region\(s\) \[7\] are not registered"):
-        t.write(segments([a.region_id], [0], [7], [0], [4]))
+        t.write(segments([a.region_id], [0], [7], [0], [4]), t.peer())
 
 
 def test_registering_requires_contiguous_memory():

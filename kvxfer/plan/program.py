@@ -105,6 +105,25 @@ class TransferProgram:
         return self.segments.nbytes
 
 
+def _staging_views(
+    strategy: Strategy,
+    src_geometry: BlockGeometry,
+    dst_geometry: BlockGeometry,
+    num_heads: int,
+    token_start: int,
+    token_end: int,
+) -> tuple[PagedView | None, PagedView | None]:
+    """The (source-side, destination-side) staging buffers of a strategy, if any."""
+    n, t0, t1 = num_heads, token_start, token_end
+    if strategy == "pack":
+        return staging_mirror(dst_geometry, n, t0, t1), None
+    if strategy == "unpack":
+        return None, staging_mirror(src_geometry, n, t0, t1)
+    if strategy == "pack+unpack":
+        return wire_buffer(src_geometry, n, t0, t1), wire_buffer(src_geometry, n, t0, t1)
+    return None, None
+
+
 def program_shape(
     strategy: Strategy,
     route: HeadRoute,
@@ -116,23 +135,40 @@ def program_shape(
     token_end: int,
 ) -> ProgramShape:
     """Lay out the buffers of `strategy` for one pair and token range."""
-    n = route.num_heads
+    n, t0, t1 = route.num_heads, token_start, token_end
     src_cache = cache_view(src_spec, src_block_ids, route.src_head_offset)
     dst_cache = cache_view(dst_spec, dst_block_ids, route.dst_head_offset)
-    pack = unpack = None
-    send_from, send_to = src_cache, dst_cache
-    if strategy == "pack":
-        send_from = staging_mirror(dst_cache.geometry, n, token_start, token_end)
-        pack = CellCopy(src_cache, send_from, n, token_start, token_end)
-    elif strategy == "unpack":
-        send_to = staging_mirror(src_cache.geometry, n, token_start, token_end)
-        unpack = CellCopy(send_to, dst_cache, n, token_start, token_end)
-    elif strategy == "pack+unpack":
-        send_from = wire_buffer(src_cache.geometry, n, token_start, token_end)
-        send_to = wire_buffer(src_cache.geometry, n, token_start, token_end)
-        pack = CellCopy(src_cache, send_from, n, token_start, token_end)
-        unpack = CellCopy(send_to, dst_cache, n, token_start, token_end)
-    return ProgramShape(strategy, send_from, send_to, pack, unpack)
+    src_staging, dst_staging = _staging_views(
+        strategy, src_cache.geometry, dst_cache.geometry, n, t0, t1
+    )
+    pack = CellCopy(src_cache, src_staging, n, t0, t1) if src_staging else None
+    unpack = CellCopy(dst_staging, dst_cache, n, t0, t1) if dst_staging else None
+    return ProgramShape(strategy, src_staging or src_cache, dst_staging or dst_cache, pack, unpack)
+
+
+def unpack_copy(
+    strategy: Strategy,
+    route: HeadRoute,
+    src_spec: KVCacheSpec,
+    dst_spec: KVCacheSpec,
+    dst_block_ids: np.ndarray,
+    token_start: int,
+    token_end: int,
+) -> CellCopy | None:
+    """The destination's part of a program alone (what a consumer runs once a chunk landed
+    in its staging), or None when the strategy writes the cache directly."""
+    _, dst_staging = _staging_views(
+        strategy,
+        BlockGeometry.of_spec(src_spec),
+        BlockGeometry.of_spec(dst_spec),
+        route.num_heads,
+        token_start,
+        token_end,
+    )
+    if dst_staging is None:
+        return None
+    dst_cache = cache_view(dst_spec, dst_block_ids, route.dst_head_offset)
+    return CellCopy(dst_staging, dst_cache, route.num_heads, token_start, token_end)
 
 
 def shape_template(shape: ProgramShape, route: HeadRoute, start: int, end: int) -> LayerTemplate:
@@ -191,3 +227,34 @@ def count_program_segments(
     """Segments a program shape would list over `num_layers` layers, without listing them."""
     template = shape_template(shape, route, start, end)
     return count_segments(template, shape.send_from, shape.send_to, num_layers)
+
+
+def max_chunk_tokens(
+    strategy: Strategy,
+    route: HeadRoute,
+    src_spec: KVCacheSpec,
+    dst_spec: KVCacheSpec,
+    src_slot_bytes: int,
+    dst_slot_bytes: int,
+) -> int | None:
+    """The most tokens one chunk may carry so that its staging fits each side's slot, wherever
+    the chunk starts; None when the strategy uses no staging.
+
+    A wire buffer needs one row per token; a mirror of blocks of `bs` tokens needs whole blocks,
+    and `c` tokens can touch `(c + bs - 2) // bs + 1` of them.
+    """
+    planes = 1 if src_spec.mla else 2
+    row = src_spec.num_layers * planes * route.num_heads * src_spec.head_dim * src_spec.itemsize
+    limits = []
+    if strategy == "pack+unpack":
+        limits.append(min(src_slot_bytes, dst_slot_bytes) // row)
+    elif strategy == "pack":
+        limits.append(_mirror_limit(src_slot_bytes // row, dst_spec.block_size))
+    elif strategy == "unpack":
+        limits.append(_mirror_limit(dst_slot_bytes // row, src_spec.block_size))
+    return min(limits) if limits else None
+
+
+def _mirror_limit(rows: int, block_size: int) -> int:
+    blocks = rows // block_size
+    return (blocks - 1) * block_size + 1 if blocks > 0 else 0

@@ -36,14 +36,15 @@ class Segments:
         """Total bytes moved."""
         return int(self.length.sum())
 
-    def with_regions(self, src_ids: dict[int, int], dst_ids: dict[int, int]) -> Segments:
-        """Replace region keys by the ids a transport registered them under."""
+    def with_regions(
+        self, src_places: dict[int, tuple[int, int]], dst_places: dict[int, tuple[int, int]]
+    ) -> Segments:
+        """Place the plan's region keys in registered memory: each key maps to
+        `(region id, byte offset of the buffer inside that region)`."""
+        src_ids, src_base = _map_keys(self.src_region, src_places)
+        dst_ids, dst_base = _map_keys(self.dst_region, dst_places)
         return Segments(
-            _map_keys(self.src_region, src_ids),
-            self.src_offset,
-            _map_keys(self.dst_region, dst_ids),
-            self.dst_offset,
-            self.length,
+            src_ids, self.src_offset + src_base, dst_ids, self.dst_offset + dst_base, self.length
         )
 
     @classmethod
@@ -53,15 +54,18 @@ class Segments:
         return cls(z, z, z, z, z)
 
 
-def _map_keys(keys: np.ndarray, table: dict[int, int]) -> np.ndarray:
-    known = np.asarray(sorted(table), dtype=np.int64)
-    ids = np.asarray([table[int(k)] for k in known], dtype=np.int64)
+def _map_keys(
+    keys: np.ndarray, places: dict[int, tuple[int, int]]
+) -> tuple[np.ndarray, np.ndarray]:
+    known = np.asarray(sorted(places), dtype=np.int64)
+    ids = np.asarray([places[int(k)][0] for k in known], dtype=np.int64)
+    bases = np.asarray([places[int(k)][1] for k in known], dtype=np.int64)
     pos = np.minimum(np.searchsorted(known, keys), max(len(known) - 1, 0))
     found = known[pos] == keys if len(known) else np.zeros(keys.shape, dtype=bool)
     if not found.all():
         missing = sorted({int(k) for k in keys[~found]})
         raise KeyError(f"no registered region for region keys {missing}")
-    return ids[pos]
+    return ids[pos], bases[pos]
 
 
 def coalesce(segments: Segments) -> Segments:

@@ -1,7 +1,9 @@
-"""What every transport offers: registered regions and batched segment writes."""
+"""What every transport offers: registered regions and batched, bounds-checked segment writes."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,8 +26,18 @@ class Region:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class Peer:
+    """Where segments go: a transport endpoint and the regions registered there, by id."""
+
+    endpoint: str
+    regions: Mapping[int, Region]
+
+
 class Transport(Protocol):
-    """Moves byte segments between registered regions."""
+    """Moves byte segments from local registered regions to a peer's registered regions."""
+
+    endpoint: str
 
     def register(self, tensor: torch.Tensor) -> Region:
         """Register a contiguous tensor's memory and return its region."""
@@ -35,28 +47,39 @@ class Transport(Protocol):
         """Forget a region; segments may no longer name it."""
         ...
 
-    def write(self, segments: Segments) -> None:
-        """Copy every segment (region ids, not keys); raise `TransferError` on failure."""
+    def submit(self, segments: Segments, peer: Peer) -> Future[None]:
+        """Start writing `segments` (local source ids, peer destination ids); the future fails
+        with `TransferError`."""
+        ...
+
+    def write(self, segments: Segments, peer: Peer) -> None:
+        """Write `segments` and wait; raise `TransferError` on failure."""
+        ...
+
+    def close(self) -> None:
+        """Release the transport's resources."""
         ...
 
 
 def check_segments_in_regions(
-    segments: Segments, src_sizes: dict[int, int], dst_sizes: dict[int, int]
+    segments: Segments, src_regions: Mapping[int, Region], dst_regions: Mapping[int, Region]
 ) -> None:
-    """Check that every segment lies inside its registered source and destination regions.
+    """Check that every segment lies inside its source and destination regions.
 
     Raises:
         TransferError: naming the first offending segment and region.
     """
-    for side, regions, offsets, sizes in (
-        ("source", segments.src_region, segments.src_offset, src_sizes),
-        ("destination", segments.dst_region, segments.dst_offset, dst_sizes),
+    for side, regions, offsets, table in (
+        ("source", segments.src_region, segments.src_offset, src_regions),
+        ("destination", segments.dst_region, segments.dst_offset, dst_regions),
     ):
-        unknown = sorted({int(r) for r in np.unique(regions)} - set(sizes))
+        unknown = sorted({int(r) for r in np.unique(regions)} - set(table))
         if unknown:
             raise TransferError(f"{side} region(s) {unknown} are not registered")
-        ids = np.asarray(sorted(sizes), dtype=np.int64)
-        limits = np.asarray([sizes[int(i)] for i in ids], dtype=np.int64)
+        if not len(segments):
+            continue
+        ids = np.asarray(sorted(table), dtype=np.int64)
+        limits = np.asarray([table[int(i)].nbytes for i in ids], dtype=np.int64)
         limit = limits[np.searchsorted(ids, regions)]
         bad = np.flatnonzero(
             (offsets < 0) | (segments.length <= 0) | (offsets + segments.length > limit)
@@ -68,3 +91,13 @@ def check_segments_in_regions(
                 f"not lie inside {side} region {regions[i]} of {limit[i]} bytes "
                 f"({bad.size} such segments)"
             )
+
+
+def completed(error: BaseException | None = None) -> Future[None]:
+    """A future that is already done (for transports that write synchronously)."""
+    future: Future[None] = Future()
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+    return future

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import itertools
 import math
+from concurrent.futures import Future
 
 import numpy as np
 import torch
 
 from kvxfer.plan.segments import Segments
-from kvxfer.transport.base import Region, check_segments_in_regions
+from kvxfer.transport.base import Peer, Region, check_segments_in_regions, completed
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 # Above this many words per segment, one slice copy per segment (memcpy) beats index arithmetic.
@@ -26,9 +27,16 @@ _MAX_WORDS_PER_BATCH = 1 << 22
 class LocalTransport:
     """In-process transport over CPU or same-device tensors."""
 
+    endpoint = "local"
+
     def __init__(self) -> None:
         self._bytes: dict[int, torch.Tensor] = {}
+        self._regions: dict[int, Region] = {}
         self._ids = itertools.count()
+
+    def peer(self) -> Peer:
+        """This transport as the destination of writes (in-process: its own regions)."""
+        return Peer(self.endpoint, dict(self._regions))
 
     def register(self, tensor: torch.Tensor) -> Region:
         """Register a contiguous tensor's memory and return its region."""
@@ -36,16 +44,36 @@ class LocalTransport:
             raise ValueError("tensor: must be contiguous to be registered; call .contiguous()")
         region_id = next(self._ids)
         self._bytes[region_id] = tensor.reshape(-1).view(torch.uint8)
-        return Region(region_id, tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        region = Region(region_id, tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        self._regions[region_id] = region
+        return region
 
     def unregister(self, region: Region) -> None:
         """Forget a region."""
         self._bytes.pop(region.region_id, None)
+        self._regions.pop(region.region_id, None)
 
-    def write(self, segments: Segments) -> None:
-        """Copy every segment; all are bounds-checked before the first byte moves."""
-        sizes = {rid: int(buf.numel()) for rid, buf in self._bytes.items()}
-        check_segments_in_regions(segments, sizes, sizes)
+    def submit(self, segments: Segments, peer: Peer) -> Future[None]:
+        """Copy now; return a completed future (failed with the error, if any)."""
+        try:
+            self.write(segments, peer)
+        except Exception as exc:  # handed to the caller through the future
+            return completed(exc)
+        return completed()
+
+    def close(self) -> None:
+        """Forget every region."""
+        self._bytes.clear()
+        self._regions.clear()
+
+    def write(self, segments: Segments, peer: Peer) -> None:
+        """Copy every segment; all are bounds-checked before the first byte moves.
+
+        `peer` must be this transport's own `peer()` view: in-process, every region is local.
+        """
+        if peer.endpoint != self.endpoint:
+            raise ValueError(f"peer: LocalTransport writes in-process only, got {peer.endpoint!r}")
+        check_segments_in_regions(segments, self._regions, peer.regions)
         if len(segments) == 0:
             return
         keys = np.stack([segments.src_region, segments.dst_region, segments.length], axis=1)

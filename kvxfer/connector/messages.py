@@ -1,0 +1,155 @@
+"""Side-channel messages: typed msgspec structs with a protocol version, encoded as msgpack.
+
+Nothing else is accepted: an unknown version, an unknown type, a malformed or oversized frame
+raises `ProtocolError` with a message fit for the peer and the log. No pickle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvxfer.spec import KVCacheSpec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 8 << 20  # a 128k-token request's block ids take well under 1 MiB
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this protocol version."""
+
+
+class RegionInfo(msgspec.Struct, frozen=True):
+    """A registered memory region as advertised to peers."""
+
+    region_id: int
+    address: int
+    nbytes: int
+
+
+class _Message(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):
+    version: int = PROTOCOL_VERSION
+
+
+class Handshake(_Message, tag="handshake", frozen=True):
+    """Consumer -> producer: who I am, my geometry and where you may write."""
+
+    engine_id: str
+    rank: int
+    spec: KVCacheSpec
+    endpoint: str  # transport endpoint (Mooncake host:port)
+    cache_regions: list[RegionInfo]  # one per layer, in layer order
+    staging_region: RegionInfo | None
+    staging_slot_bytes: int
+    secret: str = ""
+
+
+class HandshakeReply(_Message, tag="handshake_reply", frozen=True):
+    """Producer -> consumer: my geometry, and the session to name in later messages."""
+
+    engine_id: str
+    rank: int
+    spec: KVCacheSpec
+    endpoint: str
+    session: str
+    staging_slot_bytes: int
+
+
+class TransferRequest(_Message, tag="transfer", frozen=True):
+    """Consumer -> producer: write tokens `[token_start, token_end)` of a request to me."""
+
+    session: str
+    request_id: str
+    chunk_id: int
+    dst_block_ids: list[int]  # the consumer's blocks for tokens [0, num_tokens)
+    num_tokens: int
+    token_start: int
+    token_end: int
+    strategy: str
+    staging_offset: int  # byte offset of the chunk's slot in my staging region, or -1
+    wait_seconds: float  # how long to wait for the request to be published
+
+
+class ChunkDone(_Message, tag="chunk_done", frozen=True):
+    """Producer -> consumer: a chunk's bytes are in place."""
+
+    request_id: str
+    chunk_id: int
+    nbytes: int
+    num_ops: int
+
+
+class ChunkFailed(_Message, tag="chunk_failed", frozen=True):
+    """Producer -> consumer: a chunk was not (fully) written."""
+
+    request_id: str
+    chunk_id: int
+    reason: str
+
+
+class RequestDone(_Message, tag="request_done", frozen=True):
+    """Consumer -> producer: this consumer rank is finished with a request (ok or not)."""
+
+    session: str
+    request_id: str
+    ok: bool
+
+
+class ErrorReply(_Message, tag="error", frozen=True):
+    """Either way: the last frame was refused, and why."""
+
+    reason: str
+
+
+Message = (
+    Handshake
+    | HandshakeReply
+    | TransferRequest
+    | ChunkDone
+    | ChunkFailed
+    | RequestDone
+    | ErrorReply
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    """One frame."""
+    return _encoder.encode(message)
+
+
+def decode(frame: bytes) -> Message:
+    """Parse one frame.
+
+    Raises:
+        ProtocolError: oversized, not msgpack, another protocol version, or not a known message.
+    """
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES} limit")
+    try:
+        message = _decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        raw = _raw(frame)
+        if isinstance(raw, dict) and raw.get("version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+            raise ProtocolError(_version_problem(raw.get("version"))) from exc
+        raise ProtocolError(f"not a kvxfer message: {exc}") from exc
+    if message.version != PROTOCOL_VERSION:
+        raise ProtocolError(_version_problem(message.version))
+    return message
+
+
+def _version_problem(version: object) -> str:
+    return (
+        f"protocol version {version!r} is not supported; this peer speaks version "
+        f"{PROTOCOL_VERSION}"
+    )
+
+
+def _raw(frame: bytes) -> Any:
+    try:
+        return msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return None
