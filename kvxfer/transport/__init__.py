@@ -1,6 +1,24 @@
-"""Transports: move byte segments between registered memory regions."""
+"""Transports: move byte segments between registered memory regions.
 
-from kvxfer.transport.base import Region, TransferError, Transport, check_segments_in_regions
+`MooncakeTransport` (kvxfer.transport.mooncake) imports Mooncake lazily, on construction.
+"""
+
+from kvxfer.transport.base import (
+    Peer,
+    Region,
+    TransferError,
+    Transport,
+    check_segments_in_regions,
+)
 from kvxfer.transport.local import LocalTransport
+from kvxfer.transport.mooncake import MooncakeTransport
 
-__all__ = ["LocalTransport", "Region", "TransferError", "Transport", "check_segments_in_regions"]
+__all__ = [
+    "LocalTransport",
+    "MooncakeTransport",
+    "Peer",
+    "Region",
+    "TransferError",
+    "Transport",
+    "check_segments_in_regions",
+]

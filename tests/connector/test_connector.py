@@ -1,0 +1,281 @@
+"""KVProducer / KVConsumer behaviour, in one process over real Mooncake TCP on 127.0.0.1:
+side-channel hygiene, handshake checks, lifecycle, staging pools, timeouts and stats."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import zmq
+from helpers import make_scenario, side_specs
+
+from kvxfer.connector import KVConsumer, KVProducer
+from kvxfer.connector.messages import (
+    MAX_FRAME_BYTES,
+    ChunkDone,
+    ErrorReply,
+    Handshake,
+    RegionInfo,
+    TransferRequest,
+    decode,
+    encode,
+)
+
+SMALL = {"staging_bytes": 4096, "staging_slots": 2}
+
+
+class Engines:
+    """A 2-rank prefill engine and a 2-rank decode engine (2 -> 2, 16 -> 32 tokens a block)."""
+
+    def __init__(self, num_tokens=100, producer=None, consumer=None, connect=True):
+        src = side_specs(2, heads=4, block_size=16, num_blocks=40)
+        dst = side_specs(2, heads=4, block_size=32, layout="HND", num_blocks=40)
+        self.scenario = make_scenario(src, dst, num_tokens)
+        self.num_tokens = num_tokens
+        self.released: list[tuple[int, str]] = []
+        self.producers = [
+            KVProducer(
+                s,
+                c,
+                "prefill",
+                release=lambda rid, r=s.tp_rank: self.released.append((r, rid)),
+                **{**SMALL, **(producer or {})},
+            )
+            for s, c, _ in self.scenario.src
+        ]
+        self.consumers = [
+            KVConsumer(s, c, "decode", **{**SMALL, **(consumer or {})})
+            for s, c, _ in self.scenario.dst
+        ]
+        if connect:
+            for c in self.consumers:
+                c.connect(self.addresses)
+
+    @property
+    def addresses(self):
+        return [p.address for p in self.producers]
+
+    def publish(self, request_id, deadline_s=None):
+        for p, (_, _, ids) in zip(self.producers, self.scenario.src, strict=True):
+            p.publish(request_id, ids, self.num_tokens, deadline_s=deadline_s)
+
+    def fetch(self, request_id, ranks=(0, 1), timeout=10.0):
+        handles = [
+            self.consumers[r].fetch(
+                request_id, self.scenario.dst[r][2], self.num_tokens, timeout=timeout
+            )
+            for r in ranks
+        ]
+        return [h.wait() for h in handles]
+
+    def close(self):
+        for c in self.consumers:
+            c.close()
+        for p in self.producers:
+            p.close()
+
+
+@pytest.fixture
+def engines():
+    e = Engines()
+    yield e
+    e.close()
+
+
+def raw_socket(address):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def ask(sock, frames, timeout=5.0):
+    sock.send_multipart(frames)
+    assert sock.poll(int(timeout * 1000)), "no reply"
+    return decode(sock.recv())
+
+
+def test_garbage_on_the_side_channel_gets_errors_and_service_goes_on(engines):
+    sock = raw_socket(engines.producers[0].address)
+    hello_v9 = msgspec.msgpack.encode({"type": "error", "version": 9, "reason": "x"})
+    stray = encode(ChunkDone(request_id="r", chunk_id=0, nbytes=0, num_ops=0))
+    bad_session = encode(
+        TransferRequest(
+            session="forged",
+            request_id="r",
+            chunk_id=0,
+            dst_block_ids=[0],
+            num_tokens=1,
+            token_start=0,
+            token_end=1,
+            strategy="direct",
+            staging_offset=-1,
+            wait_seconds=0.0,
+        )
+    )
+    cases = [
+        ([b"\x00\xffnot msgpack"], "not a kvxfer message"),
+        ([b"x" * (MAX_FRAME_BYTES + 1)], "exceeds"),
+        ([hello_v9], "protocol version 9 is not supported"),
+        ([stray], "does not accept ChunkDone"),
+        ([bad_session], "unknown session"),
+        ([b"a", b"b"], "one frame per message"),
+    ]
+    for frames, reason in cases:
+        reply = ask(sock, frames)
+        assert isinstance(reply, ErrorReply) and reason in reply.reason
+    sock.close()
+    engines.publish("after-garbage")
+    results = engines.fetch("after-garbage")
+    assert all(r.ok for r in results)
+    engines.scenario.assert_exact()
+
+
+def test_shared_secret_is_required_when_set():
+    e = Engines(producer={"secret": "s3cret"}, consumer={"secret": "wrong"}, connect=False)
+    try:
+        with pytest.raises(ConnectionError, match="wrong or missing shared secret"):
+            e.consumers[0].connect(e.addresses)
+        good = KVConsumer(*e.scenario.dst[0][:2], "decode", secret="s3cret", **SMALL)
+        assert len(good.connect(e.addresses)) >= 1
+        good.close()
+    finally:
+        e.close()
+
+
+def test_a_consumer_whose_regions_do_not_cover_its_cache_is_refused(engines):
+    spec, caches, _ = engines.scenario.dst[0]
+    short = [RegionInfo(i, t.data_ptr(), spec.layer_bytes // 2) for i, t in enumerate(caches)]
+    hello = Handshake(
+        engine_id="evil",
+        rank=0,
+        spec=spec,
+        endpoint="127.0.0.1:1",
+        cache_regions=short,
+        staging_region=None,
+        staging_slot_bytes=0,
+    )
+    reply = ask(raw_socket(engines.producers[0].address), [encode(hello)])
+    assert isinstance(reply, ErrorReply)
+    assert "region for layer 0 has" in reply.reason and "does not cover" in reply.reason
+
+
+def test_a_consumer_of_another_model_is_refused_at_handshake(engines):
+    (spec,) = side_specs(1, heads=4, head_dim=16, num_blocks=8)
+    other = KVConsumer(spec, [np_empty(spec) for _ in range(spec.num_layers)], "decode")
+    with pytest.raises(ConnectionError, match="head_dim differs"):
+        other.connect(engines.addresses)
+    other.close()
+
+
+def np_empty(spec):
+    from kvxfer import allocate_kv_caches
+
+    return allocate_kv_caches(spec)[0]
+
+
+def test_fetch_waits_for_a_late_publish(engines):
+    handles = [
+        engines.consumers[r].fetch("late", engines.scenario.dst[r][2], 100, timeout=10)
+        for r in (0, 1)
+    ]
+    time.sleep(0.3)
+    assert not any(h.done() for h in handles)
+    engines.publish("late")
+    assert all(h.wait().ok for h in handles)
+    engines.scenario.assert_exact()
+
+
+def test_fetch_of_a_request_never_published_times_out_with_every_block(engines):
+    began = time.monotonic()
+    (result,) = engines.fetch("never", ranks=(0,), timeout=0.5)
+    assert time.monotonic() - began < 5
+    assert not result.ok
+    assert result.failed_block_ids == sorted(engines.scenario.dst[0][2].tolist())
+    assert result.errors
+    engines.scenario.assert_untouched()
+
+
+def test_release_happens_once_after_every_decode_rank_is_done(engines):
+    engines.publish("r1")
+    engines.fetch("r1", ranks=(0,))
+    time.sleep(0.2)
+    assert engines.released == []  # rank 1 of the decode engine has not reported yet
+    engines.fetch("r1", ranks=(1,))
+    deadline = time.monotonic() + 5
+    while len(engines.released) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert sorted(engines.released) == [(0, "r1"), (1, "r1")]
+    assert all(p.pending_requests == [] for p in engines.producers)
+
+
+def test_release_at_the_deadline_and_late_fetches_fail(engines):
+    engines.publish("short", deadline_s=0.2)
+    time.sleep(0.6)
+    assert sorted(engines.released) == [(0, "short"), (1, "short")]
+    (result,) = engines.fetch("short", ranks=(0,), timeout=2)
+    assert not result.ok and any("already released" in e for e in result.errors)
+    assert sorted(engines.released) == [(0, "short"), (1, "short")]  # still once
+
+
+def test_pools_are_whole_again_after_many_requests(engines):
+    for i in range(12):
+        engines.publish(f"many-{i}")
+        assert all(r.ok for r in engines.fetch(f"many-{i}"))
+    engines.scenario.assert_exact()
+    time.sleep(0.2)
+    for consumer in engines.consumers:
+        assert set(consumer.staging_free_slots().values()) == {SMALL["staging_slots"]}
+    for producer in engines.producers:
+        assert set(producer.staging_free_slots().values()) <= {SMALL["staging_slots"]}
+    stats = engines.consumers[0].stats.summary()
+    assert stats["count"] == 12 and stats["failures"] == 0
+    assert stats["p90_ms"] >= stats["p50_ms"] > 0 and stats["mb_per_s"] > 0
+
+
+def test_a_full_pool_means_waiting_not_failing():
+    # One slot shared by four concurrent fetches on one rank: they queue for it.
+    e = Engines(consumer={"staging_slots": 1, "staging_bytes": 2048, "strategy": "pack+unpack"})
+    try:
+        for i in range(4):
+            e.publish(f"q{i}")
+        handles = [
+            e.consumers[0].fetch(f"q{i}", e.scenario.dst[0][2], 100, timeout=20) for i in range(4)
+        ]
+        assert all(h.wait().ok for h in handles)
+    finally:
+        e.close()
+
+
+def test_stats_export_to_prometheus(engines):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    engines.consumers[0].stats.enable_prometheus(registry)
+    engines.publish("p")
+    engines.fetch("p")
+    assert registry.get_sample_value("kvxfer_transfers_total", {"outcome": "ok"}) == 1
+    assert registry.get_sample_value("kvxfer_transfer_bytes_total") > 0
+    assert registry.get_sample_value("kvxfer_transfer_seconds_count") == 1
+
+
+def test_bad_fetch_arguments_raise_before_anything_moves(engines):
+    with pytest.raises(ValueError, match="too few block ids"):
+        engines.consumers[0].fetch("x", [0], 100)
+    with pytest.raises(ValueError, match="start_token"):
+        engines.consumers[0].fetch("x", engines.scenario.dst[0][2], 100, start_token=101)
+    with pytest.raises(ValueError, match="already published"):
+        engines.publish("dup")
+        engines.publish("dup")
+
+
+def test_consumers_that_are_not_connected_refuse_to_fetch():
+    e = Engines(connect=False)
+    try:
+        with pytest.raises(ValueError, match="connect"):
+            e.consumers[0].fetch("x", e.scenario.dst[0][2], 100)
+        with pytest.raises(ConnectionError, match="did not answer"):
+            e.consumers[0].connect(["tcp://127.0.0.1:9"], timeout=0.3)
+    finally:
+        e.close()
