@@ -1,4 +1,4 @@
-"""The `kvxfer` command line: `kvxfer plan` (more subcommands arrive with the connectors)."""
+"""The `kvxfer` command line: `kvxfer plan` and `kvxfer bench`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvxfer.bench import add_arguments as add_bench_arguments
 from kvxfer.plan import STRATEGIES, CostModel, PairPlan, plan_pairs
 from kvxfer.plan.cost import reference_block_ids
 from kvxfer.spec import KVCacheSpec
@@ -172,12 +173,21 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", help="show the remapping plan between two shardings for one request"
     )
     _add_plan_arguments(plan)
+    bench = sub.add_parser(
+        "bench",
+        help="hetero-TP transfer throughput through Mooncake vs a contiguous and a naive write",
+    )
+    add_bench_arguments(bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvxfer` command."""
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from kvxfer.bench import run
+
+        return run(args)
     try:
         report = plan_report(args)
     except ValueError as exc:

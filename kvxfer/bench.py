@@ -1,0 +1,301 @@
+"""`kvxfer bench`: hetero-TP transfer throughput through Mooncake, against two baselines measured
+in the same run through the same engines:
+
+- contiguous: each rank pair's bytes as one contiguous write (the transport's best case);
+- naive: one descriptor per (token, layer, K/V), as a per-token-slice path sends them.
+
+All ranks live in this process, each with its own Mooncake engine, talking over TCP loopback
+(or RDMA with `--protocol rdma`); ranks of a side transfer concurrently, as in serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvxfer.connector import KVConsumer, KVProducer
+from kvxfer.plan import CostModel, Segments, route_heads
+from kvxfer.spec import KVCacheSpec, allocate_kv_caches
+from kvxfer.transport import Peer
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One row of the benchmark."""
+
+    src_tp: int
+    dst_tp: int
+    kv_heads: int = 8
+    layers: int = 8
+    tokens: int = 2048
+    head_dim: int = 128
+    block_size: int = 16
+    dst_block_size: int = 32
+    protocol: str = "tcp"
+    staging_bytes: int = 64 << 20
+    staging_slots: int = 4
+    strategy: str | None = None
+    repeat: int = 3
+
+    @property
+    def pair(self) -> str:
+        """The row's name."""
+        return f"{self.src_tp}->{self.dst_tp}"
+
+
+def _side(cfg: BenchConfig, tp: int, block_size: int) -> list[KVCacheSpec]:
+    blocks = 2 * -(-cfg.tokens // block_size)
+    return [
+        KVCacheSpec(
+            num_layers=cfg.layers,
+            num_kv_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim,
+            dtype="bfloat16",
+            tp_size=tp,
+            tp_rank=rank,
+            block_size=block_size,
+            num_blocks=blocks,
+            layout="NHD",
+        )
+        for rank in range(tp)
+    ]
+
+
+def _table(spec: KVCacheSpec, tokens: int, seed: int) -> np.ndarray:
+    needed = -(-tokens // spec.block_size)
+    return np.random.default_rng(seed).permutation(spec.num_blocks)[:needed].astype(np.int64)
+
+
+def _median_seconds(run: Callable[[], None], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        began = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def bench_row(cfg: BenchConfig) -> dict[str, Any]:
+    """Measure kvxfer, contiguous and naive writes for one configuration."""
+    src_specs = _side(cfg, cfg.src_tp, cfg.block_size)
+    dst_specs = _side(cfg, cfg.dst_tp, cfg.dst_block_size)
+    src_caches = [allocate_kv_caches(s) for s in src_specs]
+    for caches in src_caches:
+        for t in caches:
+            t.view(torch.int16).random_()
+    dst_caches = [allocate_kv_caches(s) for s in dst_specs]
+    src_ids = [_table(s, cfg.tokens, 1 + s.tp_rank) for s in src_specs]
+    dst_ids = [_table(s, cfg.tokens, 100 + s.tp_rank) for s in dst_specs]
+    staging_bytes, slots = cfg.staging_bytes, cfg.staging_slots
+    producers = [
+        KVProducer(
+            s, c, "prefill", protocol=cfg.protocol, staging_bytes=staging_bytes, staging_slots=slots
+        )
+        for s, c in zip(src_specs, src_caches, strict=True)
+    ]
+    model = CostModel() if cfg.protocol == "rdma" else CostModel.tcp_loopback()
+    consumers = [
+        KVConsumer(
+            s,
+            c,
+            "decode",
+            protocol=cfg.protocol,
+            cost_model=model,
+            strategy=cfg.strategy,
+            staging_bytes=staging_bytes,
+            staging_slots=slots,
+        )
+        for s, c in zip(dst_specs, dst_caches, strict=True)
+    ]
+    try:
+        plans = [c.connect([p.address for p in producers]) for c in consumers]
+        counter = iter(range(1 << 30))
+        nbytes = 0
+
+        def kvxfer_once() -> None:
+            nonlocal nbytes
+            rid = f"bench-{next(counter)}"
+            for p, ids in zip(producers, src_ids, strict=True):
+                p.publish(rid, ids, cfg.tokens)
+            handles = [
+                c.fetch(rid, ids, cfg.tokens, timeout=600)
+                for c, ids in zip(consumers, dst_ids, strict=True)
+            ]
+            results = [h.wait() for h in handles]
+            failed = [r.errors for r in results if not r.ok]
+            if failed:
+                raise RuntimeError(f"benchmark transfer failed: {failed}")
+            nbytes = sum(r.bytes for r in results)
+
+        kvxfer_once()  # warm-up: connections, staging pools, page faults
+        kvxfer_s = _median_seconds(kvxfer_once, cfg.repeat)
+        strategies = sorted({p.strategy for ps in plans for p in ps})
+        contiguous_s, naive_s, naive_ops = _baselines(
+            cfg, producers, consumers, src_specs, dst_specs
+        )
+    finally:
+        for c in consumers:
+            c.close()
+        for p in producers:
+            p.close()
+    return {
+        "pair": cfg.pair,
+        "bytes": nbytes,
+        "tokens": cfg.tokens,
+        "layers": cfg.layers,
+        "kv_heads": cfg.kv_heads,
+        "strategies": strategies,
+        "protocol": cfg.protocol,
+        "kvxfer_gbps": nbytes / kvxfer_s / 1e9,
+        "contiguous_gbps": nbytes / contiguous_s / 1e9,
+        "naive_gbps": nbytes / naive_s / 1e9,
+        "naive_ops": naive_ops,
+        "ratio_to_contiguous": contiguous_s / kvxfer_s,
+        "speedup_over_naive": naive_s / kvxfer_s,
+    }
+
+
+def _baselines(
+    cfg: BenchConfig,
+    producers: Sequence[KVProducer],
+    consumers: Sequence[KVConsumer],
+    src_specs: Sequence[KVCacheSpec],
+    dst_specs: Sequence[KVCacheSpec],
+) -> tuple[float, float, int]:
+    """(contiguous seconds, naive seconds, naive ops), through the connectors' own engines."""
+    routes = route_heads(cfg.kv_heads, cfg.src_tp, cfg.dst_tp)
+    row = lambda spec, n: spec.head_dim * spec.itemsize * n  # noqa: E731 (bytes of n heads)
+    pair_bytes = [cfg.layers * 2 * cfg.tokens * row(src_specs[0], r.num_heads) for r in routes]
+    # One registered buffer per source rank and per destination rank, as large as the pairs.
+    src_buf = {
+        p.spec.tp_rank: torch.empty(
+            max(b for r, b in zip(routes, pair_bytes, strict=True) if r.src_rank == p.spec.tp_rank),
+            dtype=torch.uint8,
+        ).fill_(7)
+        for p in producers
+        if any(r.src_rank == p.spec.tp_rank for r in routes)
+    }
+    dst_buf = {
+        c.spec.tp_rank: torch.empty(
+            sum(b for r, b in zip(routes, pair_bytes, strict=True) if r.dst_rank == c.spec.tp_rank),
+            dtype=torch.uint8,
+        )
+        for c in consumers
+    }
+    src_reg = {r: producers[r].transport.register(t) for r, t in src_buf.items()}
+    dst_reg = {r: consumers[r].transport.register(t) for r, t in dst_buf.items()}
+    peers = {r: Peer(consumers[r].transport.endpoint, {0: reg}) for r, reg in dst_reg.items()}
+    contiguous, naive = [], []
+    dst_used: dict[int, int] = {}
+    for route, nbytes in zip(routes, pair_bytes, strict=True):
+        s, d = route.src_rank, route.dst_rank
+        base = dst_used.get(d, 0)
+        dst_used[d] = base + nbytes
+        one = np.asarray([nbytes], dtype=np.int64)
+        contiguous.append(
+            (
+                s,
+                d,
+                Segments(
+                    np.zeros(1, np.int64) + src_reg[s].region_id,
+                    np.zeros(1, np.int64),
+                    np.zeros(1, np.int64),
+                    np.asarray([base], np.int64),
+                    one,
+                ),
+            )
+        )
+        piece = row(src_specs[0], route.num_heads)  # one token's heads of one layer and plane
+        count = nbytes // piece
+        offsets = np.arange(count, dtype=np.int64) * piece
+        naive.append(
+            (
+                s,
+                d,
+                Segments(
+                    np.full(count, src_reg[s].region_id),
+                    offsets,
+                    np.zeros(count, np.int64),
+                    base + offsets,
+                    np.full(count, piece, np.int64),
+                ),
+            )
+        )
+
+    def run(plan: list[tuple[int, int, Segments]]) -> Callable[[], None]:
+        def go() -> None:
+            futures: list[Future[None]] = [
+                producers[s].transport.submit(segs, peers[d]) for s, d, segs in plan
+            ]
+            for future in futures:
+                future.result()
+
+        return go
+
+    try:
+        contiguous_s = _median_seconds(run(contiguous), cfg.repeat)
+        naive_s = _median_seconds(run(naive), 1)  # slow by construction: once is enough
+    finally:
+        for r, reg in src_reg.items():
+            producers[r].transport.unregister(reg)
+        for r, reg in dst_reg.items():
+            consumers[r].transport.unregister(reg)
+    return contiguous_s, naive_s, sum(len(segs) for _, _, segs in naive)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `kvxfer bench` options."""
+    parser.add_argument("--pairs", default="2:4,4:2,3:4", help="prefill:decode TP sizes")
+    parser.add_argument("--kv-heads", type=int, default=12)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--protocol", choices=["tcp", "rdma"], default="tcp")
+    parser.add_argument("--staging-bytes", type=int, default=64 << 20, help="per peer and side")
+    parser.add_argument("--staging-slots", type=int, default=4, help="chunks in flight per pair")
+    parser.add_argument("--strategy", choices=["direct", "pack", "unpack", "pack+unpack"])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help='print {"rows": [...]}')
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark rows and print them."""
+    rows = []
+    for pair in args.pairs.split(","):
+        src_tp, dst_tp = (int(x) for x in pair.split(":"))
+        cfg = BenchConfig(
+            src_tp,
+            dst_tp,
+            kv_heads=args.kv_heads,
+            layers=args.layers,
+            tokens=args.tokens,
+            head_dim=args.head_dim,
+            protocol=args.protocol,
+            staging_bytes=args.staging_bytes,
+            staging_slots=args.staging_slots,
+            strategy=args.strategy,
+            repeat=args.repeat,
+        )
+        rows.append(bench_row(cfg))
+        if not args.json:
+            r = rows[-1]
+            print(
+                f"{r['pair']:>6}  {r['bytes'] / 1e6:8.1f} MB  kvxfer {r['kvxfer_gbps']:6.3f} GB/s "
+                f"({','.join(r['strategies'])})  contiguous {r['contiguous_gbps']:6.3f} GB/s  "
+                f"naive {r['naive_gbps']:6.3f} GB/s ({r['naive_ops']} ops)  "
+                f"x contiguous {r['ratio_to_contiguous']:.2f}  "
+                f"x naive {r['speedup_over_naive']:.1f}",
+                flush=True,
+            )
+    if args.json:
+        print(json.dumps({"rows": rows}, indent=2))
+    return 0
