@@ -143,16 +143,16 @@ def _copy_cells_kernel(
     tl.store(dst_ptr + dst_rows[:, None] + dims[None, :], cells, mask=mask)
 
 
-def tile_sizes(head_dim: int, itemsize: int, num_tokens: int) -> tuple[int, int]:
+def tile_sizes(head_dim: int, itemsize: int) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_D): the whole head in one row, and about 16 KiB per program.
 
     16 KiB (64 tokens of a 128-wide bf16 head) keeps enough loads in flight per SM for a copy
     kernel; it is a starting point, not yet a measured optimum (benchmarks/gpu_kernels.py sweeps
-    it on a GPU). Tiles never exceed the request, so tiny requests waste no masked lanes.
+    it on a GPU). The tile depends on the head and dtype only, never on the request's length,
+    so one compiled variant serves every request of a rank pair.
     """
     block_d = triton.next_power_of_2(head_dim)
     block_t = max(1, min(128, 16384 // (block_d * itemsize)))
-    block_t = min(block_t, triton.next_power_of_2(num_tokens))
     return block_t, block_d
 
 
@@ -211,7 +211,7 @@ def copy_cells(
             f"num_heads: {len(src.layers)} layers x {planes} planes x {num_heads} heads exceeds "
             f"{_MAX_GRID_Y} programs on grid axis 1; split the copy by layers"
         )
-    default_t, block_d = tile_sizes(head_dim, src_view.element_size(), token_end - token_start)
+    default_t, block_d = tile_sizes(head_dim, src_view.element_size())
     block_t = block_t or default_t
     src_bits, src_offsets = _bits_and_offsets(src)
     dst_bits, dst_offsets = _bits_and_offsets(dst)

@@ -16,15 +16,15 @@ from kvxfer.kernels.layout import KVBuffer, check_cell_copy
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
-def cell_rows(
+def cell_offsets(
     view: torch.Tensor,  # [planes, blocks, slots, heads, head_dim], head_dim contiguous
     blocks: torch.Tensor,  # [tokens] int64
     slots: torch.Tensor,  # [tokens] int64
     head_offset: int,
     num_heads: int,
 ) -> torch.Tensor:
-    """Row index (in units of `head_dim` elements from the view's first element) of every moved
-    cell, in (plane, token, head) order."""
+    """Element offset (from the view's first element) of every moved cell: [planes, tokens,
+    heads]."""
     if view.dim() != 5 or view.stride(4) != 1:
         raise ValueError(
             f"view: expected [planes, blocks, slots, heads, head_dim] with head_dim contiguous, "
@@ -35,33 +35,69 @@ def cell_rows(
     planes = torch.arange(view.shape[0], device=device)[:, None, None] * s_plane
     tokens = (blocks * s_block + slots * s_slot)[None, :, None]
     heads = (head_offset + torch.arange(num_heads, device=device))[None, None, :] * s_head
-    return ((planes + tokens + heads) // view.shape[4]).reshape(-1)
+    return planes + tokens + heads
 
 
-def as_rows(view: torch.Tensor) -> torch.Tensor:
-    """The memory under a canonical view as `[rows, words]`, one row per `head_dim` elements.
+def _word_for(views: list[torch.Tensor], granule_bytes: int) -> tuple[int, torch.dtype]:
+    """The widest integer word dividing `granule_bytes` and every view's start and size.
 
-    The view permutes a contiguous tensor, so its elements fill one dense range. Rows are
-    reinterpreted as the widest integer word that divides them: copies move bits, and 8-byte
-    words index about 1.8x faster than bf16 elements on CPU (65536 rows of 256 B, 2 cores).
+    Copies move bits, and 8-byte words index about 1.8x faster than bf16 elements on CPU.
     """
-    d = view.shape[4]
-    rows = view.as_strided((view.numel() // d, d), (d, 1))
-    row_bytes, offset_bytes = d * view.element_size(), view.storage_offset() * view.element_size()
-    word, dtype = next((w, t) for w, t in _WORDS if row_bytes % w == 0 and offset_bytes % w == 0)
-    return rows.view(torch.uint8).view(dtype) if word != view.element_size() else rows
+    sizes = [granule_bytes]
+    for v in views:
+        sizes += [v.storage_offset() * v.element_size(), v.numel() * v.element_size()]
+    return next((w, t) for w, t in _WORDS if all(n % w == 0 for n in sizes))
+
+
+def _flat_words(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The memory under a canonical view, flat, as `dtype` words. The view permutes a
+    contiguous tensor, so its elements fill one dense range."""
+    flat = view.as_strided((view.numel(),), (1,))
+    return flat if flat.dtype == dtype else flat.view(torch.uint8).view(dtype)
+
+
+def _rows(words: torch.Tensor, length: int, step: int) -> torch.Tensor:
+    """Windows of `length` words starting every `step` words (overlapping when step < length:
+    fine to read from, never written to)."""
+    count = (words.numel() - length) // step + 1
+    return words.as_strided((count, length), (step, 1))
 
 
 def copy_cells_torch(
     src: KVBuffer, dst: KVBuffer, token_start: int, token_end: int, num_heads: int
 ) -> None:
     """Copy every layer's cells of tokens `[token_start, token_end)` and `num_heads` heads from
-    `src` to `dst`. Bit-exact; other cells keep their bytes."""
+    `src` to `dst`. Bit-exact; other cells keep their bytes.
+
+    Where both sides keep a token's heads side by side (NHD, the wire layout) and the
+    destination's runs start on whole multiples of them, the moved heads of a token travel as
+    one row: 1/num_heads of the index work.
+    """
     check_cell_copy(src, dst, token_start, token_end, num_heads)
     device = src.layers[0].device
     tokens = torch.arange(token_start, token_end, device=device)
     src_layers, dst_layers = src.canonical_layers(), dst.canonical_layers()
-    src_rows = cell_rows(src_layers[0], *src.token_cells(tokens), src.head_offset, num_heads)
-    dst_rows = cell_rows(dst_layers[0], *dst.token_cells(tokens), dst.head_offset, num_heads)
+    head_dim = src_layers[0].shape[4]
+    src_off = cell_offsets(src_layers[0], *src.token_cells(tokens), src.head_offset, num_heads)
+    dst_off = cell_offsets(dst_layers[0], *dst.token_cells(tokens), dst.head_offset, num_heads)
+    unit = head_dim
+    if (
+        num_heads > 1
+        and src_layers[0].stride(3) == head_dim == dst_layers[0].stride(3)
+        and bool((dst_off[..., 0] % (num_heads * head_dim) == 0).all())
+    ):
+        unit = num_heads * head_dim
+        src_off, dst_off = src_off[..., 0], dst_off[..., 0]
+    # Rows that tile memory (a contiguous [rows, unit] view) let index_select/index_copy_
+    # memcpy whole rows: 2x faster than windows that overlap (measured, 768-byte rows). The
+    # destination must be tiled; the source falls back to windows starting at every head.
+    src_step = unit if bool((src_off % unit == 0).all()) else head_dim
+    src_rows = (src_off // src_step).reshape(-1)
+    dst_rows = (dst_off // unit).reshape(-1)
+    itemsize = src_layers[0].element_size()
+    word, dtype = _word_for([*src_layers, *dst_layers], head_dim * itemsize)
+    unit_words, src_step_words = unit * itemsize // word, src_step * itemsize // word
     for s, d in zip(src_layers, dst_layers, strict=True):
-        as_rows(d).index_copy_(0, dst_rows, as_rows(s).index_select(0, src_rows))
+        reads = _rows(_flat_words(s, dtype), unit_words, src_step_words)
+        writes = _rows(_flat_words(d, dtype), unit_words, unit_words)
+        writes.index_copy_(0, dst_rows, reads.index_select(0, src_rows))

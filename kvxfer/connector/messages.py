@@ -86,6 +86,7 @@ class ChunkFailed(_Message, tag="chunk_failed", frozen=True):
     request_id: str
     chunk_id: int
     reason: str
+    dst_block_ids: list[int]  # the consumer's blocks holding the chunk's tokens
 
 
 class RequestDone(_Message, tag="request_done", frozen=True):

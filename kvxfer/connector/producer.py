@@ -105,6 +105,7 @@ class KVProducer:
         staging_bytes: staging pool per consumer rank, in bytes.
         staging_slots: slots in each pool (chunks in flight per consumer rank).
         request_timeout_s: default deadline of a published request.
+        write_timeout_s: how long one chunk's write may take before it counts as failed.
         backend: pack backend ("auto", "torch", "triton").
         workers: chunks processed at once.
     """
@@ -124,6 +125,7 @@ class KVProducer:
         staging_bytes: int = 32 << 20,
         staging_slots: int = 4,
         request_timeout_s: float = 300.0,
+        write_timeout_s: float = 60.0,
         backend: str = "auto",
         workers: int = 4,
     ) -> None:
@@ -136,6 +138,7 @@ class KVProducer:
         self._staging_bytes, self._staging_slots = staging_bytes, staging_slots
         self._slot_bytes = StagingPool.slot_size(staging_bytes, staging_slots)
         self._request_timeout_s = request_timeout_s
+        self._write_timeout_s = write_timeout_s
         self._backend = resolve_backend(backend, caches[0].device)
         self.transport = transport or MooncakeTransport(host, protocol)
         self._cache_regions = [self.transport.register(t) for t in self.caches]
@@ -262,6 +265,9 @@ class KVProducer:
         except ProtocolError as exc:
             log.warning("side channel: refused a frame from %r: %s", identity, exc)
             self._reply(identity, ErrorReply(reason=str(exc)))
+        except Exception as exc:  # a bug must not stop the service for every other peer
+            log.exception("side channel: internal error on a frame from %r", identity)
+            self._reply(identity, ErrorReply(reason=f"internal error: {type(exc).__name__}"))
 
     def _on_message(self, identity: bytes, message: Message) -> None:
         if isinstance(message, Handshake):
@@ -317,7 +323,7 @@ class KVProducer:
         if published:
             self._workers.submit(self._run_chunk, identity, consumer, ask)
         elif released:
-            self._reply(identity, _failed(ask, "the request was already released"))
+            self._reply(identity, _failed(ask, consumer, "the request was already released"))
         else:
             deadline = time.monotonic() + ask.wait_seconds
             self._waiting.append(_WaitingChunk(identity, consumer, ask, deadline))
@@ -344,7 +350,7 @@ class KVProducer:
                 self._workers.submit(self._run_chunk, chunk.identity, chunk.consumer, chunk.message)
             elif now >= chunk.deadline:
                 reason = f"not published within {chunk.message.wait_seconds:.1f} s"
-                self._reply(chunk.identity, _failed(chunk.message, reason))
+                self._reply(chunk.identity, _failed(chunk.message, chunk.consumer, reason))
             else:
                 still.append(chunk)
         self._waiting = still
@@ -387,7 +393,7 @@ class KVProducer:
             self._answer(identity, ok)
         except Exception as exc:
             log.warning("request %s chunk %d failed: %s", ask.request_id, ask.chunk_id, exc)
-            self._answer(identity, _failed(ask, f"{type(exc).__name__}: {exc}"))
+            self._answer(identity, _failed(ask, consumer, f"{type(exc).__name__}: {exc}"))
         finally:
             if slot is not None and consumer.pool is not None:
                 consumer.pool.release(slot)
@@ -440,7 +446,7 @@ class KVProducer:
                 torch.cuda.current_stream().synchronize()  # the NIC reads what the kernel wrote
             src_places[STAGING_REGION] = (pool.region.region_id, pool.offset(slot))
         segments = program.segments.with_regions(src_places, dst_places)
-        self.transport.write(segments, consumer.peer)
+        self.transport.write(segments, consumer.peer, timeout=self._write_timeout_s)
         done = ChunkDone(
             request_id=ask.request_id,
             chunk_id=ask.chunk_id,
@@ -461,8 +467,13 @@ class KVProducer:
             return consumer.pool
 
 
-def _failed(ask: TransferRequest, reason: str) -> ChunkFailed:
-    return ChunkFailed(request_id=ask.request_id, chunk_id=ask.chunk_id, reason=reason)
+def _failed(ask: TransferRequest, consumer: _Consumer, reason: str) -> ChunkFailed:
+    """A chunk's failure, naming the consumer's blocks that hold its tokens."""
+    bs = consumer.spec.block_size
+    blocks = ask.dst_block_ids[ask.token_start // bs : (ask.token_end - 1) // bs + 1]
+    return ChunkFailed(
+        request_id=ask.request_id, chunk_id=ask.chunk_id, reason=reason, dst_block_ids=blocks
+    )
 
 
 def _advertised_peer(hello: Handshake) -> Peer:

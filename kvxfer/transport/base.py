@@ -52,8 +52,9 @@ class Transport(Protocol):
         with `TransferError`."""
         ...
 
-    def write(self, segments: Segments, peer: Peer) -> None:
-        """Write `segments` and wait; raise `TransferError` on failure."""
+    def write(self, segments: Segments, peer: Peer, timeout: float | None = None) -> None:
+        """Write `segments` and wait up to `timeout` seconds; raise `TransferError` on failure
+        or timeout."""
         ...
 
     def close(self) -> None:

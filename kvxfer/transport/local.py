@@ -66,8 +66,9 @@ class LocalTransport:
         self._bytes.clear()
         self._regions.clear()
 
-    def write(self, segments: Segments, peer: Peer) -> None:
-        """Copy every segment; all are bounds-checked before the first byte moves.
+    def write(self, segments: Segments, peer: Peer, timeout: float | None = None) -> None:
+        """Copy every segment; all are bounds-checked before the first byte moves. In-process
+        copies are synchronous, so `timeout` has nothing to bound.
 
         `peer` must be this transport's own `peer()` view: in-process, every region is local.
         """

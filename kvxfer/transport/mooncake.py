@@ -19,6 +19,7 @@ import os
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 import torch
@@ -114,9 +115,21 @@ class MooncakeTransport:
         dst = _addresses(segments.dst_region, segments.dst_offset, peer.regions)
         return self._writer.submit(self._write_batches, peer.endpoint, src, dst, segments.length)
 
-    def write(self, segments: Segments, peer: Peer) -> None:
-        """Write and wait."""
-        self.submit(segments, peer).result()
+    def write(self, segments: Segments, peer: Peer, timeout: float | None = None) -> None:
+        """Write and wait up to `timeout` seconds.
+
+        Raises:
+            TransferError: a failed write, or none finished in time (the engine may still
+                complete it; Mooncake has no cancel).
+        """
+        future = self.submit(segments, peer)
+        try:
+            future.result(timeout)
+        except FutureTimeout as exc:
+            raise TransferError(
+                f"write of {len(segments)} segments to {peer.endpoint} did not finish in "
+                f"{timeout} s"
+            ) from exc
 
     def _write_batches(
         self, endpoint: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray

@@ -197,3 +197,14 @@ def test_head_range_outside_the_buffer_is_refused():
             TOKENS,
             3,
         )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_of_heads_that_straddle_rows(dtype):
+    # Heads [1, 3) of 3 in NHD: a token's moved heads are contiguous but do not start on a
+    # multiple of 2 heads, so the torch path reads overlapping windows.
+    spec, caches, ids, kv = _cache("NHD", "kv_first", False, dtype, heads=3)
+    for op in (gather_kv, gather_kv_torch):
+        wire = _wire(kv, 2, False)
+        op(_paged(spec, caches, ids, head_offset=1), wire_kv_buffer(wire, START), START, TOKENS, 2)
+        assert torch.equal(bits(wire), bits(kv[:, :, START:TOKENS, 1:3].contiguous())), op.__name__
