@@ -21,10 +21,7 @@ $(STAMP): pyproject.toml Makefile scripts/install-system-deps.sh
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/kvxfer plan --kv-heads 24 --prefill-tp 3 --decode-tp 4 --prefill-block-size 16 \
-		--decode-block-size 48 --prefill-layout NHD --decode-layout HND \
-		--decode-placement blocks_first --tokens 300
-	$(PY) -m kvxfer.examples.reshard_demo
+	$(VENV)/bin/kvxfer demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

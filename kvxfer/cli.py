@@ -1,4 +1,4 @@
-"""The `kvxfer` command line: `kvxfer plan` and `kvxfer bench`."""
+"""The `kvxfer` command line: `kvxfer plan`, `kvxfer demo` and `kvxfer bench`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvxfer.bench import add_arguments as add_bench_arguments
+from kvxfer.examples.pd_demo import add_arguments as add_demo_arguments
 from kvxfer.plan import STRATEGIES, CostModel, PairPlan, plan_pairs
 from kvxfer.plan.cost import reference_block_ids
 from kvxfer.spec import KVCacheSpec
@@ -173,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", help="show the remapping plan between two shardings for one request"
     )
     _add_plan_arguments(plan)
+    demo = sub.add_parser(
+        "demo",
+        help="prefill and decode groups, sharded differently, against an unsharded model",
+    )
+    add_demo_arguments(demo)
     bench = sub.add_parser(
         "bench",
         help="hetero-TP transfer throughput through Mooncake vs a contiguous and a naive write",
@@ -188,6 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvxfer.bench import run
 
         return run(args)
+    if args.command == "demo":
+        from kvxfer.examples.pd_demo import run as run_demo
+
+        return run_demo(args)
     try:
         report = plan_report(args)
     except ValueError as exc:
