@@ -103,6 +103,49 @@ class ErrorReply(_Message, tag="error", frozen=True):
     reason: str
 
 
+class ECQuery(_Message, tag="ec_query", frozen=True):
+    """Encoder-cache consumer -> producer: do you hold this item, and how large is it?"""
+
+    mm_hash: str
+    secret: str = ""
+
+
+class ECInfo(_Message, tag="ec_info", frozen=True):
+    """Producer -> consumer: an item's dtype, shape and size, if held."""
+
+    mm_hash: str
+    found: bool
+    dtype: str = ""
+    shape: list[int] = []
+    nbytes: int = 0
+
+
+class ECFetch(_Message, tag="ec_fetch", frozen=True):
+    """Consumer -> producer: write the item's bytes to `[address, address + nbytes)` of my
+    registered memory at `endpoint`."""
+
+    mm_hash: str
+    endpoint: str
+    address: int
+    nbytes: int
+    secret: str = ""
+
+
+class ECFetched(_Message, tag="ec_fetched", frozen=True):
+    """Producer -> consumer: the item's bytes are in place (or why not)."""
+
+    mm_hash: str
+    ok: bool
+    reason: str = ""
+
+
+class ECRelease(_Message, tag="ec_release", frozen=True):
+    """Consumer -> producer: I am done with the item (evict it first). No reply."""
+
+    mm_hash: str
+    secret: str = ""
+
+
 Message = (
     Handshake
     | HandshakeReply
@@ -111,6 +154,11 @@ Message = (
     | ChunkFailed
     | RequestDone
     | ErrorReply
+    | ECQuery
+    | ECInfo
+    | ECFetch
+    | ECFetched
+    | ECRelease
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,0 +1,6 @@
+"""Encoder-cache connectors: encoder outputs from encoder instances to prefill instances."""
+
+from kvxfer.ec.base import ECConnectorBase, ECLoadError, ECLoadHandle, check_hash
+from kvxfer.ec.factory import ECConnectorFactory
+
+__all__ = ["ECConnectorBase", "ECConnectorFactory", "ECLoadError", "ECLoadHandle", "check_hash"]

@@ -1,0 +1,225 @@
+"""Encoder-cache connectors move encoder outputs across processes exactly and fail clearly."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+from typing import ClassVar
+
+import pytest
+import torch
+from ec_cases import items, producer_process, same_bits
+
+from kvxfer.ec import ECConnectorBase, ECConnectorFactory, ECLoadError
+
+ITEMS = items()
+
+
+@pytest.fixture
+def producer_in_a_process(tmp_path):
+    """Start a producer process for a connector name; yield its address (or None)."""
+    ctx = mp.get_context("spawn")
+    started = []
+
+    def start(name, config):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=producer_process, args=(name, config, child), daemon=True)
+        proc.start()
+        assert parent.poll(120), "the producer process did not start"
+        started.append((proc, parent))
+        return parent.recv()
+
+    yield start
+    for proc, parent in started:
+        parent.send("stop")
+        parent.poll(30)
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def consumers(name, tmp_path, address):
+    if name == "SharedStorageECConnector":
+        return ECConnectorFactory.create(name, "consumer", {"path": str(tmp_path)})
+    return ECConnectorFactory.create(
+        name, "consumer", {"producer_addresses": [address], "recv_bytes": 1 << 20}
+    )
+
+
+def producer_config(name, tmp_path):
+    if name == "SharedStorageECConnector":
+        return {"path": str(tmp_path)}
+    return {"pool_bytes": 4 << 20}
+
+
+NAMES = ["SharedStorageECConnector", "MooncakeECConnector"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_round_trip_across_processes(name, tmp_path, producer_in_a_process):
+    address = producer_in_a_process(name, producer_config(name, tmp_path))
+    with consumers(name, tmp_path, address) as consumer:
+        for mm_hash, tensor in ITEMS.items():
+            assert consumer.has(mm_hash)
+            assert same_bits(consumer.load(mm_hash), tensor), mm_hash
+        batch = consumer.start_load(list(ITEMS))
+        loaded = batch.wait(timeout=60)
+        assert batch.done() and sorted(batch.finished()) == sorted(ITEMS)
+        assert all(same_bits(loaded[h], t) for h, t in ITEMS.items())
+        for mm_hash in ITEMS:
+            consumer.release(mm_hash)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_missing_hash(name, tmp_path, producer_in_a_process):
+    address = producer_in_a_process(name, producer_config(name, tmp_path))
+    with consumers(name, tmp_path, address) as consumer:
+        assert not consumer.has("0" * 32)
+        with pytest.raises(ECLoadError, match=r"0{32}"):
+            consumer.load("0" * 32)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_concurrent_loads(name, tmp_path, producer_in_a_process):
+    address = producer_in_a_process(name, producer_config(name, tmp_path))
+    with consumers(name, tmp_path, address) as consumer:
+        errors = []
+
+        def load_all():
+            try:
+                got = consumer.start_load(list(ITEMS)).wait(timeout=60)
+                assert all(same_bits(got[h], t) for h, t in ITEMS.items())
+            except Exception as exc:  # collected for the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=load_all) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+
+
+def test_corrupt_and_truncated_files_are_never_served(tmp_path):
+    producer = ECConnectorFactory.create(
+        "SharedStorageECConnector", "producer", {"path": str(tmp_path)}
+    )
+    consumer = ECConnectorFactory.create(
+        "SharedStorageECConnector", "consumer", {"path": str(tmp_path)}
+    )
+    (a, ta), (b, tb) = list(ITEMS.items())[4:6]
+    producer.save(a, ta)
+    producer.save(b, tb)
+    path_a, path_b = producer.file_of(a), producer.file_of(b)
+    data = bytearray(path_a.read_bytes())
+    data[-3] ^= 0xFF  # flip bits in the tensor's bytes
+    path_a.write_bytes(bytes(data))
+    path_b.write_bytes(path_b.read_bytes()[:-10])  # truncated
+    with pytest.raises(ECLoadError, match="corrupt"):
+        consumer.load(a)
+    with pytest.raises(ECLoadError, match="unreadable"):
+        consumer.load(b)
+    producer.save(a, ta)  # a writer repairs it by saving the same hash again
+    assert same_bits(consumer.load(a), ta)
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert leftovers == []  # no temporary file survives a write
+
+
+def test_concurrent_writers_and_readers_of_one_hash(tmp_path):
+    (mm_hash, tensor) = next(iter(ITEMS.items()))
+    producers = [
+        ECConnectorFactory.create("SharedStorageECConnector", "producer", {"path": str(tmp_path)})
+        for _ in range(3)
+    ]
+    consumer = ECConnectorFactory.create(
+        "SharedStorageECConnector", "consumer", {"path": str(tmp_path)}
+    )
+    producers[0].save(mm_hash, tensor)
+    failures = []
+
+    def write():
+        for _ in range(30):
+            for p in producers:
+                p.save(mm_hash, tensor)
+
+    def read():
+        for _ in range(60):
+            try:
+                assert same_bits(consumer.load(mm_hash), tensor)
+            except Exception as exc:
+                failures.append(exc)
+
+    threads = [threading.Thread(target=write), threading.Thread(target=read)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+
+
+def test_lru_eviction_under_pressure_spares_outputs_being_fetched():
+    producer = ECConnectorFactory.create("MooncakeECConnector", "producer", {"pool_bytes": 8192})
+    try:
+        t = torch.arange(1024, dtype=torch.int16)  # 2 KiB each: four fit
+        for i in range(4):
+            producer.save(f"item-{i}", t + i)
+        producer.save("item-0", t)  # a touch: item-0 is now the most recent
+        with producer._lock:  # item-1 is being read by a fetch
+            producer._entries["item-1"].pins += 1
+        producer.save("item-4", t + 4)
+        producer.save("item-5", t + 5)
+        assert producer.stored == ["item-1", "item-0", "item-4", "item-5"]  # 2 and 3 evicted
+        with producer._lock:
+            producer._entries["item-1"].pins -= 1
+        producer.save("item-6", t + 6)
+        assert "item-1" not in producer.stored
+        with pytest.raises(ValueError, match="exceed the pool"):
+            producer.save("huge", torch.zeros(8192, dtype=torch.int16))
+    finally:
+        producer.close()
+
+
+def test_roles_and_hashes_are_checked(tmp_path):
+    consumer = ECConnectorFactory.create(
+        "SharedStorageECConnector", "consumer", {"path": str(tmp_path)}
+    )
+    with pytest.raises(RuntimeError, match="save needs the producer role"):
+        consumer.save("abc", torch.zeros(1))
+    with pytest.raises(ValueError, match="not a valid item hash"):
+        consumer.has("../etc/passwd")
+    with pytest.raises(ValueError, match="role"):
+        ECConnectorFactory.create("SharedStorageECConnector", "encoder", {"path": str(tmp_path)})
+    with pytest.raises(ValueError, match="needs 'path'"):
+        ECConnectorFactory.create("SharedStorageECConnector", "producer", {})
+
+
+class MemoryECConnector(ECConnectorBase):
+    """A user's own connector, loaded through a module path."""
+
+    store: ClassVar[dict] = {}
+
+    def _save(self, mm_hash, tensor):
+        MemoryECConnector.store[mm_hash] = tensor.clone()
+
+    def _has(self, mm_hash):
+        return mm_hash in MemoryECConnector.store
+
+    def _load(self, mm_hash):
+        if mm_hash not in MemoryECConnector.store:
+            raise ECLoadError(f"no {mm_hash}")
+        return MemoryECConnector.store[mm_hash].clone()
+
+
+def test_factory_registers_lazily_and_loads_user_connectors():
+    assert {"SharedStorageECConnector", "MooncakeECConnector"} <= set(ECConnectorFactory.names())
+    with pytest.raises(ValueError, match="unknown EC connector 'Nope'"):
+        ECConnectorFactory.create("Nope", "producer", {})
+    producer = ECConnectorFactory.create("MemoryECConnector", "producer", {}, module_path=__name__)
+    producer.save("x1", torch.ones(3))
+    ECConnectorFactory.register("Memory", __name__, "MemoryECConnector")
+    consumer = ECConnectorFactory.create("Memory", "consumer", {})
+    assert same_bits(consumer.load("x1"), torch.ones(3))
+    with pytest.raises(ValueError, match="already registered"):
+        ECConnectorFactory.register("Memory", __name__, "Other")
+    with pytest.raises(ValueError, match="not an ECConnectorBase"):
+        ECConnectorFactory.create("ITEMS", "producer", {}, module_path=__name__)
