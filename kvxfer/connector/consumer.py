@@ -198,10 +198,39 @@ class KVConsumer:
         """
         if self._producers:
             raise ValueError("connect: already connected; use a new KVConsumer per engine")
-        producers = [self._handshake(address, timeout) for address in producer_addresses]
+        producers: list[_Producer] = []
+        try:
+            for address in producer_addresses:
+                producers.append(self._handshake(address, timeout))
+            check_side([p.spec for p in producers], "producers")
+            pairs = self._plan_pairs(producers, self._cost_model, self._strategy)
+        except Exception:
+            for producer in producers:
+                producer.pool.close()
+            raise
+        self._producers, self._pairs = producers, pairs
+        return [pair.plan for pair in pairs]
+
+    def replan(
+        self, strategy: str | None = None, cost_model: CostModel | None = None
+    ) -> list[PairPlan]:
+        """Choose the pairs' strategies again (forced, or by a cost model) without a new
+        handshake: for experiments. Fetches started afterwards use the new plans.
+
+        Raises:
+            ValueError: not connected, or a strategy whose chunks cannot fit the staging slots.
+        """
+        if not self._producers:
+            raise ValueError("replan: connect() to the prefill engine first")
+        self._pairs = self._plan_pairs(self._producers, cost_model or self._cost_model, strategy)
+        return [pair.plan for pair in self._pairs]
+
+    def _plan_pairs(
+        self, producers: list[_Producer], cost_model: CostModel | None, strategy: str | None
+    ) -> list[_Pair]:
         src = check_side([p.spec for p in producers], "producers")
         dst = [self.spec.with_rank(rank) for rank in range(self.spec.tp_size)]
-        plans = plan_pairs(src, dst, cost_model=self._cost_model, strategy=self._strategy)
+        plans = plan_pairs(src, dst, cost_model=cost_model, strategy=strategy)
         by_rank = {p.rank: p for p in producers}
         pairs = []
         for plan in plans:
@@ -222,8 +251,7 @@ class KVConsumer:
                     f"{plan.dst_rank} ({plan.strategy}); raise staging_bytes on both sides"
                 )
             pairs.append(_Pair(plan, producer, chunk))
-        self._producers, self._pairs = producers, pairs
-        return [pair.plan for pair in pairs]
+        return pairs
 
     def _handshake(self, address: str, timeout: float) -> _Producer:
         pool = StagingPool(
@@ -357,6 +385,7 @@ class _Fetch:
         deadline: float,
     ) -> None:
         self.c, self.handle = consumer, handle
+        self.pairs = list(consumer._pairs)  # the plans when the fetch started
         self.block_ids, self.num_tokens, self.start = block_ids, num_tokens, start_token
         self.deadline = deadline
         # by producer rank (one pair per producer rank feeds this rank), and (rank, chunk id)
@@ -397,7 +426,7 @@ class _Fetch:
                 )
             }
         )
-        strategies = sorted({pair.plan.strategy for pair in self.c._pairs})
+        strategies = sorted({pair.plan.strategy for pair in self.pairs})
         return TransferResult(
             ok=not self.failed,
             failed_block_ids=failed_ids,
@@ -411,7 +440,7 @@ class _Fetch:
     def _plan_chunks(self) -> None:
         if self.start == self.num_tokens:
             return
-        for pair in self.c._pairs:
+        for pair in self.pairs:
             step = pair.chunk_tokens or (self.num_tokens - self.start)
             bounds = range(self.start, self.num_tokens, step)
             self.queues[pair.producer.rank] = [

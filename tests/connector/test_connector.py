@@ -279,3 +279,20 @@ def test_consumers_that_are_not_connected_refuse_to_fetch():
             e.consumers[0].connect(["tcp://127.0.0.1:9"], timeout=0.3)
     finally:
         e.close()
+
+
+def test_replan_switches_strategies_without_a_new_handshake():
+    roomy = {"staging_bytes": 1 << 16}  # mirrors of 32-token blocks need whole blocks
+    e = Engines(producer=roomy, consumer=roomy)
+    try:
+        for i, strategy in enumerate(["direct", "pack", "unpack", "pack+unpack"]):
+            for consumer in e.consumers:
+                assert {p.strategy for p in consumer.replan(strategy)} == {strategy}
+            e.publish(f"re-{i}")
+            results = e.fetch(f"re-{i}")
+            assert all(r.ok and r.strategy == strategy for r in results)
+        e.scenario.assert_exact()
+        with pytest.raises(ValueError, match="unknown strategy"):
+            e.consumers[0].replan("teleport")
+    finally:
+        e.close()
