@@ -21,20 +21,17 @@ def specs(
 ) -> list[KVCacheSpec]:
     """One engine's specs, with twice the blocks a request of `num_tokens` needs."""
     num_blocks = 2 * -(-num_tokens // block_size)
-    return [
-        KVCacheSpec(
-            num_layers=num_layers,
-            num_kv_heads=heads,
-            head_dim=head_dim,
-            dtype="bfloat16",
-            tp_size=tp,
-            tp_rank=r,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            layout=layout,  # type: ignore[arg-type]
-        )
-        for r in range(tp)
-    ]
+    return KVCacheSpec(
+        num_layers=num_layers,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        dtype="bfloat16",
+        tp_size=tp,
+        tp_rank=0,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        layout=layout,  # type: ignore[arg-type]
+    ).engine_ranks()
 
 
 def scattered_blocks(spec: KVCacheSpec, num_tokens: int, seed: int) -> np.ndarray:

@@ -54,20 +54,17 @@ class BenchConfig:
 
 def _side(cfg: BenchConfig, tp: int, block_size: int) -> list[KVCacheSpec]:
     blocks = 2 * -(-cfg.tokens // block_size)
-    return [
-        KVCacheSpec(
-            num_layers=cfg.layers,
-            num_kv_heads=cfg.kv_heads,
-            head_dim=cfg.head_dim,
-            dtype="bfloat16",
-            tp_size=tp,
-            tp_rank=rank,
-            block_size=block_size,
-            num_blocks=blocks,
-            layout="NHD",
-        )
-        for rank in range(tp)
-    ]
+    return KVCacheSpec(
+        num_layers=cfg.layers,
+        num_kv_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        dtype="bfloat16",
+        tp_size=tp,
+        tp_rank=0,
+        block_size=block_size,
+        num_blocks=blocks,
+        layout="NHD",
+    ).engine_ranks()
 
 
 def _table(spec: KVCacheSpec, tokens: int, seed: int) -> np.ndarray:

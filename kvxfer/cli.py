@@ -55,22 +55,19 @@ def _side_specs(args: argparse.Namespace, side: str) -> list[KVCacheSpec]:
     tp = getattr(args, f"{side}_tp")
     block_size = getattr(args, f"{side}_block_size")
     needed = len(reference_block_ids(args.tokens, block_size, args.contiguous_blocks))
-    return [
-        KVCacheSpec(
-            num_layers=args.num_layers,
-            num_kv_heads=1 if args.mla else args.kv_heads,
-            head_dim=args.head_dim,
-            dtype=args.dtype,
-            tp_size=tp,
-            tp_rank=rank,
-            block_size=block_size,
-            num_blocks=2 * needed + 1,
-            layout=getattr(args, f"{side}_layout"),
-            kv_placement=getattr(args, f"{side}_placement"),
-            mla=args.mla,
-        )
-        for rank in range(tp)
-    ]
+    return KVCacheSpec(
+        num_layers=args.num_layers,
+        num_kv_heads=1 if args.mla else args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        tp_size=tp,
+        tp_rank=0,
+        block_size=block_size,
+        num_blocks=2 * needed + 1,
+        layout=getattr(args, f"{side}_layout"),
+        kv_placement=getattr(args, f"{side}_placement"),
+        mla=args.mla,
+    ).engine_ranks()
 
 
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:

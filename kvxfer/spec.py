@@ -152,6 +152,10 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
         """The same geometry as seen by another rank of the same engine."""
         return msgspec.structs.replace(self, tp_rank=tp_rank)
 
+    def engine_ranks(self) -> list[KVCacheSpec]:
+        """The specs of every rank of this engine, in rank order (what `plan_pairs` takes)."""
+        return [self.with_rank(rank) for rank in range(self.tp_size)]
+
 
 def encode_spec(spec: KVCacheSpec) -> bytes:
     """Serialize a spec with msgpack (the handshake's wire format)."""

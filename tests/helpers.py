@@ -28,22 +28,19 @@ def side_specs(
     num_blocks: int = 64,
 ) -> list[KVCacheSpec]:
     """Every rank's spec of one engine."""
-    return [
-        KVCacheSpec(
-            num_layers=num_layers,
-            num_kv_heads=1 if mla else heads,
-            head_dim=head_dim,
-            dtype=dtype,  # type: ignore[arg-type]
-            tp_size=tp,
-            tp_rank=rank,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            layout=layout,  # type: ignore[arg-type]
-            kv_placement=placement,  # type: ignore[arg-type]
-            mla=mla,
-        )
-        for rank in range(tp)
-    ]
+    return KVCacheSpec(
+        num_layers=num_layers,
+        num_kv_heads=1 if mla else heads,
+        head_dim=head_dim,
+        dtype=dtype,  # type: ignore[arg-type]
+        tp_size=tp,
+        tp_rank=0,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        layout=layout,  # type: ignore[arg-type]
+        kv_placement=placement,  # type: ignore[arg-type]
+        mla=mla,
+    ).engine_ranks()
 
 
 def block_table(spec: KVCacheSpec, num_tokens: int, rng: np.random.Generator, contiguous: bool):

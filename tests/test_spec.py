@@ -102,3 +102,10 @@ def test_allocate_mla():
 def test_head_ownership(heads, tp, rank, first, count):
     s = spec(num_kv_heads=heads, tp_size=tp, tp_rank=rank)
     assert (s.first_head, s.heads_per_rank) == (first, count)
+
+
+def test_engine_ranks_lists_every_rank_of_the_engine():
+    ranks = spec(tp_rank=2).engine_ranks()
+    assert [s.tp_rank for s in ranks] == [0, 1, 2, 3]
+    assert all(s.layer_shape == ranks[0].layer_shape for s in ranks)
+    assert ranks[0].first_head == 0 and ranks[3].first_head == 6

@@ -229,7 +229,7 @@ class KVConsumer:
         self, producers: list[_Producer], cost_model: CostModel | None, strategy: str | None
     ) -> list[_Pair]:
         src = check_side([p.spec for p in producers], "producers")
-        dst = [self.spec.with_rank(rank) for rank in range(self.spec.tp_size)]
+        dst = self.spec.engine_ranks()
         plans = plan_pairs(src, dst, cost_model=cost_model, strategy=strategy)
         by_rank = {p.rank: p for p in producers}
         pairs = []

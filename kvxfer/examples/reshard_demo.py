@@ -22,21 +22,18 @@ from kvxfer.reference import random_global_kv, write_rank_cells
 def _side(
     tp: int, block_size: int, layout: str, placement: str, num_blocks: int
 ) -> list[KVCacheSpec]:
-    return [
-        KVCacheSpec(
-            num_layers=4,
-            num_kv_heads=24,
-            head_dim=64,
-            dtype="bfloat16",
-            tp_size=tp,
-            tp_rank=rank,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            layout=layout,  # type: ignore[arg-type]
-            kv_placement=placement,  # type: ignore[arg-type]
-        )
-        for rank in range(tp)
-    ]
+    return KVCacheSpec(
+        num_layers=4,
+        num_kv_heads=24,
+        head_dim=64,
+        dtype="bfloat16",
+        tp_size=tp,
+        tp_rank=0,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        layout=layout,  # type: ignore[arg-type]
+        kv_placement=placement,  # type: ignore[arg-type]
+    ).engine_ranks()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -47,12 +47,6 @@ class Segments:
             src_ids, self.src_offset + src_base, dst_ids, self.dst_offset + dst_base, self.length
         )
 
-    @classmethod
-    def empty(cls) -> Segments:
-        """No segments."""
-        z = np.zeros(0, dtype=np.int64)
-        return cls(z, z, z, z, z)
-
 
 def _map_keys(
     keys: np.ndarray, places: dict[int, tuple[int, int]]
