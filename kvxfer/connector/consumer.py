@@ -336,6 +336,13 @@ class KVConsumer:
             log.exception("fetch %s crashed", handle.request_id)
             failed = _blocks_of(block_ids, self.spec.block_size, start_token, num_tokens)
             result = TransferResult(False, failed, 0, 0, "", time.monotonic() - began, [repr(exc)])
+        if not result.ok:
+            log.warning(
+                "fetch %s failed, %d blocks to recompute: %s",
+                handle.request_id,
+                len(result.failed_block_ids),
+                "; ".join(result.errors),
+            )
         self.stats.record(
             TransferRecord(
                 handle.request_id,

@@ -387,20 +387,13 @@ class KVProducer:
         sock.send_multipart([identity, encode(message)])
 
     def _run_chunk(self, identity: bytes, consumer: _Consumer, ask: TransferRequest) -> None:
-        slot: int | None = None
         try:
-            ok, slot = self._write_chunk(consumer, ask)
-            self._answer(identity, ok)
+            self._answer(identity, self._write_chunk(consumer, ask))
         except Exception as exc:
             log.warning("request %s chunk %d failed: %s", ask.request_id, ask.chunk_id, exc)
             self._answer(identity, _failed(ask, consumer, f"{type(exc).__name__}: {exc}"))
-        finally:
-            if slot is not None and consumer.pool is not None:
-                consumer.pool.release(slot)
 
-    def _write_chunk(
-        self, consumer: _Consumer, ask: TransferRequest
-    ) -> tuple[ChunkDone, int | None]:
+    def _write_chunk(self, consumer: _Consumer, ask: TransferRequest) -> ChunkDone:
         if consumer.route is None:
             raise ValueError(
                 f"producer rank {self.spec.tp_rank} holds no heads that consumer rank "
@@ -430,30 +423,34 @@ class KVProducer:
         )
         src_places = dict(self._cache_places)
         dst_places = {i: (i, 0) for i in range(consumer.spec.num_layers)}
-        slot = None
         if program.dst_staging is not None:
             if consumer.staging_region is None or ask.staging_offset < 0:
                 raise ValueError(f"strategy {ask.strategy} needs a staging slot on the consumer")
             dst_places[STAGING_REGION] = (consumer.staging_region, ask.staging_offset)
-        if program.pack is not None:
-            assert program.src_staging is not None
-            pool = self._pool_for(consumer)
-            slot = pool.acquire(timeout=max(ask.wait_seconds, 1.0))
+        if program.pack is None:
+            segments = program.segments.with_regions(src_places, dst_places)
+            self.transport.write(segments, consumer.peer, timeout=self._write_timeout_s)
+            return _done(ask, segments.nbytes, len(segments))
+        assert program.src_staging is not None
+        pool = self._pool_for(consumer)
+        slot = pool.acquire(timeout=max(ask.wait_seconds, 1.0))
+        written = False
+        try:
             elements = program.num_layers * program.src_staging.layer_elements
             staging = pool.slot_tensor(slot, self.caches[0].dtype)[:elements]
             run_cell_copy(program.pack, self.caches, [staging], self._backend)
             if self.caches[0].device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # the NIC reads what the kernel wrote
             src_places[STAGING_REGION] = (pool.region.region_id, pool.offset(slot))
-        segments = program.segments.with_regions(src_places, dst_places)
-        self.transport.write(segments, consumer.peer, timeout=self._write_timeout_s)
-        done = ChunkDone(
-            request_id=ask.request_id,
-            chunk_id=ask.chunk_id,
-            nbytes=segments.nbytes,
-            num_ops=len(segments),
-        )
-        return done, slot
+            segments = program.segments.with_regions(src_places, dst_places)
+            self.transport.write(segments, consumer.peer, timeout=self._write_timeout_s)
+            written = True
+            return _done(ask, segments.nbytes, len(segments))
+        finally:
+            if written:
+                pool.release(slot)
+            else:  # a write that timed out may still be reading the slot
+                pool.release_later(slot, self._write_timeout_s)
 
     def _pool_for(self, consumer: _Consumer) -> StagingPool:
         with self._lock:
@@ -465,6 +462,12 @@ class KVProducer:
                     self.caches[0].device,
                 )
             return consumer.pool
+
+
+def _done(ask: TransferRequest, nbytes: int, num_ops: int) -> ChunkDone:
+    return ChunkDone(
+        request_id=ask.request_id, chunk_id=ask.chunk_id, nbytes=nbytes, num_ops=num_ops
+    )
 
 
 def _failed(ask: TransferRequest, consumer: _Consumer, reason: str) -> ChunkFailed:

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,6 +48,18 @@ def _engine_class() -> type:
     return TransferEngine
 
 
+def _new_engine(host: str, protocol: str, device: str) -> tuple[Any, str]:
+    """An initialized engine and its endpoint (host:rpc_port)."""
+    engine = _engine_class()()
+    code = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+    if code != 0:
+        raise TransferError(
+            f"Mooncake initialize({host!r}, protocol={protocol!r}) returned {code}; check "
+            "that the host address is local and, for rdma, that a NIC is present"
+        )
+    return engine, f"{host}:{engine.get_rpc_port()}"
+
+
 class MooncakeTransport:
     """One Mooncake TransferEngine: registers local memory, writes to peers' memory.
 
@@ -57,14 +70,7 @@ class MooncakeTransport:
     """
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
-        self._engine = _engine_class()()
-        code = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
-        if code != 0:
-            raise TransferError(
-                f"Mooncake initialize({host!r}, protocol={protocol!r}) returned {code}; check "
-                "that the host address is local and, for rdma, that a NIC is present"
-            )
-        self.endpoint = f"{host}:{self._engine.get_rpc_port()}"
+        self._engine, self.endpoint = _new_engine(host, protocol, device)
         self.protocol = protocol
         self._regions: dict[int, Region] = {}
         self._ids = itertools.count()
@@ -156,6 +162,12 @@ class MooncakeTransport:
         self._writer.shutdown(wait=True)
         for region in list(self._regions.values()):
             self.unregister(region)
+        # Destroy the engine now, not whenever the garbage collector gets to this object: an
+        # engine destroyed late tore down registrations of newer engines in the same process
+        # (measured: a fresh engine set failed its first write with "not within any registered
+        # buffer" whenever an older, closed engine was collected after it registered memory;
+        # never with the engine dropped here). It takes about a second.
+        self._engine = None
 
     def __enter__(self) -> MooncakeTransport:
         return self

@@ -223,7 +223,8 @@ def test_release_at_the_deadline_and_late_fetches_fail(engines):
 def test_pools_are_whole_again_after_many_requests(engines):
     for i in range(12):
         engines.publish(f"many-{i}")
-        assert all(r.ok for r in engines.fetch(f"many-{i}"))
+        results = engines.fetch(f"many-{i}")
+        assert all(r.ok for r in results), [r.errors for r in results]
     engines.scenario.assert_exact()
     time.sleep(0.2)
     for consumer in engines.consumers:
