@@ -11,7 +11,9 @@ gather_kv, scatter_kv and remap_kv are this kernel specialized on which side is 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import torch
 import triton
@@ -21,6 +23,10 @@ from kvxfer.kernels.layout import KVBuffer, check_cell_copy
 
 # The interpreter is chosen when `triton.jit` decorates, i.e. when this module is imported.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# The interpreter patches triton.language globally while a kernel runs, so two interpreted
+# launches from different threads break each other ("_semantic argument must be provided");
+# compiled kernels have no such limit.
+_INTERPRETER_LOCK = threading.Lock()
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # CUDA limits grid axis 1 to 65535 programs; axis 1 walks (layer, plane, head).
 _MAX_GRID_Y = 65535
@@ -221,34 +227,35 @@ def copy_cells(
     sp, sb, ss, sh, _ = src_view.stride()
     dp, db, ds, dh, _ = dst_view.stride()
     grid = (triton.cdiv(token_end - token_start, block_t), cells_per_token)
-    _copy_cells_kernel[grid](
-        src_ptr=src_bits,
-        src_layer_offsets_ptr=src_offsets,
-        src_block_ids_ptr=src_ids,
-        dst_ptr=dst_bits,
-        dst_layer_offsets_ptr=dst_offsets,
-        dst_block_ids_ptr=dst_ids,
-        token_start=token_start,
-        token_end=token_end,
-        src_token_shift=src.token_shift,
-        src_block_size=src_view.shape[2],
-        src_plane_stride=sp,
-        src_block_stride=sb,
-        src_slot_stride=ss,
-        src_head_stride=sh,
-        src_head_offset=src.head_offset,
-        dst_token_shift=dst.token_shift,
-        dst_block_size=dst_view.shape[2],
-        dst_plane_stride=dp,
-        dst_block_stride=db,
-        dst_slot_stride=ds,
-        dst_head_stride=dh,
-        dst_head_offset=dst.head_offset,
-        NUM_HEADS=num_heads,
-        NUM_PLANES=planes,
-        HEAD_DIM=head_dim,
-        BLOCK_T=block_t,
-        BLOCK_D=block_d,
-        SRC_PAGED=src.paged,
-        DST_PAGED=dst.paged,
-    )
+    with _INTERPRETER_LOCK if INTERPRETED else contextlib.nullcontext():
+        _copy_cells_kernel[grid](
+            src_ptr=src_bits,
+            src_layer_offsets_ptr=src_offsets,
+            src_block_ids_ptr=src_ids,
+            dst_ptr=dst_bits,
+            dst_layer_offsets_ptr=dst_offsets,
+            dst_block_ids_ptr=dst_ids,
+            token_start=token_start,
+            token_end=token_end,
+            src_token_shift=src.token_shift,
+            src_block_size=src_view.shape[2],
+            src_plane_stride=sp,
+            src_block_stride=sb,
+            src_slot_stride=ss,
+            src_head_stride=sh,
+            src_head_offset=src.head_offset,
+            dst_token_shift=dst.token_shift,
+            dst_block_size=dst_view.shape[2],
+            dst_plane_stride=dp,
+            dst_block_stride=db,
+            dst_slot_stride=ds,
+            dst_head_stride=dh,
+            dst_head_offset=dst.head_offset,
+            NUM_HEADS=num_heads,
+            NUM_PLANES=planes,
+            HEAD_DIM=head_dim,
+            BLOCK_T=block_t,
+            BLOCK_D=block_d,
+            SRC_PAGED=src.paged,
+            DST_PAGED=dst.paged,
+        )

@@ -8,6 +8,7 @@ an unpack a scatter (dense staging -> cache).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Literal, cast
 
 import numpy as np
@@ -72,3 +73,42 @@ def run_cell_copy(
     src, dst = kv_buffer(copy.src, src_tensors), kv_buffer(copy.dst, dst_tensors)
     op = _GATHER[backend] if src.paged else _SCATTER[backend]
     op(src, dst, copy.token_start, copy.token_end, copy.num_heads)
+
+
+def warm_up(copy: CellCopy, dtype: torch.dtype, device: torch.device, backend: Backend) -> None:
+    """Compile the kernel variant of a pack or unpack ahead of the first request.
+
+    Runs the same copy for one token and one layer on scratch buffers of the same geometry, so
+    the caches are never touched. Triton specializes on layout flags, head_dim, tile and which
+    sides are paged, all of which the scratch copy shares; nothing to do for the torch backend.
+    """
+    if backend != "triton":
+        return
+    one = CellCopy(
+        _scratch_view(copy.src),
+        _scratch_view(copy.dst),
+        copy.num_heads,
+        copy.token_start,
+        copy.token_start + 1,
+    )
+    src = _scratch_tensors(one.src, dtype, device)
+    dst = _scratch_tensors(one.dst, dtype, device)
+    run_cell_copy(one, src, dst, backend)
+
+
+def _scratch_view(view: PagedView) -> PagedView:
+    """The same buffer geometry with room for exactly one block of one layer."""
+    g = view.geometry
+    blocks = max(1, len(view.block_ids)) if view.region == "staging" else 1
+    geometry = replace(g, num_blocks=blocks)
+    ids = np.arange(blocks) if view.region == "staging" else np.zeros_like(view.block_ids)
+    return replace(view, geometry=geometry, block_ids=ids)
+
+
+def _scratch_tensors(
+    view: PagedView, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    g = view.geometry
+    if view.region == "staging":
+        return [torch.zeros(g.layer_elements, dtype=dtype, device=device)]
+    return [torch.zeros(g.shape, dtype=dtype, device=device)]

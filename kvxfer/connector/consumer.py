@@ -36,7 +36,7 @@ from kvxfer.connector.messages import (
 )
 from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.stats import TransferRecord, TransferStats
-from kvxfer.execute import resolve_backend, run_cell_copy
+from kvxfer.execute import resolve_backend, run_cell_copy, warm_up
 from kvxfer.plan import CostModel, PairPlan, check_side, plan_pairs
 from kvxfer.plan.program import max_chunk_tokens, unpack_copy
 from kvxfer.spec import KVCacheSpec
@@ -251,6 +251,11 @@ class KVConsumer:
                     f"{plan.dst_rank} ({plan.strategy}); raise staging_bytes on both sides"
                 )
             pairs.append(_Pair(plan, producer, chunk))
+            unpack = unpack_copy(
+                plan.strategy, plan.route, producer.spec, self.spec, np.zeros(1, np.int64), 0, 1
+            )
+            if unpack is not None:  # compile now, not on the first request
+                warm_up(unpack, self.caches[0].dtype, self.caches[0].device, self._backend)
         return pairs
 
     def _handshake(self, address: str, timeout: float) -> _Producer:

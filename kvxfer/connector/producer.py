@@ -40,10 +40,10 @@ from kvxfer.connector.messages import (
     encode,
 )
 from kvxfer.connector.staging import StagingPool
-from kvxfer.execute import resolve_backend, run_cell_copy
+from kvxfer.execute import resolve_backend, run_cell_copy, warm_up
 from kvxfer.plan import HeadRoute, build_program, check_pairable, route_heads
 from kvxfer.plan.layout import STAGING_REGION
-from kvxfer.plan.program import check_strategy
+from kvxfer.plan.program import check_strategy, program_shape
 from kvxfer.spec import KVCacheSpec
 from kvxfer.transport.base import Peer, Region, Transport
 from kvxfer.transport.mooncake import MooncakeTransport
@@ -299,6 +299,8 @@ class KVProducer:
             (r for r in routes if r.src_rank == self.spec.tp_rank and r.dst_rank == hello.rank),
             None,
         )
+        if route is not None:
+            self._warm_up(route, hello.spec)
         session = secrets.token_hex(16)
         staging = _staging_key(hello.spec) if hello.staging_region else None
         consumer = _Consumer(session, hello.engine_id, hello.rank, hello.spec, peer, staging, route)
@@ -315,6 +317,14 @@ class KVProducer:
                 staging_slot_bytes=self._slot_bytes,
             ),
         )
+
+    def _warm_up(self, route: HeadRoute, consumer_spec: KVCacheSpec) -> None:
+        """Compile the packs this pair may ask for at handshake, not on its first request."""
+        one = np.zeros(1, dtype=np.int64)
+        for strategy in ("pack", "pack+unpack"):
+            shape = program_shape(strategy, route, self.spec, consumer_spec, one, one, 0, 1)
+            assert shape.pack is not None
+            warm_up(shape.pack, self.caches[0].dtype, self.caches[0].device, self._backend)
 
     def _on_transfer(self, identity: bytes, consumer: _Consumer, ask: TransferRequest) -> None:
         with self._lock:
