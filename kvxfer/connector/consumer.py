@@ -133,7 +133,8 @@ class KVConsumer:
         engine_id: the decode engine's id.
         host: address of this rank's transport (127.0.0.1 by default).
         secret: the producers' shared secret.
-        transport: a transport to use (default: a `MooncakeTransport` on `host`, `protocol`).
+        transport: a transport to share (default: an own `MooncakeTransport` on `host`,
+            `protocol`, closed with this object; a shared one is left open).
         protocol: "tcp" or "rdma" for the default transport.
         staging_bytes: staging pool per producer rank, in bytes.
         staging_slots: slots per pool: chunks in flight per producer rank.
@@ -175,6 +176,7 @@ class KVConsumer:
         self._backend = resolve_backend(backend, caches[0].device)
         self._timeout_s = timeout_s
         self._grace_s = late_write_grace_s
+        self._owns_transport = transport is None
         self.transport = transport or MooncakeTransport(host, protocol)
         self._cache_regions = [self.transport.register(t) for t in self.caches]
         self._ctx = zmq.Context()
@@ -373,9 +375,11 @@ class KVConsumer:
         self._ctx.term()
         for producer in self._producers:
             producer.pool.close()
-        for region in self._cache_regions:
-            self.transport.unregister(region)
-        self.transport.close()
+        if self._owns_transport:
+            self.transport.close()  # unregisters the caches too
+        else:  # a transport the caller shares: give back only what this object registered
+            for region in self._cache_regions:
+                self.transport.unregister(region)
 
     def __enter__(self) -> KVConsumer:
         return self

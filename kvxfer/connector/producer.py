@@ -100,7 +100,8 @@ class KVProducer:
         release: called with a request id once every decode rank is done with it, or at its
             deadline; exactly once per published request.
         secret: a shared secret consumers must present at handshake.
-        transport: a transport to use (default: a `MooncakeTransport` on `host`, `protocol`).
+        transport: a transport to share (default: an own `MooncakeTransport` on `host`,
+            `protocol`, closed with this object; a shared one is left open).
         protocol: "tcp" or "rdma" for the default transport.
         staging_bytes: staging pool per consumer rank, in bytes.
         staging_slots: slots in each pool (chunks in flight per consumer rank).
@@ -140,6 +141,7 @@ class KVProducer:
         self._request_timeout_s = request_timeout_s
         self._write_timeout_s = write_timeout_s
         self._backend = resolve_backend(backend, caches[0].device)
+        self._owns_transport = transport is None
         self.transport = transport or MooncakeTransport(host, protocol)
         self._cache_regions = [self.transport.register(t) for t in self.caches]
         self._cache_places = {i: (r.region_id, 0) for i, r in enumerate(self._cache_regions)}
@@ -221,9 +223,11 @@ class KVProducer:
         for consumer in self._consumers.values():
             if consumer.pool is not None:
                 consumer.pool.close()
-        for region in self._cache_regions:
-            self.transport.unregister(region)
-        self.transport.close()
+        if self._owns_transport:
+            self.transport.close()  # unregisters the caches too
+        else:  # a transport the caller shares: give back only what this object registered
+            for region in self._cache_regions:
+                self.transport.unregister(region)
 
     def __enter__(self) -> KVProducer:
         return self
