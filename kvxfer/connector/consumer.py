@@ -34,6 +34,7 @@ from kvxfer.connector.messages import (
     decode,
     encode,
 )
+from kvxfer.connector.registration import CacheRegistration
 from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.stats import TransferRecord, TransferStats
 from kvxfer.execute import resolve_backend, run_cell_copy, warm_up
@@ -41,7 +42,6 @@ from kvxfer.plan import CostModel, PairPlan, check_side, plan_pairs
 from kvxfer.plan.program import max_chunk_tokens, unpack_copy
 from kvxfer.spec import KVCacheSpec
 from kvxfer.transport.base import Transport
-from kvxfer.transport.mooncake import MooncakeTransport
 from kvxfer.validation import check_block_ids, check_caches, check_token_range
 
 log = logging.getLogger(__name__)
@@ -176,9 +176,9 @@ class KVConsumer:
         self._backend = resolve_backend(backend, caches[0].device)
         self._timeout_s = timeout_s
         self._grace_s = late_write_grace_s
-        self._owns_transport = transport is None
-        self.transport = transport or MooncakeTransport(host, protocol)
-        self._cache_regions = [self.transport.register(t) for t in self.caches]
+        self._registration = CacheRegistration(self.caches, transport, host, protocol)
+        self.transport = self._registration.transport
+        self._cache_regions = self._registration.regions
         self._ctx = zmq.Context()
         self._producers: list[_Producer] = []
         self._pairs: list[_Pair] = []
@@ -375,11 +375,7 @@ class KVConsumer:
         self._ctx.term()
         for producer in self._producers:
             producer.pool.close()
-        if self._owns_transport:
-            self.transport.close()  # unregisters the caches too
-        else:  # a transport the caller shares: give back only what this object registered
-            for region in self._cache_regions:
-                self.transport.unregister(region)
+        self._registration.close()
 
     def __enter__(self) -> KVConsumer:
         return self

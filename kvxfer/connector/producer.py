@@ -39,6 +39,7 @@ from kvxfer.connector.messages import (
     decode,
     encode,
 )
+from kvxfer.connector.registration import CacheRegistration
 from kvxfer.connector.staging import StagingPool
 from kvxfer.execute import resolve_backend, run_cell_copy, warm_up
 from kvxfer.plan import HeadRoute, build_program, check_pairable, route_heads
@@ -46,7 +47,6 @@ from kvxfer.plan.layout import STAGING_REGION
 from kvxfer.plan.program import check_strategy, program_shape
 from kvxfer.spec import KVCacheSpec
 from kvxfer.transport.base import Peer, Region, Transport
-from kvxfer.transport.mooncake import MooncakeTransport
 from kvxfer.validation import check_block_ids, check_caches
 
 log = logging.getLogger(__name__)
@@ -141,9 +141,9 @@ class KVProducer:
         self._request_timeout_s = request_timeout_s
         self._write_timeout_s = write_timeout_s
         self._backend = resolve_backend(backend, caches[0].device)
-        self._owns_transport = transport is None
-        self.transport = transport or MooncakeTransport(host, protocol)
-        self._cache_regions = [self.transport.register(t) for t in self.caches]
+        self._registration = CacheRegistration(self.caches, transport, host, protocol)
+        self.transport = self._registration.transport
+        self._cache_regions = self._registration.regions
         self._cache_places = {i: (r.region_id, 0) for i, r in enumerate(self._cache_regions)}
 
         self._lock = threading.Lock()
@@ -223,11 +223,7 @@ class KVProducer:
         for consumer in self._consumers.values():
             if consumer.pool is not None:
                 consumer.pool.close()
-        if self._owns_transport:
-            self.transport.close()  # unregisters the caches too
-        else:  # a transport the caller shares: give back only what this object registered
-            for region in self._cache_regions:
-                self.transport.unregister(region)
+        self._registration.close()
 
     def __enter__(self) -> KVProducer:
         return self

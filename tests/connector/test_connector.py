@@ -297,3 +297,21 @@ def test_replan_switches_strategies_without_a_new_handshake():
             e.consumers[0].replan("teleport")
     finally:
         e.close()
+
+
+def test_a_shared_transport_stays_open_when_a_connector_closes():
+    from kvxfer.transport import MooncakeTransport
+
+    shared = MooncakeTransport()
+    try:
+        (spec,) = side_specs(1, heads=4, num_blocks=4)
+        other = np_empty(spec)
+        kept = shared.register(other)
+        consumer = KVConsumer(
+            spec, [np_empty(spec) for _ in range(spec.num_layers)], "decode", transport=shared
+        )
+        assert len(shared.regions) == 1 + spec.num_layers
+        consumer.close()
+        assert list(shared.regions) == [kept.region_id]  # only the consumer's caches left
+    finally:
+        shared.close()
