@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvxfer.bench import add_arguments as add_bench_arguments
@@ -76,7 +77,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--tokens: must be positive, got {args.tokens}")
     src, dst = _side_specs(args, "prefill"), _side_specs(args, "decode")
     base = CostModel() if args.link == "rdma" else CostModel.tcp_loopback()
-    model = CostModel(**{**vars(base), "contiguous_blocks": args.contiguous_blocks})
+    model = replace(base, contiguous_blocks=args.contiguous_blocks)
     plans = plan_pairs(
         src, dst, cost_model=model, strategy=args.strategy, reference_tokens=args.tokens
     )

@@ -39,6 +39,7 @@ from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.stats import TransferRecord, TransferStats
 from kvxfer.execute import resolve_backend, run_cell_copy, warm_up
 from kvxfer.plan import CostModel, PairPlan, check_side, plan_pairs
+from kvxfer.plan.layout import blocks_of_tokens
 from kvxfer.plan.program import max_chunk_tokens, unpack_copy
 from kvxfer.spec import KVCacheSpec
 from kvxfer.transport.base import Transport
@@ -341,7 +342,7 @@ class KVConsumer:
             result = _Fetch(self, handle, block_ids, num_tokens, start_token, began + budget).run()
         except Exception as exc:  # a bug must still complete the handle, with every block
             log.exception("fetch %s crashed", handle.request_id)
-            failed = _blocks_of(block_ids, self.spec.block_size, start_token, num_tokens)
+            failed = blocks_of_tokens(block_ids, self.spec.block_size, start_token, num_tokens)
             result = TransferResult(False, failed, 0, 0, "", time.monotonic() - began, [repr(exc)])
         if not result.ok:
             log.warning(
@@ -433,7 +434,7 @@ class _Fetch:
             {
                 int(block)
                 for chunk in self.failed
-                for block in _blocks_of(
+                for block in blocks_of_tokens(
                     self.block_ids, self.c.spec.block_size, chunk.start, chunk.end
                 )
             }
@@ -595,10 +596,3 @@ def _receive(sock: zmq.Socket, timeout: float) -> Message | None:
         return decode(sock.recv())
     except ProtocolError as exc:
         return ErrorReply(reason=f"unreadable answer: {exc}")
-
-
-def _blocks_of(block_ids: np.ndarray, block_size: int, start: int, end: int) -> list[int]:
-    """Destination blocks holding tokens `[start, end)`."""
-    if end <= start:
-        return []
-    return [int(b) for b in block_ids[start // block_size : (end - 1) // block_size + 1]]

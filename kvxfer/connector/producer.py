@@ -43,7 +43,7 @@ from kvxfer.connector.registration import CacheRegistration
 from kvxfer.connector.staging import StagingPool
 from kvxfer.execute import resolve_backend, run_cell_copy, warm_up
 from kvxfer.plan import HeadRoute, build_program, check_pairable, route_heads
-from kvxfer.plan.layout import STAGING_REGION
+from kvxfer.plan.layout import STAGING_REGION, blocks_of_tokens
 from kvxfer.plan.program import check_strategy, program_shape
 from kvxfer.spec import KVCacheSpec
 from kvxfer.transport.base import Peer, Region, Transport
@@ -482,8 +482,9 @@ def _done(ask: TransferRequest, nbytes: int, num_ops: int) -> ChunkDone:
 
 def _failed(ask: TransferRequest, consumer: _Consumer, reason: str) -> ChunkFailed:
     """A chunk's failure, naming the consumer's blocks that hold its tokens."""
-    bs = consumer.spec.block_size
-    blocks = ask.dst_block_ids[ask.token_start // bs : (ask.token_end - 1) // bs + 1]
+    blocks = blocks_of_tokens(
+        ask.dst_block_ids, consumer.spec.block_size, ask.token_start, ask.token_end
+    )
     return ChunkFailed(
         request_id=ask.request_id, chunk_id=ask.chunk_id, reason=reason, dst_block_ids=blocks
     )

@@ -8,6 +8,7 @@ with `head_dim` elements contiguous inside a cell; plane 0 is K and plane 1 is V
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -80,6 +81,16 @@ class BlockGeometry:
         if self.kv_placement == "kv_first":
             return (self.num_blocks * block_elems, block_elems, slot, head)
         return (block_elems, 2 * block_elems, slot, head)
+
+
+def blocks_of_tokens(
+    block_ids: Sequence[int] | np.ndarray, block_size: int, token_start: int, token_end: int
+) -> list[int]:
+    """The blocks of a block table that hold tokens `[token_start, token_end)`."""
+    if token_end <= token_start:
+        return []
+    first, last = token_start // block_size, (token_end - 1) // block_size
+    return [int(b) for b in block_ids[first : last + 1]]
 
 
 def moved_bytes(geometry: BlockGeometry, num_heads: int, num_tokens: int) -> int:
