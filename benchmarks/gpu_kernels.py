@@ -162,23 +162,42 @@ def bench_row(layers: int, tokens: int, device: str) -> dict[str, object]:
         torch.randperm(blocks, device=device),
     )
     flat_wire = wire.view(-1)
-    times = {
-        "copy": _median_ms(lambda: spare.copy_(flat_wire)),
-        "gather": _median_ms(lambda: gather_kv(cache, wire_buf, 0, tokens, HEADS)),
-        "gather_torch": _median_ms(lambda: gather_kv_torch(cache, wire_buf, 0, tokens, HEADS)),
-        "scatter": _median_ms(lambda: scatter_kv(wire_buf, cache, 0, tokens, HEADS)),
-        "scatter_torch": _median_ms(lambda: scatter_kv_torch(wire_buf, cache, 0, tokens, HEADS)),
-        "remap": _median_ms(lambda: remap_kv(cache, target, 0, tokens, HEADS)),
+    ops: dict[str, Callable[[], object]] = {
+        "copy": lambda: spare.copy_(flat_wire),
+        "gather": lambda: gather_kv(cache, wire_buf, 0, tokens, HEADS),
+        "gather_torch": lambda: gather_kv_torch(cache, wire_buf, 0, tokens, HEADS),
+        "scatter": lambda: scatter_kv(wire_buf, cache, 0, tokens, HEADS),
+        "scatter_torch": lambda: scatter_kv_torch(wire_buf, cache, 0, tokens, HEADS),
+        "remap": lambda: remap_kv(cache, target, 0, tokens, HEADS),
     }
     row: dict[str, object] = {"layers": layers, "tokens": tokens, "bytes": nbytes}
+    times = {name: _median_ms_or_none(fn) for name, fn in ops.items()}
     for name, ms in times.items():
         row[f"{name}_ms"] = ms
-        row[f"{name}_gbps"] = 2 * nbytes / ms / 1e6  # read + write
+        row[f"{name}_gbps"] = _ratio(2 * nbytes / 1e6, ms)  # read + write
     for op in ("gather", "scatter", "remap"):
-        row[f"{op}_vs_copy"] = times["copy"] / times[op]
+        row[f"{op}_vs_copy"] = _ratio(times["copy"], times[op])
     for op in ("gather", "scatter"):
-        row[f"{op}_vs_torch"] = times[f"{op}_torch"] / times[op]
+        row[f"{op}_vs_torch"] = _ratio(times[f"{op}_torch"], times[op])
     return row
+
+
+def _median_ms_or_none(fn: Callable[[], object]) -> float | None:
+    # The largest rows hold 3x a 34 GB request; a torch implementation's temporaries may not
+    # fit beside them. Such a cell is reported as missing instead of losing the whole run.
+    try:
+        return _median_ms(fn)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return None if num is None or den is None else num / den
+
+
+def _fmt(value: object, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
 
 
 def sweep_block_t(layers: int, tokens: int, device: str) -> dict[int, float]:
@@ -230,6 +249,8 @@ def main() -> int:
     rows = []
     for layers, tokens in sizes:
         rows.append(bench_row(layers, tokens, device))
+        # Progress on stderr, so that a run cut off by a time limit still shows its rows.
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
     sweep = sweep_block_t(*((2, 32) if args.tiny else (32, 16384)), device)
@@ -249,10 +270,21 @@ def main() -> int:
     )
     for r in rows:
         print(
-            f"{r['layers']:>6} {r['tokens']:>7} {r['bytes'] / 1e9:>6.2f} {r['copy_gbps']:>10.0f} "
-            f"{r['gather_gbps']:>8.0f} {r['gather_vs_copy']:>7.2f} {r['gather_vs_torch']:>7.1f} "
-            f"{r['scatter_gbps']:>8.0f} {r['scatter_vs_copy']:>7.2f} {r['scatter_vs_torch']:>7.1f} "
-            f"{r['remap_gbps']:>8.0f} {r['remap_vs_copy']:>7.2f}"
+            f"{r['layers']:>6} {r['tokens']:>7} {r['bytes'] / 1e9:>6.2f} "  # type: ignore[operator]
+            + " ".join(
+                _fmt(r[key], width, digits)
+                for key, width, digits in (
+                    ("copy_gbps", 10, 0),
+                    ("gather_gbps", 8, 0),
+                    ("gather_vs_copy", 7, 2),
+                    ("gather_vs_torch", 7, 1),
+                    ("scatter_gbps", 8, 0),
+                    ("scatter_vs_copy", 7, 2),
+                    ("scatter_vs_torch", 7, 1),
+                    ("remap_gbps", 8, 0),
+                    ("remap_vs_copy", 7, 2),
+                )
+            )
         )
     print(
         "gather GB/s by BLOCK_T (32 layers, 16k tokens): "
