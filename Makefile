@@ -7,8 +7,11 @@ TORCH ?= torch==2.13.0
 # The Mooncake wheel: mooncake-cpu (no CUDA runtime needed) or mooncake (CUDA machines).
 MOONCAKE_EXTRA ?= mooncake-cpu
 STAMP := $(VENV)/.kvxfer-installed
+# The vLLM integration is tested in its own environment: vLLM pins its own torch build.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvxfer-installed
 
-.PHONY: all demo test lint unit bench clean
+.PHONY: all demo test lint unit test-vllm bench clean
 
 all: test
 
@@ -31,10 +34,23 @@ lint: $(STAMP)
 # The Triton kernels run on CPU tensors under the interpreter, which must be chosen before
 # kvxfer.kernels is imported: hence their own pytest process.
 unit: $(STAMP)
-	$(VENV)/bin/pytest -q --ignore=tests/triton
+	$(VENV)/bin/pytest -q --ignore=tests/triton --ignore=tests/integration_vllm
 	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q tests/triton
 
 test: lint unit
+
+$(VLLM_STAMP): pyproject.toml Makefile scripts/install-system-deps.sh
+	./scripts/install-system-deps.sh
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q -e ".[vllm,test,$(MOONCAKE_EXTRA)]"
+	touch $(VLLM_STAMP)
+
+# vLLM's own Scheduler drives a prefill and a decode engine through kvxfer's connectors (CPU).
+# mypy here checks the integration against vLLM's real types (the main environment has none).
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/mypy kvxfer/integrations
+	$(VLLM_VENV)/bin/pytest -q tests/integration_vllm
 
 # CPU benchmarks; on a CUDA machine also run: $(PY) benchmarks/gpu_kernels.py
 bench: $(STAMP)
@@ -42,4 +58,4 @@ bench: $(STAMP)
 		--benchmark-sort=name
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis .benchmarks
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis .benchmarks

@@ -1,0 +1,2 @@
+"""Serving-engine integrations. `kvxfer.integrations.vllm` needs vLLM (`kvxfer[vllm]`); the
+other modules here import no engine."""

@@ -1,0 +1,401 @@
+"""Two vLLM engines on CPU, driven by vLLM's own Scheduler, with kvxfer's connector on both sides.
+
+Each engine is a real `Scheduler` (its scheduler-side connector created by vLLM's connector
+factory from the kv-transfer config) plus one process per TP rank standing in for the model
+runner: it builds its worker-side connector through the same factory, registers CPU KV tensors
+in its attention backend's logical shape and memory order, and per step does what vLLM's model
+runner does around a forward pass (bind metadata, start loads, "compute" KV, wait for saves,
+report finished transfers and load errors). The "model" writes a KV value that is a hash of
+(token, position, layer, plane, head, dim), so any rank can check any cell bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 6, 16, 256
+MODEL = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 192,
+    "intermediate_size": 384,
+    "num_attention_heads": 12,
+    "num_key_value_heads": KV_HEADS,
+    "head_dim": HEAD_DIM,
+    "num_hidden_layers": LAYERS,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+}
+# A LLaVA-shaped multimodal model (vLLM accepts an encoder-cache producer only for those).
+MULTIMODAL_MODEL = {
+    "architectures": ["LlavaForConditionalGeneration"],
+    "model_type": "llava",
+    "text_config": {k: v for k, v in MODEL.items() if k != "architectures"},
+    "vision_config": {
+        "model_type": "clip_vision_model",
+        "hidden_size": 64,
+        "image_size": 32,
+        "patch_size": 16,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 1,
+        "intermediate_size": 128,
+        "projection_dim": 64,
+    },
+    "image_token_index": VOCAB - 6,
+    "projector_hidden_act": "gelu",
+    "vision_feature_layer": -1,
+    "vision_feature_select_strategy": "default",
+    "torch_dtype": "bfloat16",
+}
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+POISON = 0xA5
+
+
+def write_model(directory: Path, config: dict[str, Any] = MODEL) -> str:
+    """A local model config: vLLM reads config.json only (skip_tokenizer_init)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def free_port_base(count: int) -> int:
+    """A base port with `count` consecutive free ports on 127.0.0.1."""
+    for _ in range(200):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count >= 65535:
+            continue
+        try:
+            sockets = []
+            for port in range(base, base + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError("no run of free ports on 127.0.0.1")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine's shape: what `vllm serve` would be told."""
+
+    name: str
+    tp: int
+    block_size: int
+    role: str  # kv_producer | kv_consumer
+    num_blocks: int
+    backend_layout: str  # flash_attn_nhd | flashinfer_hnd
+    extra: dict[str, Any] = field(default_factory=dict)
+    load_failure_policy: str = "recompute"  # vLLM's default is "fail"
+
+
+def vllm_config(model_dir: str, spec: EngineSpec, rank: int = 0) -> Any:
+    """The VllmConfig of one engine (rank: the worker's rank, as vLLM sets it per worker)."""
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model = ModelConfig(
+        model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024
+    )
+    config = VllmConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=spec.block_size),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=1024,
+            max_num_seqs=16,
+            max_model_len=1024,
+            is_encoder_decoder=False,
+        ),
+        parallel_config=ParallelConfig(tensor_parallel_size=spec.tp),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvxferConnector",
+            kv_connector_module_path="kvxfer.integrations.vllm",
+            kv_role=spec.role,
+            engine_id=spec.name,
+            kv_connector_extra_config=spec.extra,
+            kv_load_failure_policy=spec.load_failure_policy,
+        ),
+    )
+    config.cache_config.num_gpu_blocks = spec.num_blocks
+    config.parallel_config.rank = rank
+    return config
+
+
+def kv_cache_config(spec: EngineSpec) -> Any:
+    """One full-attention group holding every layer, as vLLM builds it for this model."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    attention = FullAttentionSpec(
+        block_size=spec.block_size,
+        num_kv_heads=max(1, KV_HEADS // spec.tp),
+        head_size=HEAD_DIM,
+        dtype=torch.bfloat16,
+    )
+    return KVCacheConfig(
+        num_blocks=spec.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, attention)],
+    )
+
+
+def rank_heads(tp: int, rank: int) -> list[int]:
+    """Global KV heads of a rank (vLLM shards KV heads evenly; the model has >= tp heads)."""
+    per = KV_HEADS // tp
+    return list(range(rank * per, (rank + 1) * per))
+
+
+def expected_kv(token_ids: list[int], positions: range, heads: list[int]) -> torch.Tensor:
+    """The stand-in model's KV bits: `[layers, 2, tokens, heads, head_dim]` as int16."""
+    tok = np.asarray([token_ids[p] for p in positions], dtype=np.uint64)[None, None, :, None, None]
+    pos = np.asarray(list(positions), dtype=np.uint64)[None, None, :, None, None]
+    layer = np.arange(LAYERS, dtype=np.uint64)[:, None, None, None, None]
+    plane = np.arange(2, dtype=np.uint64)[None, :, None, None, None]
+    head = np.asarray(heads, dtype=np.uint64)[None, None, None, :, None]
+    dim = np.arange(HEAD_DIM, dtype=np.uint64)[None, None, None, None, :]
+    with np.errstate(over="ignore"):
+        x = tok * 1000003 + pos * 7919 + layer * 104729 + plane * 15485863
+        x = (x + head * 32452843 + dim * 49979687) * np.uint64(2654435761)
+    bits = ((x >> np.uint64(13)) & np.uint64(0xFFFF)).astype(np.uint16).view(np.int16)
+    return torch.from_numpy(bits.copy())
+
+
+def allocate_layer(spec: EngineSpec) -> torch.Tensor:
+    """One layer's cache in the backend's logical shape, memory in its preferred order."""
+    heads = max(1, KV_HEADS // spec.tp)
+    n, b = spec.num_blocks, spec.block_size
+    if spec.backend_layout == "flash_attn_nhd":  # [2, blocks, slot, head, dim], dense
+        physical = torch.empty(2, n, b, heads, HEAD_DIM, dtype=torch.bfloat16)
+        logical = physical
+    elif spec.backend_layout == "flashinfer_hnd":
+        # Physical [blocks, 2, head, slot, dim], viewed as the logical [blocks, 2, slot, ...].
+        physical = torch.empty(n, 2, heads, b, HEAD_DIM, dtype=torch.bfloat16)
+        logical = physical.permute(0, 1, 3, 2, 4)
+    else:
+        raise ValueError(spec.backend_layout)
+    physical.view(torch.uint8).fill_(POISON)
+    return logical
+
+
+def _cells(layer: torch.Tensor, spec: EngineSpec, blocks: torch.Tensor, slots: torch.Tensor):
+    """Index tuple of (plane-major) cells in the logical view: returns a function of plane."""
+    if spec.backend_layout == "flash_attn_nhd":
+        return lambda plane: (plane, blocks, slots)
+    return lambda plane: (blocks, plane, slots)
+
+
+def write_kv(caches, spec, rank, token_ids, block_ids, start, end) -> None:
+    """The stand-in forward pass: write KV of positions `[start, end)`."""
+    if end <= start:
+        return
+    values = expected_kv(token_ids, range(start, end), rank_heads(spec.tp, rank))
+    positions = torch.arange(start, end)
+    ids = torch.as_tensor(block_ids, dtype=torch.int64)
+    blocks, slots = ids[positions // spec.block_size], positions % spec.block_size
+    for layer, cache in enumerate(caches):
+        index = _cells(cache, spec, blocks, slots)
+        for plane in (0, 1):
+            cache.view(torch.int16)[index(plane)] = values[layer, plane]
+
+
+def mismatched_tokens(caches, spec, rank, token_ids, block_ids, num_tokens) -> list[int]:
+    """Positions in `[0, num_tokens)` whose cells differ from the model's bits on this rank."""
+    expected = expected_kv(token_ids, range(num_tokens), rank_heads(spec.tp, rank))
+    positions = torch.arange(num_tokens)
+    ids = torch.as_tensor(block_ids, dtype=torch.int64)
+    blocks, slots = ids[positions // spec.block_size], positions % spec.block_size
+    bad = torch.zeros(num_tokens, dtype=torch.bool)
+    for layer, cache in enumerate(caches):
+        index = _cells(cache, spec, blocks, slots)
+        for plane in (0, 1):
+            got = cache.view(torch.int16)[index(plane)]
+            bad |= (got != expected[layer, plane]).flatten(1).any(dim=1)
+    return [int(p) for p in torch.nonzero(bad).flatten()]
+
+
+def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int) -> None:
+    """One TP rank's model-runner stand-in; answers the driver's commands until "close"."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    config = vllm_config(model_dir, spec, rank)
+    connector = KVConnectorFactory.create_connector(
+        config, KVConnectorRole.WORKER, kv_cache_config(spec)
+    )
+    caches = [allocate_layer(spec) for _ in LAYER_NAMES]
+    connector.register_kv_caches(dict(zip(LAYER_NAMES, caches, strict=True)))
+    conn.send(("ready", rank))
+    while True:
+        command, *args = conn.recv()
+        if command == "close":
+            connector.shutdown()
+            conn.send(("closed", rank))
+            return
+        if command == "step":
+            metadata, finished_ids, compute = args
+            connector.bind_connector_metadata(metadata)
+            connector.start_load_kv(None)
+            for token_ids, block_ids, start, end in compute:
+                write_kv(caches, spec, rank, token_ids, block_ids, start, end)
+            connector.wait_for_save()
+            sending, recving = connector.get_finished(set(finished_ids))
+            invalid = connector.get_block_ids_with_load_errors()
+            stats = connector.get_kv_connector_stats()
+            connector.clear_connector_metadata()
+            conn.send((sending, recving, invalid, None if stats is None else stats.data))
+        elif command == "check":
+            conn.send(mismatched_tokens(caches, spec, rank, *args))
+
+
+class Engine:
+    """A scheduler in this process and one worker process per TP rank."""
+
+    def __init__(self, model_dir: str, spec: EngineSpec) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.spec = spec
+        config = vllm_config(model_dir, spec)
+        self.scheduler = Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_cache_config(spec),
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=spec.block_size,
+            log_stats=True,
+        )
+        self.free_blocks_at_start = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        self.aggregator = KVOutputAggregator(spec.tp)
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for rank in range(spec.tp):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(child, model_dir, spec, rank), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.finished_recving: set[str] = set()
+        self.finished_sending: set[str] = set()
+        self.invalid_block_ids: list[set[int]] = []
+        self.stats: list[dict[str, Any]] = []
+        self.last_scheduled: dict[str, int] = {}
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Wait until every worker registered its caches (vLLM import and connector start)."""
+        for conn in self.conns:
+            if not conn.poll(timeout):
+                raise TimeoutError(f"{self.spec.name}: a worker did not start in {timeout} s")
+            conn.recv()
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, params: dict | None):
+        """Submit a request, as the API server would."""
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        extra = {"kv_transfer_params": params} if params is not None else None
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+        self.scheduler.add_request(Request(request_id, prompt, sampling, None))
+
+    def step(self) -> list[Any]:
+        """One engine step: schedule, run every rank, aggregate, update; the step's outputs."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        out = self.scheduler.schedule()
+        compute, sampled = [], {}
+        started = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        started.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        self.last_scheduled = dict(out.num_scheduled_tokens)
+        for req_id, count in out.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            start = started[req_id]
+            tokens = list(request.all_token_ids)
+            compute.append((tokens, list(block_ids), start, start + count))
+            if start + count >= request.num_prompt_tokens:
+                sampled[req_id] = [(start + count) * 7 % VOCAB]
+        for conn in self.conns:
+            conn.send(("step", out.kv_connector_metadata, set(out.finished_req_ids), compute))
+        req_ids = list(sampled)
+        outputs = []
+        for conn in self.conns:
+            sending, recving, invalid, stats = conn.recv()
+            kv = KVConnectorOutput(
+                finished_sending=sending,
+                finished_recving=recving,
+                invalid_block_ids=invalid,
+                kv_connector_stats=None if stats is None else _stats(stats),
+            )
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                    sampled_token_ids=[sampled[r] for r in req_ids],
+                    kv_connector_output=kv,
+                )
+            )
+        merged = self.aggregator.aggregate(outputs)
+        kv_out = merged.kv_connector_output
+        if kv_out is not None:
+            self.finished_recving |= kv_out.finished_recving or set()
+            self.finished_sending |= kv_out.finished_sending or set()
+            if kv_out.invalid_block_ids:
+                self.invalid_block_ids.append(set(kv_out.invalid_block_ids))
+            if kv_out.kv_connector_stats is not None:
+                self.stats.append(kv_out.kv_connector_stats.data)
+        engine_outputs = self.scheduler.update_from_output(out, merged)
+        return [o for group in engine_outputs.values() for o in group.outputs]
+
+    def check(self, token_ids: list[int], block_ids: list[int], num_tokens: int) -> list[list]:
+        """Every rank's mismatching positions for a request's first `num_tokens` tokens."""
+        for conn in self.conns:
+            conn.send(("check", token_ids, block_ids, num_tokens))
+        return [conn.recv() for conn in self.conns]
+
+    def free_blocks(self) -> int:
+        """Free blocks in the scheduler's pool (cached-but-unused blocks count as free)."""
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def close(self) -> None:
+        """Shut every worker's connector down and join the processes."""
+        for conn in self.conns:
+            try:
+                conn.send(("close",))
+                if conn.poll(30):
+                    conn.recv()
+            except (BrokenPipeError, EOFError):
+                pass
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _stats(data: dict[str, Any]) -> Any:
+    from kvxfer.integrations.vllm import KvxferConnector
+
+    return KvxferConnector.build_kv_connector_stats(data)

@@ -1,0 +1,112 @@
+"""What a serving engine hands kvxfer, read without the engine installed: per-layer cache tensors in
+an attention backend's logical shape (kv_tensors) and the connector's extra config (settings)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvxfer.integrations.kv_tensors import EngineGeometry, spec_from_layers
+from kvxfer.integrations.settings import ConnectorSettings
+from kvxfer.plan import CostModel
+
+GEOMETRY = EngineGeometry(total_kv_heads=8, head_dim=16, block_size=4, tp_size=2, tp_rank=1)
+BLOCKS, HEADS = 6, 4  # heads per rank
+
+
+def _layer(logical_placement: str, physical: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(physical allocation, its view in the backend's logical shape)."""
+    sizes = {"kv": 2, "block": BLOCKS, "slot": 4, "head": HEADS, "dim": 16}
+    logical = (
+        ("kv", "block", "slot", "head", "dim")
+        if logical_placement == "kv_first"
+        else ("block", "kv", "slot", "head", "dim")
+    )
+    memory = torch.empty([sizes[r] for r in physical], dtype=torch.bfloat16)
+    return memory, memory.permute([physical.index(r) for r in logical])
+
+
+@pytest.mark.parametrize("logical_placement", ["kv_first", "blocks_first"])
+@pytest.mark.parametrize(
+    ("physical", "layout", "placement"),
+    [
+        (("kv", "block", "slot", "head", "dim"), "NHD", "kv_first"),
+        (("kv", "block", "head", "slot", "dim"), "HND", "kv_first"),
+        (("block", "kv", "slot", "head", "dim"), "NHD", "blocks_first"),
+        (("block", "kv", "head", "slot", "dim"), "HND", "blocks_first"),
+    ],
+)
+def test_layout_is_read_from_strides_whatever_the_logical_shape(
+    logical_placement, physical, layout, placement
+):
+    layers = [_layer(logical_placement, physical) for _ in range(3)]
+    spec, views = spec_from_layers([logical for _, logical in layers], GEOMETRY)
+    assert (spec.layout, spec.kv_placement, spec.mla) == (layout, placement, False)
+    assert (spec.num_layers, spec.num_blocks, spec.num_kv_heads) == (3, BLOCKS, 8)
+    assert (spec.tp_size, spec.tp_rank, spec.block_size, spec.dtype) == (2, 1, 4, "bfloat16")
+    for (memory, _), view in zip(layers, views, strict=True):
+        # The very memory the engine allocated, in the contract's shape.
+        assert view.data_ptr() == memory.data_ptr() and view.shape == memory.shape
+        assert tuple(view.shape) == spec.layer_shape and view.is_contiguous()
+
+
+def test_mla_latent_cache():
+    geometry = EngineGeometry(1, 576, 16, tp_size=4, tp_rank=3, mla=True)
+    layers = [torch.empty(10, 16, 576, dtype=torch.float16) for _ in range(2)]
+    spec, views = spec_from_layers(layers, geometry)
+    assert spec.mla and spec.num_blocks == 10 and spec.head_dim == 576
+    assert [v.data_ptr() for v in views] == [t.data_ptr() for t in layers]
+
+
+def test_bad_tensors_get_errors_that_say_what_is_wrong():
+    _, good = _layer("kv_first", ("kv", "block", "slot", "head", "dim"))
+    with pytest.raises(ValueError, match="block_size, heads per rank, head_dim"):
+        spec_from_layers([good], EngineGeometry(8, 16, 8, tp_size=2, tp_rank=0))
+    with pytest.raises(ValueError, match="memory order"):
+        _, odd = _layer("kv_first", ("dim", "kv", "block", "slot", "head"))
+        spec_from_layers([odd], GEOMETRY)
+    with pytest.raises(ValueError, match="not dense"):
+        wide = torch.empty(2, BLOCKS * 2, 4, HEADS, 16, dtype=torch.bfloat16)
+        spec_from_layers([wide[:, ::2]], GEOMETRY)
+    with pytest.raises(ValueError, match="layers differ"):
+        _, hnd = _layer("kv_first", ("kv", "block", "head", "slot", "dim"))
+        spec_from_layers([good, hnd], GEOMETRY)
+    with pytest.raises(ValueError, match="no KV cache tensors"):
+        spec_from_layers([], GEOMETRY)
+
+
+def test_settings_defaults_and_parsing():
+    assert ConnectorSettings.from_extra_config(None) == ConnectorSettings()
+    parsed = ConnectorSettings.from_extra_config(
+        {
+            "side_channel_host": "10.0.0.7",
+            "side_channel_port": 6100,
+            "strategy": "pack+unpack",
+            "cost_model": {"seconds_per_op": 1e-5, "link_bytes_per_second": 25e9},
+            "fetch_timeout_s": 5,
+            "secret": "s",
+        }
+    )
+    assert (parsed.side_channel_host, parsed.side_channel_port) == ("10.0.0.7", 6100)
+    assert parsed.strategy == "pack+unpack" and parsed.fetch_timeout_s == 5.0
+    assert parsed.cost_model == CostModel(seconds_per_op=1e-5, link_bytes_per_second=25e9)
+    preset = ConnectorSettings.from_extra_config({"cost_model": "tcp_loopback"})
+    assert preset.cost_model == CostModel.tcp_loopback()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"side_chanel_port": 1}, r"unknown key\(s\) \['side_chanel_port'\].*side_channel_port"),
+        ({"strategy": "fastest"}, "strategy.*one of"),
+        ({"cost_model": {"speed": 1}}, "CostModel fields only"),
+        ({"cost_model": "infiniband"}, "rdma.*tcp_loopback"),
+        ({"protocol": "udp"}, '"tcp" or "rdma"'),
+        ({"side_channel_port": "5700"}, "positive integer"),
+        ({"fetch_timeout_s": 0}, "positive number of seconds"),
+        ({"backend": "cuda"}, '"auto", "torch" or "triton"'),
+    ],
+)
+def test_bad_settings_name_the_key_and_what_it_accepts(extra, message):
+    with pytest.raises(ValueError, match=message):
+        ConnectorSettings.from_extra_config(extra)

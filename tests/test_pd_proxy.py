@@ -1,0 +1,107 @@
+"""The P/D proxy over real HTTP on 127.0.0.1. `vllm serve` cannot run on these CPU machines (its
+build needs CUDA, and there are no weights), so two small HTTP servers answer in the shape of
+vLLM's OpenAI API and record what the proxy sent them."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from kvxfer.integrations.pd_proxy import decode_body, make_server, prefill_body
+
+PARAMS = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_port": 5700}
+
+
+def _engine(answer):
+    """An HTTP server whose POST handler records the JSON body and answers with `answer`."""
+    seen: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append({"path": self.path, **body})
+            status, content_type, payload = answer(body)
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, seen
+
+
+def _prefill_answer(body):
+    return 200, "application/json", json.dumps({"kv_transfer_params": PARAMS}).encode()
+
+
+def _decode_answer(body):
+    if body.get("stream"):
+        events = b"".join(f"data: {json.dumps({'i': i})}\n\n".encode() for i in range(3))
+        return 200, "text/event-stream", events + b"data: [DONE]\n\n"
+    return 200, "application/json", json.dumps({"choices": [{"text": "ok"}]}).encode()
+
+
+@pytest.fixture()
+def stack():
+    prefill, prefill_seen = _engine(_prefill_answer)
+    decode, decode_seen = _engine(_decode_answer)
+    url = lambda s: f"http://127.0.0.1:{s.server_address[1]}"  # noqa: E731
+    proxy = make_server("127.0.0.1", 0, [url(prefill)], [url(decode)], timeout=10)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    yield url(proxy), prefill_seen, decode_seen
+    for server in (proxy, prefill, decode):
+        server.shutdown()
+        server.server_close()
+
+
+def _post(url, body):
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.status, response.headers["Content-Type"], response.read()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prefill_then_decode_with_the_prefills_params(stack, stream):
+    proxy, prefill_seen, decode_seen = stack
+    body = {"model": "m", "prompt": "hello", "max_tokens": 50, "stream": stream}
+    status, content_type, payload = _post(proxy + "/v1/completions", body)
+    assert prefill_seen == [
+        {
+            "path": "/v1/completions",
+            "model": "m",
+            "prompt": "hello",
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
+    ]
+    assert decode_seen == [{"path": "/v1/completions", **body, "kv_transfer_params": PARAMS}]
+    assert status == 200
+    expected = _decode_answer(body)
+    assert (content_type, payload) == (expected[1], expected[2])
+
+
+def test_errors_name_the_cause(stack):
+    proxy, _, _ = stack
+    with pytest.raises(urllib.error.HTTPError) as info:
+        _post(proxy + "/v1/embeddings", {"input": "x"})
+    assert info.value.code == 404 and "/v1/completions" in info.value.read().decode()
+
+
+def test_a_prefill_engine_without_the_connector_is_reported():
+    with pytest.raises(ValueError, match="KvxferConnector"):
+        decode_body({"prompt": "x"}, {"choices": []})
+    chat = prefill_body({"messages": [], "max_completion_tokens": 9, "stream_options": {}})
+    assert chat["max_completion_tokens"] == 1 and "stream_options" not in chat
