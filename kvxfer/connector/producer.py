@@ -29,14 +29,13 @@ import zmq
 from kvxfer.connector.messages import (
     ChunkDone,
     ChunkFailed,
-    ErrorReply,
     Handshake,
     HandshakeReply,
     Message,
     ProtocolError,
     RequestDone,
     TransferRequest,
-    decode,
+    answer_frames,
     encode,
 )
 from kvxfer.connector.registration import CacheRegistration
@@ -256,20 +255,12 @@ class KVProducer:
             handle(frames)
 
     def _on_frames(self, frames: list[bytes]) -> None:
-        identity, payload = frames[0], frames[1:]
-        try:
-            if len(payload) != 1:
-                raise ProtocolError(f"expected one frame per message, got {len(payload)}")
-            message = decode(payload[0])
-            self._on_message(identity, message)
-        except ProtocolError as exc:
-            log.warning("side channel: refused a frame from %r: %s", identity, exc)
-            self._reply(identity, ErrorReply(reason=str(exc)))
-        except Exception as exc:  # a bug must not stop the service for every other peer
-            log.exception("side channel: internal error on a frame from %r", identity)
-            self._reply(identity, ErrorReply(reason=f"internal error: {type(exc).__name__}"))
+        identity, reply = answer_frames(frames, self._on_message, "side channel")
+        if reply is not None:
+            self._reply(identity, reply)
 
     def _on_message(self, identity: bytes, message: Message) -> None:
+        # Answers go out from the handlers (a chunk's answer comes later, from a worker).
         if isinstance(message, Handshake):
             self._on_handshake(identity, message)
         elif isinstance(message, TransferRequest | RequestDone):

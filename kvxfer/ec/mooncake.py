@@ -30,6 +30,7 @@ from kvxfer.connector.messages import (
     ErrorReply,
     Message,
     ProtocolError,
+    answer_frames,
     decode,
     encode,
 )
@@ -191,17 +192,9 @@ class MooncakeECConnector(ECConnectorBase):
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 continue
-            identity, payload = frames[0], frames[1:]
-            try:
-                if len(payload) != 1:
-                    raise ProtocolError(f"expected one frame per message, got {len(payload)}")
-                reply = self._answer(decode(payload[0]))
-            except ProtocolError as exc:
-                log.warning("encoder-cache side channel: refused a frame: %s", exc)
-                reply = ErrorReply(reason=str(exc))
-            except Exception as exc:
-                log.exception("encoder-cache side channel: internal error")
-                reply = ErrorReply(reason=f"internal error: {type(exc).__name__}")
+            identity, reply = answer_frames(
+                frames, lambda _, message: self._answer(message), "encoder-cache side channel"
+            )
             if reply is not None:
                 self._router.send_multipart([identity, encode(reply)])
 
