@@ -16,13 +16,20 @@ def canonical_kv_view(
     Args:
         tensor: a layer tensor in the layout contract's shape.
         layout: "NHD" or "HND" (ignored when `mla`).
-        kv_placement: "kv_first" or "blocks_first" (ignored when `mla`).
+        kv_placement: "kv_first", "blocks_first" or "kv_inner" (ignored when `mla`).
         mla: `tensor` is `[block, slot, head_dim]`; it gets a plane and a head axis of size 1.
     """
     if mla:
         if tensor.dim() != 3:
             raise ValueError(f"tensor: an MLA layer is 3-D, got shape {tuple(tensor.shape)}")
         return tensor.unsqueeze(0).unsqueeze(3)
+    if kv_placement == "kv_inner":  # [block, slot|head, head|slot, 2 * head_dim]
+        if tensor.dim() != 4 or tensor.shape[3] % 2:
+            raise ValueError(
+                f"tensor: a kv_inner layer is 4-D with an even last axis, got {tuple(tensor.shape)}"
+            )
+        rows = tensor.unflatten(3, (2, tensor.shape[3] // 2))
+        return rows.permute(3, 0, 1, 2, 4) if layout == "NHD" else rows.permute(3, 0, 2, 1, 4)
     if tensor.dim() != 5:
         raise ValueError(f"tensor: a K/V layer is 5-D, got shape {tuple(tensor.shape)}")
     plane, block = (0, 1) if kv_placement == "kv_first" else (1, 0)
@@ -41,7 +48,7 @@ class KVBuffer:
     Attributes:
         layers: one tensor per layer in the layout contract's shape; all share shape and dtype.
         layout: "NHD" or "HND".
-        kv_placement: "kv_first" or "blocks_first".
+        kv_placement: "kv_first", "blocks_first" or "kv_inner".
         mla: layers are `[blocks, slots, head_dim]` latent planes.
         block_ids: int64 tensor on the layers' device, or None for a dense buffer.
         token_shift: token at position 0.

@@ -13,7 +13,7 @@ from kvxfer.bench import add_arguments as add_bench_arguments
 from kvxfer.examples.pd_demo import add_arguments as add_demo_arguments
 from kvxfer.plan import STRATEGIES, CostModel, PairPlan, plan_pairs
 from kvxfer.plan.cost import reference_block_ids
-from kvxfer.spec import KVCacheSpec
+from kvxfer.spec import KV_PLACEMENTS, KVCacheSpec
 
 _SIDES = ("prefill", "decode")
 
@@ -32,9 +32,7 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         group.add_argument(f"--{side}-tp", type=int, default=tp)
         group.add_argument(f"--{side}-block-size", type=int, default=bs)
         group.add_argument(f"--{side}-layout", choices=["NHD", "HND"], default="NHD")
-        group.add_argument(
-            f"--{side}-placement", choices=["kv_first", "blocks_first"], default="kv_first"
-        )
+        group.add_argument(f"--{side}-placement", choices=list(KV_PLACEMENTS), default="kv_first")
     req = p.add_argument_group("request and cost model")
     req.add_argument("--tokens", type=int, default=4096, help="tokens in the request")
     req.add_argument("--strategy", choices=STRATEGIES, help="force one strategy for every pair")

@@ -57,7 +57,12 @@ def write_rank_cells(
         for local, head in enumerate(heads):
             for plane in (0, 1):
                 value = global_kv[layer, plane, token_start:token_end, head].to(cache.device)
-                if spec.kv_placement == "kv_first" and spec.layout == "NHD":
+                inner = slice(plane * spec.head_dim, (plane + 1) * spec.head_dim)
+                if spec.kv_placement == "kv_inner" and spec.layout == "NHD":
+                    cache[blocks, slots, local, inner] = value
+                elif spec.kv_placement == "kv_inner":
+                    cache[blocks, local, slots, inner] = value
+                elif spec.kv_placement == "kv_first" and spec.layout == "NHD":
                     cache[plane, blocks, slots, local] = value
                 elif spec.kv_placement == "kv_first":
                     cache[plane, blocks, local, slots] = value

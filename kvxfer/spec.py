@@ -13,7 +13,7 @@ import torch
 
 DType = Literal["float16", "bfloat16", "float32"]
 Layout = Literal["NHD", "HND"]
-KVPlacement = Literal["kv_first", "blocks_first"]
+KVPlacement = Literal["kv_first", "blocks_first", "kv_inner"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -22,7 +22,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 LAYOUTS: tuple[str, ...] = ("NHD", "HND")
-KV_PLACEMENTS: tuple[str, ...] = ("kv_first", "blocks_first")
+KV_PLACEMENTS: tuple[str, ...] = ("kv_first", "blocks_first", "kv_inner")
 
 
 def _fail(field: str, problem: str, fix: str) -> None:
@@ -42,7 +42,8 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
         block_size: tokens per block (page).
         num_blocks: blocks per layer tensor.
         layout: "NHD" (tokens, heads) or "HND" (heads, tokens) inside a block.
-        kv_placement: "kv_first" (`[2, blocks, ...]`) or "blocks_first" (`[blocks, 2, ...]`).
+        kv_placement: "kv_first" (`[2, blocks, ...]`), "blocks_first" (`[blocks, 2, ...]`) or
+            "kv_inner" (K then V in each head's row: `[blocks, ..., 2 * head_dim]`, vLLM >= 0.2x).
         mla: one latent plane `[num_blocks, block_size, head_dim]`, the same on every rank;
             `layout` and `kv_placement` are then ignored.
 
@@ -137,8 +138,7 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
         b, s, h, d = self.num_blocks, self.block_size, self.heads_per_rank, self.head_dim
         if self.mla:
             return (b, s, d)
-        block = (s, h, d) if self.layout == "NHD" else (h, s, d)
-        return (2, b, *block) if self.kv_placement == "kv_first" else (b, 2, *block)
+        return kv_layer_shape(b, s, h, d, self.layout, self.kv_placement)
 
     @property
     def layer_bytes(self) -> int:
@@ -165,6 +165,17 @@ def encode_spec(spec: KVCacheSpec) -> bytes:
 def decode_spec(data: bytes) -> KVCacheSpec:
     """Parse and validate a spec from msgpack; a bad field raises `msgspec.ValidationError`."""
     return msgspec.msgpack.decode(data, type=KVCacheSpec)
+
+
+def kv_layer_shape(
+    blocks: int, slots: int, heads: int, head_dim: int, layout: str, kv_placement: str
+) -> tuple[int, ...]:
+    """The per-layer shape of a K/V (non-MLA) cache: DESIGN.md's layout table."""
+    if kv_placement == "kv_inner":
+        cell = 2 * head_dim
+        return (blocks, slots, heads, cell) if layout == "NHD" else (blocks, heads, slots, cell)
+    block = (slots, heads, head_dim) if layout == "NHD" else (heads, slots, head_dim)
+    return (2, blocks, *block) if kv_placement == "kv_first" else (blocks, 2, *block)
 
 
 def allocate_kv_caches(spec: KVCacheSpec, device: str | torch.device = "cpu") -> list[torch.Tensor]:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvxfer import STRATEGIES, KVCacheSpec, allocate_kv_caches, reshard
 from kvxfer.reference import random_global_kv, write_rank_cells
+from kvxfer.spec import KV_PLACEMENTS
 
 POISON_BYTE = 0xA5
 
@@ -134,7 +135,7 @@ def geometries(draw: st.DrawFn) -> dict:
             tp=draw(_valid_tp(heads)),
             block_size=draw(st.sampled_from([1, 2, 3, 5, 8, 16, 32, 48])),
             layout=draw(st.sampled_from(["NHD", "HND"])),
-            placement=draw(st.sampled_from(["kv_first", "blocks_first"])),
+            placement=draw(st.sampled_from(KV_PLACEMENTS)),
         )
         for _ in range(2)
     ]

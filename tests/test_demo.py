@@ -37,6 +37,8 @@ def run_demo(*args: str) -> tuple[int, dict]:
                 "32",
                 "--decode-block-size",
                 "16",
+                "--prefill-placement",
+                "kv_inner",
                 "--decode-placement",
                 "blocks_first",
                 "--prompt-tokens",
@@ -44,7 +46,7 @@ def run_demo(*args: str) -> tuple[int, dict]:
                 "--decode-tokens",
                 "6",
             ],
-            id="P3-D4-bs32-bs16",
+            id="P3-D4-bs32-bs16-kv_inner-blocks_first",
         ),
         pytest.param(
             [

@@ -8,6 +8,7 @@ import torch
 
 from kvxfer.integrations.kv_tensors import EngineGeometry, spec_from_layers
 from kvxfer.integrations.settings import ConnectorSettings
+from kvxfer.kernels import canonical_kv_view
 from kvxfer.plan import CostModel
 
 GEOMETRY = EngineGeometry(total_kv_heads=8, head_dim=16, block_size=4, tp_size=2, tp_rank=1)
@@ -50,12 +51,35 @@ def test_layout_is_read_from_strides_whatever_the_logical_shape(
         assert tuple(view.shape) == spec.layer_shape and view.is_contiguous()
 
 
+@pytest.mark.parametrize(
+    ("vllm_layout", "physical", "layout"),
+    [("LBNHC", (0, 2, 1, 3), "NHD"), ("LBHNC", (0, 1, 2, 3), "HND")],
+)
+def test_vllm_bhnc_views_are_kv_inner(vllm_layout, physical, layout):
+    """vLLM >= 0.2x registers `[B, H, N, 2 * head_dim]` views of a layer-compact allocation."""
+    logical_shape = (BLOCKS, HEADS, 4, 32)
+    memory = torch.empty([logical_shape[a] for a in physical], dtype=torch.bfloat16)
+    logical = memory.permute([physical.index(a) for a in range(4)])
+    spec, (view,) = spec_from_layers([logical], GEOMETRY)
+    assert (spec.layout, spec.kv_placement, spec.num_blocks) == (layout, "kv_inner", BLOCKS)
+    assert view.data_ptr() == memory.data_ptr() and tuple(view.shape) == spec.layer_shape
+    # K is the first half of a cell, V the second: what the engine writes is what kvxfer reads.
+    bits = torch.arange(logical.numel(), dtype=torch.int16).view(logical_shape)
+    logical.view(torch.int16).copy_(bits)
+    cells = canonical_kv_view(view, spec.layout, spec.kv_placement, spec.mla).view(torch.int16)
+    for plane in (0, 1):  # canonical [plane, block, slot, head, dim] vs logical [B, H, N, C]
+        expected = bits[..., plane * 16 : (plane + 1) * 16].permute(0, 2, 1, 3)
+        assert torch.equal(cells[plane], expected)
+
+
 def test_mla_latent_cache():
     geometry = EngineGeometry(1, 576, 16, tp_size=4, tp_rank=3, mla=True)
     layers = [torch.empty(10, 16, 576, dtype=torch.float16) for _ in range(2)]
     spec, views = spec_from_layers(layers, geometry)
     assert spec.mla and spec.num_blocks == 10 and spec.head_dim == 576
     assert [v.data_ptr() for v in views] == [t.data_ptr() for t in layers]
+    vllm_views = [t.unsqueeze(1) for t in layers]  # vLLM >= 0.2x: [B, 1, N, latent]
+    assert spec_from_layers(vllm_views, geometry)[0] == spec
 
 
 def test_bad_tensors_get_errors_that_say_what_is_wrong():
@@ -73,6 +97,14 @@ def test_bad_tensors_get_errors_that_say_what_is_wrong():
         spec_from_layers([good, hnd], GEOMETRY)
     with pytest.raises(ValueError, match="no KV cache tensors"):
         spec_from_layers([], GEOMETRY)
+    # vLLM's heads-outermost (LHBNC) and block-outermost (BLNHC) layouts: the fix is named.
+    heads_outer = torch.empty(HEADS, BLOCKS, 4, 32, dtype=torch.bfloat16).permute(1, 0, 2, 3)
+    with pytest.raises(ValueError, match=r"memory order.*VLLM_KV_CACHE_LAYOUT=LBNHC"):
+        spec_from_layers([heads_outer], GEOMETRY)
+    two_layers = torch.empty(BLOCKS, 2, 4, HEADS, 32, dtype=torch.bfloat16)
+    layer_of_block = two_layers[:, 0].permute(0, 2, 1, 3)
+    with pytest.raises(ValueError, match=r"not dense.*VLLM_KV_CACHE_LAYOUT=LBNHC"):
+        spec_from_layers([layer_of_block], GEOMETRY)
 
 
 def test_settings_defaults_and_parsing():

@@ -12,6 +12,7 @@ from kvxfer.plan import STRATEGIES, CostModel, build_program, plan_pairs, route_
 from kvxfer.plan.heads import heads_of_rank
 from kvxfer.plan.program import program_shape
 from kvxfer.plan.segments import Segments, coalesce, count_segments, layer_template
+from kvxfer.spec import KV_PLACEMENTS
 
 
 @pytest.mark.parametrize(
@@ -114,9 +115,7 @@ def test_direct_splits_heads_when_layouts_differ():
 @given(
     strategy=st.sampled_from(STRATEGIES),
     layouts=st.tuples(st.sampled_from(["NHD", "HND"]), st.sampled_from(["NHD", "HND"])),
-    placements=st.tuples(
-        st.sampled_from(["kv_first", "blocks_first"]), st.sampled_from(["kv_first", "blocks_first"])
-    ),
+    placements=st.tuples(st.sampled_from(KV_PLACEMENTS), st.sampled_from(KV_PLACEMENTS)),
     block_sizes=st.tuples(st.sampled_from([1, 3, 4, 16]), st.sampled_from([1, 2, 8, 16])),
     tokens=st.integers(1, 50),
     contiguous=st.booleans(),

@@ -81,6 +81,8 @@ def test_decoding_validates():
         ("HND", "kv_first", (2, 10, 2, 16, 16)),
         ("NHD", "blocks_first", (10, 2, 16, 2, 16)),
         ("HND", "blocks_first", (10, 2, 2, 16, 16)),
+        ("NHD", "kv_inner", (10, 16, 2, 32)),
+        ("HND", "kv_inner", (10, 2, 16, 32)),
     ],
 )
 def test_allocate_follows_the_layout_contract(layout, placement, shape):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kvxfer.examples.model import ModelConfig, ShardedModel, init_weights
-from kvxfer.spec import KVCacheSpec, allocate_kv_caches
+from kvxfer.spec import KV_PLACEMENTS, KVCacheSpec, allocate_kv_caches
 
 REQUEST = "demo-request"
 
@@ -389,7 +389,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         )
         p.add_argument(
             f"--{side}-placement",
-            choices=["kv_first", "blocks_first"],
+            choices=list(KV_PLACEMENTS),
             default=getattr(d, f"{side}_placement"),
         )
     p.add_argument("--model", choices=["gqa", "mla"], default=d.model)

@@ -1,17 +1,21 @@
 """Read a serving engine's per-layer KV cache tensors as kvxfer's layout contract.
 
-Engines hand connectors one tensor per attention layer in the attention backend's *logical*
-shape and apply the backend's preferred memory order through strides (vLLM allocates the
-physical order and permutes it to the logical shape). kvxfer needs the *physical* order, so it
-is read from the strides, never assumed: any layout on either side is accepted, which is what
-lets a prefill engine on one backend feed a decode engine on another.
+Engines hand connectors one tensor per attention layer in a *logical* shape and apply their
+preferred memory order through strides (vLLM allocates the physical order and views it in the
+logical shape). kvxfer needs the *physical* order, so it is read from the strides, never
+assumed: any layout on either side is accepted, which is what lets a prefill engine with one
+backend and layout feed a decode engine with another.
 
-Logical shapes understood (vLLM's attention backends):
-    `[2, num_blocks, block_size, heads, head_dim]`   K/V first (FlashAttention)
-    `[num_blocks, 2, block_size, heads, head_dim]`   blocks first (FlashInfer, Triton)
+Logical shapes understood:
+    `[num_blocks, heads, block_size, 2 * head_dim]`  vLLM >= 0.2x (`[B, H, N, C]`: K then V
+                                                      in each cell); MLA: `heads` = 1, C = latent
+    `[2, num_blocks, block_size, heads, head_dim]`   K/V planes first (older vLLM, FlashAttention)
+    `[num_blocks, 2, block_size, heads, head_dim]`   blocks first (older FlashInfer, Triton)
     `[num_blocks, block_size, head_dim]`             MLA latent cache
-Physical orders accepted: K/V or blocks outermost, then (slot, head) or (head, slot), then the
-head's elements contiguous: the four non-MLA layouts of DESIGN.md's table.
+Physical orders accepted: blocks (or K/V planes) outermost, then (slot, head) or (head, slot),
+then each head's elements: vLLM's layer-compact layouts LBNHC (NHD) and LBHNC (HND), and the
+four 5-D layouts of DESIGN.md's table. Block-outermost layouts (BLNHC, ...) interleave layers
+within a block and are refused with the setting that avoids them.
 """
 
 from __future__ import annotations
@@ -23,14 +27,20 @@ import torch
 
 from kvxfer.spec import KVCacheSpec
 
-# Axis roles of a 5-D cache tensor.
-_KV, _BLOCK, _SLOT, _HEAD, _DIM = "kv", "block", "slot", "head", "dim"
+# Axis roles of a cache tensor.
+_KV, _BLOCK, _SLOT, _HEAD, _DIM, _CELL = "kv", "block", "slot", "head", "dim", "cell"
 _PHYSICAL_ORDERS: dict[tuple[str, ...], tuple[str, str]] = {
     (_KV, _BLOCK, _SLOT, _HEAD, _DIM): ("NHD", "kv_first"),
     (_KV, _BLOCK, _HEAD, _SLOT, _DIM): ("HND", "kv_first"),
     (_BLOCK, _KV, _SLOT, _HEAD, _DIM): ("NHD", "blocks_first"),
     (_BLOCK, _KV, _HEAD, _SLOT, _DIM): ("HND", "blocks_first"),
+    (_BLOCK, _SLOT, _HEAD, _CELL): ("NHD", "kv_inner"),  # vLLM LBNHC
+    (_BLOCK, _HEAD, _SLOT, _CELL): ("HND", "kv_inner"),  # vLLM LBHNC
 }
+_LAYOUT_FIX = (
+    "on vLLM start the engine with VLLM_KV_CACHE_LAYOUT=LBNHC (or LBHNC), the layer-compact "
+    "layouts, in which each layer is one dense tensor"
+)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -62,55 +72,72 @@ def physical_layer(tensor: torch.Tensor, geometry: EngineGeometry) -> tuple[torc
             what was found and what was expected.
     """
     if geometry.mla:
-        if tensor.dim() != 3 or tensor.shape[1:] != (geometry.block_size, geometry.head_dim):
-            raise ValueError(
-                f"MLA cache tensor has shape {tuple(tensor.shape)}; expected [num_blocks, "
-                f"{geometry.block_size}, {geometry.head_dim}] (block_size, latent width)"
-            )
-        return _contiguous_or_fail(tensor, "MLA cache tensor"), "NHD", "kv_first"
-    if tensor.dim() != 5:
-        raise ValueError(
-            f"cache tensor has {tensor.dim()} dims (shape {tuple(tensor.shape)}); expected a 5-D "
-            "[2, blocks, block_size, heads, head_dim] or [blocks, 2, ...] attention cache"
-        )
+        return _mla_layer(tensor, geometry), "NHD", "kv_first"
     roles = _logical_roles(tensor, geometry)
     # Physical order: outermost axis first. Ties (size-1 axes) keep the logical order.
     strides = tensor.stride()
-    order = sorted(range(5), key=lambda axis: (-strides[axis], axis))
+    order = sorted(range(tensor.dim()), key=lambda axis: (-strides[axis], axis))
     physical = tuple(roles[axis] for axis in order)
     found = _PHYSICAL_ORDERS.get(physical)
     if found is None:
         raise ValueError(
             f"cache tensor's memory order is {physical} (strides {tensor.stride()}); kvxfer "
-            f"reads {sorted(_PHYSICAL_ORDERS)}: K/V or blocks outermost, head elements innermost"
+            f"reads blocks or K/V outermost and head elements innermost; {_LAYOUT_FIX}"
         )
     return _contiguous_or_fail(tensor.permute(order), "cache tensor"), *found
 
 
+def _mla_layer(tensor: torch.Tensor, geometry: EngineGeometry) -> torch.Tensor:
+    latent = (geometry.block_size, geometry.head_dim)
+    if tensor.dim() == 4 and tensor.shape[1] == 1:  # vLLM >= 0.2x: [B, 1, N, C]
+        tensor = tensor.squeeze(1)
+    if tensor.dim() != 3 or tuple(tensor.shape[1:]) != latent:
+        raise ValueError(
+            f"MLA cache tensor has shape {tuple(tensor.shape)}; expected [num_blocks, "
+            f"{geometry.block_size}, {geometry.head_dim}] or [num_blocks, 1, "
+            f"{geometry.block_size}, {geometry.head_dim}] (block_size, latent width)"
+        )
+    return _contiguous_or_fail(tensor, "MLA cache tensor")
+
+
 def _logical_roles(tensor: torch.Tensor, geometry: EngineGeometry) -> list[str]:
     heads = max(1, geometry.total_kv_heads // geometry.tp_size)
-    tail = (geometry.block_size, heads, geometry.head_dim)
-    if tuple(tensor.shape[2:]) != tail:
+    shape = tuple(tensor.shape)
+    if tensor.dim() == 4:
+        cell = (heads, geometry.block_size, 2 * geometry.head_dim)
+        if shape[1:] != cell:
+            raise ValueError(
+                f"cache tensor has shape {shape}; a [blocks, heads, block_size, 2 * head_dim] "
+                f"view needs {cell} after the blocks; check block_size and the "
+                "tensor-parallel size the connector was configured with"
+            )
+        return [_BLOCK, _HEAD, _SLOT, _CELL]
+    if tensor.dim() != 5:
         raise ValueError(
-            f"cache tensor has shape {tuple(tensor.shape)}; its last three axes should be "
+            f"cache tensor has {tensor.dim()} dims (shape {shape}); expected [blocks, heads, "
+            "block_size, 2 * head_dim], [2, blocks, block_size, heads, head_dim] or "
+            "[blocks, 2, block_size, heads, head_dim]"
+        )
+    tail = (geometry.block_size, heads, geometry.head_dim)
+    if shape[2:] != tail:
+        raise ValueError(
+            f"cache tensor has shape {shape}; its last three axes should be "
             f"(block_size, heads per rank, head_dim) = {tail}; check block_size and the "
             "tensor-parallel size the connector was configured with"
         )
-    if tensor.shape[0] == 2:
+    if shape[0] == 2:
         return [_KV, _BLOCK, _SLOT, _HEAD, _DIM]
-    if tensor.shape[1] == 2:
+    if shape[1] == 2:
         return [_BLOCK, _KV, _SLOT, _HEAD, _DIM]
-    raise ValueError(
-        f"cache tensor has shape {tuple(tensor.shape)}; no K/V axis of size 2 among the first "
-        "two axes"
-    )
+    raise ValueError(f"cache tensor has shape {shape}; no K/V axis of size 2 among the first two")
 
 
 def _contiguous_or_fail(tensor: torch.Tensor, what: str) -> torch.Tensor:
     if not tensor.is_contiguous():
         raise ValueError(
             f"{what} is not dense in its physical order (shape {tuple(tensor.shape)}, strides "
-            f"{tensor.stride()}); kvxfer registers each layer as one memory region"
+            f"{tensor.stride()}); kvxfer registers each layer as one memory region: "
+            f"{_LAYOUT_FIX}"
         )
     return tensor
 
@@ -143,7 +170,7 @@ def spec_from_layers(
             f"cache dtype {dtype} is not supported; use one of {sorted(_DTYPE_NAMES.values())}"
         )
     first = views[0]
-    num_blocks = first.shape[0] if geometry.mla or placement == "blocks_first" else first.shape[1]
+    num_blocks = first.shape[1] if not geometry.mla and placement == "kv_first" else first.shape[0]
     spec = KVCacheSpec(
         num_layers=len(views),
         num_kv_heads=1 if geometry.mla else geometry.total_kv_heads,

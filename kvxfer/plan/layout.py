@@ -14,7 +14,7 @@ from typing import Literal
 
 import numpy as np
 
-from kvxfer.spec import KVCacheSpec
+from kvxfer.spec import KVCacheSpec, kv_layer_shape
 
 RegionKind = Literal["cache", "staging"]
 
@@ -24,7 +24,7 @@ class BlockGeometry:
     """The memory layout of one layer of a paged KV buffer."""
 
     layout: str  # "NHD" | "HND"
-    kv_placement: str  # "kv_first" | "blocks_first"
+    kv_placement: str  # "kv_first" | "blocks_first" | "kv_inner"
     mla: bool
     num_blocks: int
     block_size: int
@@ -57,8 +57,7 @@ class BlockGeometry:
         b, s, h, d = self.num_blocks, self.block_size, self.num_heads, self.head_dim
         if self.mla:
             return (b, s, d)
-        block = (s, h, d) if self.layout == "NHD" else (h, s, d)
-        return (2, b, *block) if self.kv_placement == "kv_first" else (b, 2, *block)
+        return kv_layer_shape(b, s, h, d, self.layout, self.kv_placement)
 
     @property
     def layer_elements(self) -> int:
@@ -76,8 +75,12 @@ class BlockGeometry:
         s, h, d = self.block_size, self.num_heads, self.head_dim
         if self.mla:
             return (0, s * d, d, 0)
-        slot, head = (h * d, d) if self.layout == "NHD" else (d, s * d)
         block_elems = s * h * d
+        if self.kv_placement == "kv_inner":  # a (slot, head) row holds K then V
+            row = 2 * d
+            slot, head = (h * row, row) if self.layout == "NHD" else (row, s * row)
+            return (d, 2 * block_elems, slot, head)
+        slot, head = (h * d, d) if self.layout == "NHD" else (d, s * d)
         if self.kv_placement == "kv_first":
             return (self.num_blocks * block_elems, block_elems, slot, head)
         return (block_elems, 2 * block_elems, slot, head)

@@ -2,9 +2,10 @@
 
 Each engine is a real `Scheduler` (its scheduler-side connector created by vLLM's connector
 factory from the kv-transfer config) plus one process per TP rank standing in for the model
-runner: it builds its worker-side connector through the same factory, registers CPU KV tensors
-in its attention backend's logical shape and memory order, and per step does what vLLM's model
-runner does around a forward pass (bind metadata, start loads, "compute" KV, wait for saves,
+runner: it builds its worker-side connector through the same factory, allocates its KV tensors
+with vLLM's own allocator (`allocate_kv_cache`, `[blocks, heads, block_size, 2 * head_dim]` views
+in the engine's layout) on CPU and registers them, and per step does what vLLM's model runner
+does around a forward pass (bind metadata, start loads, "compute" KV, wait for saves,
 report finished transfers and load errors). The "model" writes a KV value that is a hash of
 (token, position, layer, plane, head, dim), so any rank can check any cell bit for bit.
 """
@@ -101,7 +102,7 @@ class EngineSpec:
     block_size: int
     role: str  # kv_producer | kv_consumer
     num_blocks: int
-    backend_layout: str  # flash_attn_nhd | flashinfer_hnd
+    kv_cache_layout: str  # vLLM's KVCacheLayout: LBNHC (NHD) or LBHNC (HND)
     extra: dict[str, Any] = field(default_factory=dict)
     load_failure_policy: str = "recompute"  # vLLM's default is "fail"
 
@@ -142,13 +143,16 @@ def vllm_config(model_dir: str, spec: EngineSpec, rank: int = 0) -> Any:
         ),
     )
     config.cache_config.num_gpu_blocks = spec.num_blocks
+    # What the engine core resolves from the attention backends (resolve_kv_cache_layout).
+    config.cache_config.kv_cache_layout = spec.kv_cache_layout
     config.parallel_config.rank = rank
     return config
 
 
-def kv_cache_config(spec: EngineSpec) -> Any:
-    """One full-attention group holding every layer, as vLLM builds it for this model."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+def kv_cache_config(spec: EngineSpec, config: Any) -> Any:
+    """One full-attention group holding every layer, planned by vLLM for `num_blocks` blocks."""
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
     attention = FullAttentionSpec(
         block_size=spec.block_size,
@@ -156,11 +160,9 @@ def kv_cache_config(spec: EngineSpec) -> Any:
         head_size=HEAD_DIM,
         dtype=torch.bfloat16,
     )
-    return KVCacheConfig(
-        num_blocks=spec.num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, attention)],
-    )
+    memory = attention.page_size_bytes * spec.num_blocks * len(LAYER_NAMES)
+    groups = [KVCacheGroupSpec(LAYER_NAMES, attention)]
+    return get_kv_cache_config_from_groups(config, groups, memory)
 
 
 def rank_heads(tp: int, rank: int) -> list[int]:
@@ -184,28 +186,25 @@ def expected_kv(token_ids: list[int], positions: range, heads: list[int]) -> tor
     return torch.from_numpy(bits.copy())
 
 
-def allocate_layer(spec: EngineSpec) -> torch.Tensor:
-    """One layer's cache in the backend's logical shape, memory in its preferred order."""
-    heads = max(1, KV_HEADS // spec.tp)
-    n, b = spec.num_blocks, spec.block_size
-    if spec.backend_layout == "flash_attn_nhd":  # [2, blocks, slot, head, dim], dense
-        physical = torch.empty(2, n, b, heads, HEAD_DIM, dtype=torch.bfloat16)
-        logical = physical
-    elif spec.backend_layout == "flashinfer_hnd":
-        # Physical [blocks, 2, head, slot, dim], viewed as the logical [blocks, 2, slot, ...].
-        physical = torch.empty(n, 2, heads, b, HEAD_DIM, dtype=torch.bfloat16)
-        logical = physical.permute(0, 1, 3, 2, 4)
-    else:
-        raise ValueError(spec.backend_layout)
-    physical.view(torch.uint8).fill_(POISON)
-    return logical
+def allocate_caches(spec: EngineSpec, config: Any) -> dict[str, torch.Tensor]:
+    """The layer tensors exactly as vLLM's model runner allocates and registers them
+    (`[blocks, heads, block_size, 2 * head_dim]` views in the resolved layout), poisoned."""
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    caches = allocate_kv_cache(
+        kv_cache_config(spec, config),
+        torch.device("cpu"),
+        config.cache_config.get_resolved_kv_cache_layout(),
+    )
+    for tensor in caches.values():
+        tensor.view(torch.uint8).fill_(POISON)
+    return caches
 
 
-def _cells(layer: torch.Tensor, spec: EngineSpec, blocks: torch.Tensor, slots: torch.Tensor):
-    """Index tuple of (plane-major) cells in the logical view: returns a function of plane."""
-    if spec.backend_layout == "flash_attn_nhd":
-        return lambda plane: (plane, blocks, slots)
-    return lambda plane: (blocks, plane, slots)
+def _cells(cache: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor, plane: int):
+    """A copy of one plane of tokens' cells, `[tokens, heads, head_dim]`, from a `[B, H, N, 2D]`
+    view (K is the first half of a cell, V the second)."""
+    return cache.view(torch.int16)[blocks, :, slots, plane * HEAD_DIM : (plane + 1) * HEAD_DIM]
 
 
 def write_kv(caches, spec, rank, token_ids, block_ids, start, end) -> None:
@@ -217,9 +216,9 @@ def write_kv(caches, spec, rank, token_ids, block_ids, start, end) -> None:
     ids = torch.as_tensor(block_ids, dtype=torch.int64)
     blocks, slots = ids[positions // spec.block_size], positions % spec.block_size
     for layer, cache in enumerate(caches):
-        index = _cells(cache, spec, blocks, slots)
-        for plane in (0, 1):
-            cache.view(torch.int16)[index(plane)] = values[layer, plane]
+        for plane in (0, 1):  # advanced indexing reads copies: write through the index
+            dims = slice(plane * HEAD_DIM, (plane + 1) * HEAD_DIM)
+            cache.view(torch.int16)[blocks, :, slots, dims] = values[layer, plane]
 
 
 def mismatched_tokens(caches, spec, rank, token_ids, block_ids, num_tokens) -> list[int]:
@@ -230,9 +229,8 @@ def mismatched_tokens(caches, spec, rank, token_ids, block_ids, num_tokens) -> l
     blocks, slots = ids[positions // spec.block_size], positions % spec.block_size
     bad = torch.zeros(num_tokens, dtype=torch.bool)
     for layer, cache in enumerate(caches):
-        index = _cells(cache, spec, blocks, slots)
         for plane in (0, 1):
-            got = cache.view(torch.int16)[index(plane)]
+            got = _cells(cache, blocks, slots, plane)
             bad |= (got != expected[layer, plane]).flatten(1).any(dim=1)
     return [int(p) for p in torch.nonzero(bad).flatten()]
 
@@ -244,10 +242,11 @@ def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int) -> None:
 
     config = vllm_config(model_dir, spec, rank)
     connector = KVConnectorFactory.create_connector(
-        config, KVConnectorRole.WORKER, kv_cache_config(spec)
+        config, KVConnectorRole.WORKER, kv_cache_config(spec, config)
     )
-    caches = [allocate_layer(spec) for _ in LAYER_NAMES]
-    connector.register_kv_caches(dict(zip(LAYER_NAMES, caches, strict=True)))
+    registered = allocate_caches(spec, config)
+    connector.register_kv_caches(registered)
+    caches = [registered[name] for name in LAYER_NAMES]
     conn.send(("ready", rank))
     while True:
         command, *args = conn.recv()
@@ -276,6 +275,8 @@ class Engine:
 
     def __init__(self, model_dir: str, spec: EngineSpec) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
@@ -283,10 +284,16 @@ class Engine:
         config = vllm_config(model_dir, spec)
         self.scheduler = Scheduler(
             vllm_config=config,
-            kv_cache_config=kv_cache_config(spec),
+            kv_cache_config=kv_cache_config(spec, config),
             structured_output_manager=StructuredOutputManager(config),
             block_size=spec.block_size,
             log_stats=True,
+        )
+        # Block hashes for prefix caching, as vLLM's EngineCore gives every request.
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(
+            spec.block_size, hash_fn, config.num_hash_lookahead_tokens
         )
         self.free_blocks_at_start = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         self.aggregator = KVOutputAggregator(spec.tp)
@@ -318,7 +325,8 @@ class Engine:
 
         extra = {"kv_transfer_params": params} if params is not None else None
         sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
-        self.scheduler.add_request(Request(request_id, prompt, sampling, None))
+        request = Request(request_id, prompt, sampling, None, block_hasher=self.block_hasher)
+        self.scheduler.add_request(request)
 
     def step(self) -> list[Any]:
         """One engine step: schedule, run every rank, aggregate, update; the step's outputs."""

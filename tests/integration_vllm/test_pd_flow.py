@@ -1,7 +1,7 @@
-"""vLLM's Scheduler drives a prefill engine (TP 2, blocks of 16, FlashAttention's NHD layout) and a
-decode engine (TP 3, blocks of 32, FlashInfer's HND layout) through the P/D flow with kvxfer's
-connector on both sides: TP sizes that do not divide each other, different block sizes and
-layouts. Runs in the separate vLLM environment (`make test-vllm`)."""
+"""vLLM's Scheduler drives a prefill engine (TP 2, blocks of 16, KV cache layout LBNHC) and a decode
+engine (TP 3, blocks of 32, layout LBHNC) through the P/D flow with kvxfer's connector on both
+sides: TP sizes that do not divide each other, different block sizes and layouts, KV tensors
+allocated by vLLM's own allocator. Runs in the separate vLLM environment (`make test-vllm`)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def engines(tmp_path_factory):
             16,
             "kv_producer",
             64,
-            "flash_attn_nhd",
+            "LBNHC",
             {**common, "side_channel_port": port, "request_timeout_s": 120},
         ),
     )
@@ -49,7 +49,7 @@ def engines(tmp_path_factory):
             DECODE_BLOCK,
             "kv_consumer",
             48,
-            "flashinfer_hnd",
+            "LBHNC",
             {**common, "fetch_timeout_s": 5},
         ),
     )
@@ -156,7 +156,21 @@ def test_pd_flow_moves_kv_bit_exact_and_frees_blocks(engines):
 
 def test_failed_load_reports_exactly_its_blocks_and_vllm_recomputes(engines):
     _, decode, port = engines
-    prompt = _prompt(4, 70)
+    finished: set[str] = set()
+    first_compute: dict[str, int] = {}
+
+    def follow(engine, outputs):
+        for request_id, count in engine.last_scheduled.items():
+            first_compute.setdefault(request_id, count)
+        finished.update(o.request_id for o in outputs if o.finish_reason is not None)
+
+    # A request computed on the decode engine itself leaves two full blocks in its prefix cache.
+    shared = _prompt(5, 2 * DECODE_BLOCK)
+    decode.add("req-local", [*shared, *_prompt(6, 10)], max_tokens=1, params=None)
+    _run_until(lambda: "req-local" in finished, [decode], on_step=follow)
+
+    # A remote prefill of a prompt that starts with those blocks, whose KV never arrives.
+    prompt = [*shared, *_prompt(7, 6)]
     lost = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -170,22 +184,14 @@ def test_failed_load_reports_exactly_its_blocks_and_vllm_recomputes(engines):
     }
     decode.add("req-lost", prompt, max_tokens=2, params=lost)
     errors_before = len(decode.invalid_block_ids)
-    decode.step()  # allocates the blocks and starts the load
+    decode.step()  # allocates the blocks and starts loading the tokens past the local hit
     load_blocks = list(decode.scheduler.kv_cache_manager.get_block_ids("req-lost")[0])
     _run_until(lambda: "req-lost" in decode.finished_recving, [decode], timeout=30)
-    # Each decode rank reports its failed blocks; vLLM sees exactly the load's blocks.
-    expected = set(load_blocks[: -(-len(prompt) // DECODE_BLOCK)])
+    # Each decode rank reports its failed blocks; vLLM sees exactly the block the load was to
+    # fill (tokens 64-69), not the two blocks its own prefix cache supplied.
     reported = decode.invalid_block_ids[errors_before:]
-    assert reported and set().union(*reported) == expected
-
-    finished: set[str] = set()
-    first_compute: dict[str, int] = {}
-
-    def follow(engine, outputs):
-        for request_id, count in engine.last_scheduled.items():
-            first_compute.setdefault(request_id, count)
-        finished.update(o.request_id for o in outputs if o.finish_reason is not None)
+    assert reported and set().union(*reported) == {load_blocks[2]}
 
     _run_until(lambda: "req-lost" in finished, [decode], on_step=follow)
-    assert first_compute["req-lost"] == len(prompt), "vLLM should recompute the whole prompt"
+    assert first_compute["req-lost"] == len(prompt) - 2 * DECODE_BLOCK, "recompute the tail only"
     assert decode.free_blocks() == decode.free_blocks_at_start

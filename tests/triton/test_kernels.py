@@ -23,11 +23,12 @@ from kvxfer.kernels import (
     wire_kv_buffer,
 )
 from kvxfer.reference import random_global_kv, write_rank_cells
+from kvxfer.spec import KV_PLACEMENTS
 
 DTYPES = ["float16", "bfloat16", "float32"]
 GEOMETRIES = [
     pytest.param(layout, placement, False, id=f"{layout}-{placement}")
-    for layout, placement in itertools.product(["NHD", "HND"], ["kv_first", "blocks_first"])
+    for layout, placement in itertools.product(["NHD", "HND"], KV_PLACEMENTS)
 ] + [pytest.param("NHD", "kv_first", True, id="MLA")]
 TOKENS, START = 13, 2  # odd sizes on purpose: partial first and last blocks
 
