@@ -450,20 +450,24 @@ class _WorkerSide:
     def _load(self, load: LoadSpec) -> TransferResult:
         try:
             consumer = self._consumer_for(load)
+            return consumer.fetch(
+                load.remote_request_id,
+                load.block_ids,
+                load.num_tokens,
+                load.start_token,
+                timeout=self._settings.fetch_timeout_s,
+            ).wait()
         except Exception as exc:  # unreachable or incompatible prefill: every block fails
-            log.warning("kvxfer: cannot reach engine %s: %s", load.remote_engine_id, exc)
+            log.warning(
+                "kvxfer: load of %s from engine %s failed before any transfer: %s",
+                load.request_id,
+                load.remote_engine_id,
+                exc,
+            )
             failed = blocks_of_tokens(
                 load.block_ids, self._geometry.block_size, load.start_token, load.num_tokens
             )
-            return TransferResult(False, failed, 0, 0, "", 0.0, [f"handshake: {exc}"])
-        handle = consumer.fetch(
-            load.remote_request_id,
-            load.block_ids,
-            load.num_tokens,
-            load.start_token,
-            timeout=self._settings.fetch_timeout_s,
-        )
-        return handle.wait()
+            return TransferResult(False, failed, 0, 0, "", 0.0, [f"{type(exc).__name__}: {exc}"])
 
     def _consumer_for(self, load: LoadSpec) -> KVConsumer:
         with self._consumers_lock:

@@ -50,7 +50,7 @@ def engines(tmp_path_factory):
             "kv_consumer",
             48,
             "LBHNC",
-            {**common, "fetch_timeout_s": 5},
+            {**common, "fetch_timeout_s": 5, "handshake_timeout_s": 2},
         ),
     )
     try:
@@ -65,6 +65,21 @@ def engines(tmp_path_factory):
 def _prompt(seed: int, length: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(VOCAB) for _ in range(length)]
+
+
+def _remote_params(engine_id: str, request_id: str, port: int, num_tokens: int) -> dict:
+    """What a prefill engine's `request_finished` returns, for a request it may not hold."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": port,
+        "remote_block_ids": [],
+        "remote_num_tokens": num_tokens,
+        "tp_size": PREFILL_TP,
+    }
 
 
 def _run_until(condition, engines, timeout: float = 90.0, on_step=None) -> None:
@@ -171,17 +186,8 @@ def test_failed_load_reports_exactly_its_blocks_and_vllm_recomputes(engines):
 
     # A remote prefill of a prompt that starts with those blocks, whose KV never arrives.
     prompt = [*shared, *_prompt(7, 6)]
-    lost = {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": "prefill-engine",
-        "remote_request_id": "never-published",  # the prefill engine lost this request
-        "remote_host": "127.0.0.1",
-        "remote_port": port,
-        "remote_block_ids": [],
-        "remote_num_tokens": len(prompt),
-        "tp_size": PREFILL_TP,
-    }
+    # The prefill engine is up but never published this request (lost it).
+    lost = _remote_params("prefill-engine", "never-published", port, len(prompt))
     decode.add("req-lost", prompt, max_tokens=2, params=lost)
     errors_before = len(decode.invalid_block_ids)
     decode.step()  # allocates the blocks and starts loading the tokens past the local hit
@@ -194,4 +200,27 @@ def test_failed_load_reports_exactly_its_blocks_and_vllm_recomputes(engines):
 
     _run_until(lambda: "req-lost" in finished, [decode], on_step=follow)
     assert first_compute["req-lost"] == len(prompt) - 2 * DECODE_BLOCK, "recompute the tail only"
+    assert decode.free_blocks() == decode.free_blocks_at_start
+
+
+def test_unreachable_prefill_engine_fails_every_block_of_the_load(engines):
+    _, decode, _ = engines
+    prompt = _prompt(8, 40)
+    # Nothing listens where this engine is said to be.
+    nowhere = _remote_params("gone-engine", "req-x", free_port_base(PREFILL_TP), len(prompt))
+    decode.add("req-nowhere", prompt, max_tokens=1, params=nowhere)
+    errors_before = len(decode.invalid_block_ids)
+    decode.step()
+    load_blocks = list(decode.scheduler.kv_cache_manager.get_block_ids("req-nowhere")[0])
+    _run_until(lambda: "req-nowhere" in decode.finished_recving, [decode], timeout=30)
+    reported = decode.invalid_block_ids[errors_before:]
+    assert reported and set().union(*reported) == set(load_blocks[:2])  # 40 tokens, blocks of 32
+    finished: set[str] = set()
+    _run_until(
+        lambda: "req-nowhere" in finished,
+        [decode],
+        on_step=lambda _, outs: finished.update(
+            o.request_id for o in outs if o.finish_reason is not None
+        ),
+    )
     assert decode.free_blocks() == decode.free_blocks_at_start
