@@ -43,7 +43,7 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
         num_blocks: blocks per layer tensor.
         layout: "NHD" (tokens, heads) or "HND" (heads, tokens) inside a block.
         kv_placement: "kv_first" (`[2, blocks, ...]`), "blocks_first" (`[blocks, 2, ...]`) or
-            "kv_inner" (K then V in each head's row: `[blocks, ..., 2 * head_dim]`, vLLM >= 0.2x).
+            "kv_inner" (K then V in each head's row: `[blocks, ..., 2 * head_dim]`, vLLM 0.33).
         mla: one latent plane `[num_blocks, block_size, head_dim]`, the same on every rank;
             `layout` and `kv_placement` are then ignored.
 

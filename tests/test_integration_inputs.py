@@ -56,7 +56,7 @@ def test_layout_is_read_from_strides_whatever_the_logical_shape(
     [("LBNHC", (0, 2, 1, 3), "NHD"), ("LBHNC", (0, 1, 2, 3), "HND")],
 )
 def test_vllm_bhnc_views_are_kv_inner(vllm_layout, physical, layout):
-    """vLLM >= 0.2x registers `[B, H, N, 2 * head_dim]` views of a layer-compact allocation."""
+    """vLLM 0.33 registers `[B, H, N, 2 * head_dim]` views of a layer-compact allocation."""
     logical_shape = (BLOCKS, HEADS, 4, 32)
     memory = torch.empty([logical_shape[a] for a in physical], dtype=torch.bfloat16)
     logical = memory.permute([physical.index(a) for a in range(4)])
@@ -78,7 +78,7 @@ def test_mla_latent_cache():
     spec, views = spec_from_layers(layers, geometry)
     assert spec.mla and spec.num_blocks == 10 and spec.head_dim == 576
     assert [v.data_ptr() for v in views] == [t.data_ptr() for t in layers]
-    vllm_views = [t.unsqueeze(1) for t in layers]  # vLLM >= 0.2x: [B, 1, N, latent]
+    vllm_views = [t.unsqueeze(1) for t in layers]  # vLLM 0.33: [B, 1, N, latent]
     assert spec_from_layers(vllm_views, geometry)[0] == spec
 
 

@@ -42,7 +42,7 @@ CASES = [
     _case(8, 1, 64, 16, heads=2),  # source replicates heads
     _case(8, 4, 4, 4, "NHD", "HND", heads=2),  # replicated on both sides
     _case(2, 2, 16, 16, "NHD", "NHD", "blocks_first", "blocks_first"),
-    _case(2, 3, 16, 32, "NHD", "HND", "kv_inner", "kv_inner", heads=6),  # vLLM >= 0.2x
+    _case(2, 3, 16, 32, "NHD", "HND", "kv_inner", "kv_inner", heads=6),  # vLLM 0.33's layout
     _case(4, 2, 16, 16, "HND", "NHD", "kv_first", "kv_inner", heads=4, start=5),
     _case(4, 2, 16, 48, mla=True),
     _case(3, 5, 3, 8, mla=True, start=9),

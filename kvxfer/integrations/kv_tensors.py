@@ -7,7 +7,7 @@ assumed: any layout on either side is accepted, which is what lets a prefill eng
 backend and layout feed a decode engine with another.
 
 Logical shapes understood:
-    `[num_blocks, heads, block_size, 2 * head_dim]`  vLLM >= 0.2x (`[B, H, N, C]`: K then V
+    `[num_blocks, heads, block_size, 2 * head_dim]`  vLLM 0.33 (`[B, H, N, C]`: K then V
                                                       in each cell); MLA: `heads` = 1, C = latent
     `[2, num_blocks, block_size, heads, head_dim]`   K/V planes first (older vLLM, FlashAttention)
     `[num_blocks, 2, block_size, heads, head_dim]`   blocks first (older FlashInfer, Triton)
@@ -89,7 +89,7 @@ def physical_layer(tensor: torch.Tensor, geometry: EngineGeometry) -> tuple[torc
 
 def _mla_layer(tensor: torch.Tensor, geometry: EngineGeometry) -> torch.Tensor:
     latent = (geometry.block_size, geometry.head_dim)
-    if tensor.dim() == 4 and tensor.shape[1] == 1:  # vLLM >= 0.2x: [B, 1, N, C]
+    if tensor.dim() == 4 and tensor.shape[1] == 1:  # vLLM 0.33: [B, 1, N, C]
         tensor = tensor.squeeze(1)
     if tensor.dim() != 3 or tuple(tensor.shape[1:]) != latent:
         raise ValueError(
