@@ -6,9 +6,10 @@ The layout contract (DESIGN.md) fixes the per-layer tensor shape for every combi
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NoReturn
 
 import msgspec
+import numpy as np
 import torch
 
 DType = Literal["float16", "bfloat16", "float32"]
@@ -25,8 +26,51 @@ LAYOUTS: tuple[str, ...] = ("NHD", "HND")
 KV_PLACEMENTS: tuple[str, ...] = ("kv_first", "blocks_first", "kv_inner")
 
 
-def _fail(field: str, problem: str, fix: str) -> None:
+INT_FIELDS: tuple[str, ...] = (
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "tp_size",
+    "tp_rank",
+    "block_size",
+    "num_blocks",
+)
+
+
+def _fail(field: str, problem: str, fix: str) -> NoReturn:
     raise ValueError(f"KVCacheSpec.{field}: {problem}; {fix}")
+
+
+def _as_int(field: str, value: object) -> int:
+    """`value` as a plain int: Python and numpy integers pass, bools and all else are refused."""
+    if isinstance(value, (bool, np.bool_)):
+        _fail(
+            field,
+            f"must be an integer, got the bool {value!r}",
+            "pass an int such as 1 (numpy integers are accepted too), not True/False",
+        )
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    _fail(
+        field,
+        f"must be an integer, got {value!r} of type {type(value).__name__}",
+        "pass an int (numpy integers are accepted too)",
+    )
+
+
+def _normalize(spec: KVCacheSpec, field: str, value: object) -> None:
+    """Store a plain `int`/`bool` in place of a numpy scalar, so specs encode and compare alike."""
+    given = getattr(spec, field)
+    if type(given) is type(value):
+        return
+    force_setattr = getattr(msgspec.structs, "force_setattr", None)
+    if force_setattr is None:  # msgspec < 0.18.5 cannot set a field of a frozen struct
+        _fail(
+            field,
+            f"got a {type(given).__name__}, which this msgspec version cannot convert",
+            f"pass {field}=int(...) or install msgspec>=0.18.5",
+        )
+    force_setattr(spec, field, value)
 
 
 class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,15 +108,17 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
     mla: bool = False
 
     def __post_init__(self) -> None:
+        for name in INT_FIELDS:
+            _normalize(self, name, _as_int(name, getattr(self, name)))
+        if isinstance(self.mla, np.bool_):
+            _normalize(self, "mla", bool(self.mla))
         for name in ("num_layers", "num_kv_heads", "head_dim", "tp_size", "block_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if value <= 0:
                 _fail(name, f"must be a positive integer, got {value!r}", "pass a value >= 1")
-        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int):
-            _fail("num_blocks", f"must be an integer, got {self.num_blocks!r}", "pass >= 1")
         if self.num_blocks <= 0:
             _fail("num_blocks", f"must be positive, got {self.num_blocks}", "pass >= 1")
-        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+        if not 0 <= self.tp_rank < self.tp_size:
             _fail(
                 "tp_rank",
                 f"{self.tp_rank!r} is out of range for tp_size {self.tp_size}",

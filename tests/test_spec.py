@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
@@ -63,6 +64,60 @@ def test_invalid_fields_are_named(changes, field):
         spec(**changes)
 
 
+INT_FIELDS = (
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "tp_size",
+    "tp_rank",
+    "block_size",
+    "num_blocks",
+)
+
+
+@pytest.mark.parametrize("np_type", [np.int64, np.int32, np.uint16, np.intp])
+def test_numpy_integers_are_plain_ints(np_type):
+    s = KVCacheSpec(
+        **{**{k: np_type(v) for k, v in BASE.items() if k != "dtype"}, "dtype": "bfloat16"}
+    )
+    assert s == spec()
+    assert all(type(getattr(s, name)) is int for name in INT_FIELDS)
+    assert hash(s) == hash(spec())
+    assert decode_spec(encode_spec(s)) == spec()  # msgpack cannot encode numpy scalars
+
+
+def test_numpy_bool_is_accepted_for_mla():
+    s = spec(num_kv_heads=1, mla=np.bool_(True))
+    assert s.mla is True
+    assert decode_spec(encode_spec(s)) == s
+
+
+def test_with_rank_takes_a_numpy_integer():
+    assert type(spec().with_rank(np.int64(2)).tp_rank) is int
+
+
+@pytest.mark.parametrize("field", INT_FIELDS)
+@pytest.mark.parametrize("value", [True, False, np.bool_(True)])
+def test_bools_are_refused_for_integer_fields(field, value):
+    with pytest.raises(
+        ValueError, match=rf"KVCacheSpec\.{field}: must be an integer, got the bool"
+    ):
+        spec(**{field: value})
+
+
+@pytest.mark.parametrize("value", [2.0, "2", None, np.float32(2)])
+def test_non_integers_are_refused_with_their_type(value):
+    with pytest.raises(
+        ValueError, match=r"KVCacheSpec\.num_layers: must be an integer, got .* type"
+    ):
+        spec(num_layers=value)
+
+
+def test_the_bool_message_names_the_accepted_form():
+    with pytest.raises(ValueError, match=r"tp_rank: .*; pass an int such as 1 \(numpy integers"):
+        spec(tp_rank=True)
+
+
 def test_roundtrips_through_msgpack():
     original = spec(layout="HND", kv_placement="blocks_first")
     assert decode_spec(encode_spec(original)) == original
@@ -70,6 +125,12 @@ def test_roundtrips_through_msgpack():
 
 def test_decoding_validates():
     data = msgspec.msgpack.encode({**BASE, "tp_rank": 9})
+    with pytest.raises(msgspec.ValidationError, match="tp_rank"):
+        decode_spec(data)
+
+
+def test_decoding_refuses_a_bool_rank():
+    data = msgspec.msgpack.encode({**BASE, "tp_rank": True})
     with pytest.raises(msgspec.ValidationError, match="tp_rank"):
         decode_spec(data)
 

@@ -1,12 +1,24 @@
-"""Bad input to `reshard` raises a ValueError that names the problem."""
+"""Bad input to `reshard` and to the connectors' checks raises a ValueError that names the
+problem and the fix."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from helpers import make_scenario, side_specs
 
 from kvxfer import reshard
 from kvxfer.kernels.copy_cells import INTERPRETED
+from kvxfer.validation import (
+    MAX_REQUEST_ID_BYTES,
+    check_block_ids,
+    check_host,
+    check_num_tokens,
+    check_request_id,
+    check_side_channel_address,
+    check_token_range,
+    check_transport_endpoint,
+)
 
 
 def scenario(**dst_changes):
@@ -130,3 +142,125 @@ def test_bad_entry_shape():
     sc = scenario()
     with pytest.raises(ValueError, match=r"\(spec, caches, block_ids\)"):
         reshard([s[:2] for s in sc.src], sc.dst, 30)
+
+
+# --- Checks the connectors call on their callers' input -------------------------------------
+
+
+def test_num_tokens_must_be_at_least_one():
+    with pytest.raises(ValueError, match=r"num_tokens: must be a positive integer, got 0;"):
+        check_num_tokens(0)
+    assert check_num_tokens(np.int64(5)) == 5 and type(check_num_tokens(np.int64(5))) is int
+
+
+@pytest.mark.parametrize("value", [True, 3.0, "3", None])
+def test_num_tokens_must_be_an_integer(value):
+    with pytest.raises(ValueError, match=r"publish\('r'\): num_tokens: must be a positive integer"):
+        check_num_tokens(value, "publish('r'): num_tokens")
+
+
+def test_block_ids_refuse_zero_tokens_naming_the_call():
+    spec = side_specs(1)[0]
+    with pytest.raises(ValueError, match=r"publish\('r1'\): num_tokens: .* got 0; .* >= 1"):
+        check_block_ids(spec, [0, 1], 0, "publish('r1')")
+
+
+def test_token_range_returns_plain_ints():
+    assert check_token_range(np.int32(30), np.int64(16)) == (30, 16)
+    with pytest.raises(ValueError, match="start_token: must be an integer"):
+        check_token_range(30, True)
+
+
+@pytest.mark.parametrize("request_id", ["r1", "cmpl-9f1c-0", "x" * MAX_REQUEST_ID_BYTES])
+def test_request_id_accepted(request_id):
+    assert check_request_id(request_id, "publish") == request_id
+
+
+@pytest.mark.parametrize(
+    "request_id,message",
+    [
+        (7, r"publish: request_id must be a str, got 7 of type int; .* e\.g\. str\(7\)"),
+        (b"r1", "request_id must be a str, got b'r1' of type bytes"),
+        (None, "request_id must be a str, got None"),
+        ("", "request_id is empty"),
+        ("é" * 513, "request_id is 1026 bytes long, more than 1024; pass a shorter id"),
+        ("\udc80", "not valid UTF-8"),
+    ],
+)
+def test_request_id_refused(request_id, message):
+    with pytest.raises(ValueError, match=message):
+        check_request_id(request_id, "publish")
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "tcp://127.0.0.1:5700",
+        "tcp://[::1]:5700",
+        "tcp://localhost:1",
+        "tcp://prefill-0.kv.svc.cluster.local:65535",
+    ],
+)
+def test_side_channel_address_accepted(address):
+    assert check_side_channel_address(address) == address
+
+
+@pytest.mark.parametrize(
+    "address,message",
+    [
+        ("127.0.0.1:5700", r"has no scheme; write tcp://127\.0\.0\.1:5700"),
+        ("udp://127.0.0.1:5700", r"scheme 'udp://' .* not supported; .* write tcp://127\.0\.0\.1"),
+        ("ipc:///tmp/kv", r"scheme 'ipc://' .* write tcp://HOST:PORT"),
+        ("tcp://127.0.0.1:0", "port 0 is outside 1..65535"),
+        ("tcp://127.0.0.1:65536", "port 65536 is outside 1..65535"),
+        ("tcp://127.0.0.1:http", "port 'http' is not a number"),
+        ("tcp://127.0.0.1", "has no port"),
+        ("tcp://256.1.1.1:5700", "256.1.1.1 is not a valid IPv4 address"),
+        ("tcp://::1:5700", r"IPv6 address without brackets \(write \[::1\]\)"),
+        ("tcp://[::g]:5700", "not a valid IPv6 address"),
+        ("tcp://bad_host:5700", "'bad_host' is not a valid hostname"),
+        ("tcp://*:5700", r"bind address .* e\.g\. tcp://127\.0\.0\.1:5700"),
+        ("", "is empty"),
+        (" tcp://127.0.0.1:5700", "surrounding whitespace"),
+        ("localhost", "not a side-channel address; write tcp://HOST:PORT"),
+        (5700, "must be a str like 'tcp://127.0.0.1:5700', got 5700 of type int"),
+    ],
+)
+def test_side_channel_address_refused(address, message):
+    with pytest.raises(ValueError, match=rf"address: .*{message}"):
+        check_side_channel_address(address)
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:15321", "[::1]:15321", "decode-3:1"])
+def test_transport_endpoint_accepted(endpoint):
+    assert check_transport_endpoint(endpoint) == endpoint
+
+
+@pytest.mark.parametrize(
+    "endpoint,message",
+    [
+        (
+            "256.1.1.1:99999",
+            "256.1.1.1 is not a valid IPv4 address and the port 99999 is outside 1..65535",
+        ),
+        ("127.0.0.1:0", "port 0 is outside"),
+        ("127.0.0.1", "it is not HOST:PORT"),
+        ("tcp://127.0.0.1:15321", r"has a scheme; .* e\.g\. 127\.0\.0\.1:15321"),
+        (":15321", "the host is empty"),
+        (15321, "must be a str"),
+    ],
+)
+def test_transport_endpoint_refused(endpoint, message):
+    with pytest.raises(ValueError, match=rf"endpoint: .*{message}"):
+        check_transport_endpoint(endpoint)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "[::1]", "decode-3.local"])
+def test_host_accepted(host):
+    assert check_host(host) == host
+
+
+@pytest.mark.parametrize("host", ["", "256.0.0.1", "a b", None, "tcp://127.0.0.1"])
+def test_host_refused(host):
+    with pytest.raises(ValueError, match=r"host: .*(pass|must be a str)"):
+        check_host(host)

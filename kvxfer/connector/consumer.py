@@ -1,34 +1,59 @@
 """`KVConsumer`: a decode rank that fetches requests' KV from the prefill ranks.
 
-`connect` shakes hands with every producer rank of the prefill engine and plans every rank
-pair once (strategy, chunk size). `fetch` then asks each producer rank that holds some of this
-rank's heads for the request in chunks, as many in flight as the staging pool has slots,
-unpacks chunks that arrive in staging, and reports a `TransferResult`: everything written, or
-exactly the destination blocks that were not.
+`connect` opens an authenticated session with every producer rank of the prefill engine and
+plans every rank pair once (strategy, chunk size). `fetch` then asks each producer rank that
+holds some of this rank's heads for the request in chunks. For every chunk:
+
+    ask -> producer answers ChunkReady -> read into own staging -> ChunkRead -> ChunkValid
+        -> copy staging into the cache (locally) -> done
+
+The cache is written only by that last local copy, after the read has fully landed and the
+producer confirmed the source was held throughout. A read that a fetch gives up on lands, if
+ever, in a staging slot that stays out of use until Mooncake says the read has settled. Hence
+the no-late-byte contract: once `wait` returned, or a block was reported failed, nothing of the
+fetch lands in the cache (README, "No late bytes").
+
+One thread runs every session and every fetch as state machines (no thread per fetch, so
+abandoned fetches cannot exhaust anything); reads complete on the transport's completion thread;
+local copies run on a small pool. A producer silent for `peer_timeout_s` is declared dead: its
+chunks fail at once with their blocks, and the next fetch shakes hands with it again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
+import os
+import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
 import zmq
 
+from kvxfer.connector import auth
 from kvxfer.connector.messages import (
-    ChunkDone,
+    Abort,
+    Challenge,
     ChunkFailed,
+    ChunkRead,
+    ChunkReady,
+    ChunkValid,
     ErrorReply,
     Handshake,
     HandshakeReply,
+    Hello,
     Message,
+    Ping,
+    Pong,
     ProtocolError,
-    RegionInfo,
     RequestDone,
     TransferRequest,
     decode,
@@ -39,17 +64,22 @@ from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.stats import TransferRecord, TransferStats
 from kvxfer.execute import resolve_backend, run_cell_copy, warm_up
 from kvxfer.plan import CostModel, PairPlan, check_side, plan_pairs
-from kvxfer.plan.layout import blocks_of_tokens
-from kvxfer.plan.program import max_chunk_tokens, unpack_copy
-from kvxfer.spec import KVCacheSpec
-from kvxfer.transport.base import Transport
-from kvxfer.validation import check_block_ids, check_caches, check_token_range
+from kvxfer.plan.layout import STAGING_REGION, blocks_of_tokens
+from kvxfer.plan.program import CellCopy, build_program, max_chunk_tokens, unpack_copy
+from kvxfer.spec import KVCacheSpec, encode_spec
+from kvxfer.transport.base import Peer, Region, Transport
+from kvxfer.validation import (
+    check_block_ids,
+    check_caches,
+    check_request_id,
+    check_side_channel_address,
+    check_token_range,
+    check_transport_endpoint,
+)
 
 log = logging.getLogger(__name__)
 
-_POLL_MS = 10
-# Direct transfers use no staging; this many chunks of them are in flight per producer.
-_DIRECT_WINDOW = 4
+_TICK_S = 0.01  # the loop's longest sleep: deadlines and heartbeats are checked this often
 
 
 @dataclass(frozen=True)
@@ -58,8 +88,9 @@ class TransferResult:
 
     Attributes:
         ok: every byte of tokens `[start_token, num_tokens)` is in place.
-        failed_block_ids: destination blocks not (fully) written; recompute them.
-        bytes: bytes written into this rank.
+        failed_block_ids: destination blocks not (fully) written; recompute them. Nothing of
+            this fetch lands in them any more: they are safe to reuse at once.
+        bytes: bytes read into this rank.
         num_ops: transport operations (segments) used.
         strategy: the strategies used, comma-separated when pairs differ.
         seconds: wall time of the fetch.
@@ -75,41 +106,16 @@ class TransferResult:
     errors: list[str] = field(default_factory=list)
 
 
-@dataclass
-class _Producer:
-    address: str
-    rank: int
-    spec: KVCacheSpec
-    session: str
-    slot_bytes: int
-    pool: StagingPool
-
-
-@dataclass
-class _Pair:
-    plan: PairPlan
-    producer: _Producer
-    chunk_tokens: int | None  # None: the whole range at once
-
-
-@dataclass
-class _Chunk:
-    pair: _Pair
-    chunk_id: int
-    start: int
-    end: int
-    slot: int | None = None
-
-
 class FetchHandle:
     """A fetch in progress."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, wake: Callable[[], None]) -> None:
         self.request_id = request_id
         self.future: Future[TransferResult] = Future()
         self.cancelled = threading.Event()
         self.chunks_done = 0
         self.chunks_total = 0
+        self._wake = wake
 
     def done(self) -> bool:
         """Whether the fetch has finished."""
@@ -117,12 +123,103 @@ class FetchHandle:
 
     def wait(self, timeout: float | None = None) -> TransferResult:
         """The result; if `timeout` passes first, the fetch is abandoned and reports every
-        block it had not completed as failed."""
+        block it had not completed as failed (nothing of it lands afterwards)."""
         try:
             return self.future.result(timeout)
-        except TimeoutError:
-            self.cancelled.set()
+        except FutureTimeout:
+            self.cancel()
             return self.future.result()
+
+    def cancel(self) -> None:
+        """Abandon the fetch: it completes soon, with its unfinished blocks failed."""
+        self.cancelled.set()
+        self._wake()
+
+
+# ---- sessions -------------------------------------------------------------------------------
+
+SessionState = Literal["connecting", "live", "dead"]
+
+
+@dataclass
+class _Session:
+    """This rank's session with one producer rank (one socket, one handshake)."""
+
+    address: str
+    sock: zmq.Socket
+    state: SessionState = "connecting"
+    client_nonce: str = ""
+    server_nonce: str = ""
+    deadline: float = 0.0  # of the handshake
+    session: str = ""
+    key: bytes = b""
+    spec: KVCacheSpec | None = None
+    peer: Peer | None = None  # the producer's cache regions, by layer
+    slot_bytes: int = 0
+    last_heard: float = 0.0
+    last_ping: float = 0.0
+    error: str = ""
+    died_at: float = float("inf")
+    expect: KVCacheSpec | None = None  # a reconnect must find the same producer geometry
+
+    @property
+    def rank(self) -> int:
+        assert self.spec is not None
+        return self.spec.tp_rank
+
+
+@dataclass
+class _Pair:
+    plan: PairPlan
+    chunk_tokens: int
+
+    @property
+    def src_rank(self) -> int:
+        return self.plan.src_rank
+
+
+ChunkState = Literal[
+    "queued", "asked", "ready", "reading", "confirming", "copying", "done", "failed"
+]
+# queued: not asked yet; asked: waiting for the producer (publish, pack); ready: readable, waiting
+# for a staging slot (slots are taken only now, so requests that are never published hold none);
+# reading: a read in flight into the slot; confirming: read, asking whether the source held;
+# copying: staging -> cache, locally.
+_ACTIVE = ("asked", "ready", "reading", "confirming", "copying")
+
+
+@dataclass
+class _Chunk:
+    fetch: _Fetch
+    pair: _Pair
+    chunk_id: int
+    start: int
+    end: int
+    state: ChunkState = "queued"
+    session: _Session | None = None  # the session it was asked on
+    slot: int | None = None
+    read_pending: bool = False  # a read into `slot` has not settled
+    ready: ChunkReady | None = None
+    unpack: CellCopy | None = None
+    nbytes: int = 0
+    num_ops: int = 0
+
+
+@dataclass
+class _Fetch:
+    handle: FetchHandle
+    block_ids: np.ndarray
+    num_tokens: int
+    start: int
+    deadline: float
+    began: float
+    pairs: list[_Pair]
+    chunks: list[_Chunk] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.handle.request_id
 
 
 class KVConsumer:
@@ -133,19 +230,19 @@ class KVConsumer:
         caches: this rank's layer tensors.
         engine_id: the decode engine's id.
         host: address of this rank's transport (127.0.0.1 by default).
-        secret: the producers' shared secret.
+        secret: the producers' shared secret (proved, never sent).
         transport: a transport to share (default: an own `MooncakeTransport` on `host`,
             `protocol`, closed with this object; a shared one is left open).
         protocol: "tcp" or "rdma" for the default transport.
-        staging_bytes: staging pool per producer rank, in bytes.
+        staging_bytes: staging pool per producer rank, in bytes: every chunk lands there.
         staging_slots: slots per pool: chunks in flight per producer rank.
         cost_model: constants for choosing strategies at `connect`.
         strategy: force one strategy for every pair.
-        backend: unpack backend ("auto", "torch", "triton").
+        backend: copy backend ("auto", "torch", "triton").
         timeout_s: default timeout of a fetch, in seconds.
-        late_write_grace_s: how long a staging slot of an abandoned chunk stays out of use
-            (the producer may still be writing into it).
-        max_fetches: fetches running at once.
+        heartbeat_s: how often each producer is pinged.
+        peer_timeout_s: a producer silent this long is dead: its chunks fail at once.
+        copy_workers: threads copying landed chunks into the cache.
     """
 
     def __init__(
@@ -164,10 +261,12 @@ class KVConsumer:
         strategy: str | None = None,
         backend: str = "auto",
         timeout_s: float = 30.0,
-        late_write_grace_s: float = 30.0,
-        max_fetches: int = 8,
+        heartbeat_s: float = 0.5,
+        peer_timeout_s: float = 2.0,
+        copy_workers: int = 2,
     ) -> None:
         check_caches(spec, caches, "consumer")
+        StagingPool.slot_size(staging_bytes, staging_slots)  # refuse a bad pool now
         self.spec = spec
         self.caches = list(caches)
         self.engine_id = engine_id
@@ -176,43 +275,50 @@ class KVConsumer:
         self._cost_model, self._strategy = cost_model, strategy
         self._backend = resolve_backend(backend, caches[0].device)
         self._timeout_s = timeout_s
-        self._grace_s = late_write_grace_s
+        self._heartbeat_s, self._peer_timeout_s = heartbeat_s, peer_timeout_s
         self._registration = CacheRegistration(self.caches, transport, host, protocol)
         self.transport = self._registration.transport
-        self._cache_regions = self._registration.regions
-        self._ctx = zmq.Context()
-        self._producers: list[_Producer] = []
-        self._pairs: list[_Pair] = []
-        self._fetches = ThreadPoolExecutor(max_fetches, thread_name_prefix="kvxfer-fetch")
         self.stats = TransferStats()
+        self._ctx = zmq.Context()
+        self._sessions: dict[int, _Session] = {}  # by producer rank once known
+        self._open: dict[zmq.Socket, _Session] = {}  # every session not dead, by socket
+        self._connects: list[tuple[list[_Session], Future[list[PairPlan]]]] = []
+        self._quarantine: set[_Chunk] = set()  # failed chunks whose reads have not settled
+        self._pairs: list[_Pair] = []
+        self._pools: dict[int, StagingPool] = {}  # by producer rank, kept across sessions
+        self._fetches: list[_Fetch] = []
+        self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._copies = ThreadPoolExecutor(copy_workers, thread_name_prefix="kvxfer-copy")
         self._closed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvxfer-consumer", daemon=True)
+        self._thread.start()
 
-    # ---- handshake ----------------------------------------------------------------------
+    # ---- public API (any thread) ---------------------------------------------------------
 
     def connect(self, producer_addresses: Sequence[str], timeout: float = 10.0) -> list[PairPlan]:
         """Shake hands with every producer rank of one prefill engine; plan every pair.
+
+        Call it again to follow a restarted prefill engine (new addresses): fetches started
+        afterwards use the new sessions; running ones on old sessions fail their chunks.
 
         Returns:
             The plans of the pairs that feed this rank.
 
         Raises:
+            ValueError: a malformed address, producers that do not form one engine or cannot
+                pair with this rank (nothing stays connected).
             ConnectionError: a producer did not answer in time, or refused the handshake.
-            ValueError: the producers do not form one engine, or cannot pair with this rank.
         """
-        if self._producers:
-            raise ValueError("connect: already connected; use a new KVConsumer per engine")
-        producers: list[_Producer] = []
-        try:
-            for address in producer_addresses:
-                producers.append(self._handshake(address, timeout))
-            check_side([p.spec for p in producers], "producers")
-            pairs = self._plan_pairs(producers, self._cost_model, self._strategy)
-        except Exception:
-            for producer in producers:
-                producer.pool.close()
-            raise
-        self._producers, self._pairs = producers, pairs
-        return [pair.plan for pair in pairs]
+        self._check_open("connect")
+        addresses = [check_side_channel_address(a) for a in producer_addresses]
+        if not addresses:
+            raise ValueError("connect: give the side-channel address of every prefill rank")
+        done: Future[list[PairPlan]] = Future()
+        self._post(lambda: self._start_connect(addresses, timeout, done))
+        return done.result()
 
     def replan(
         self, strategy: str | None = None, cost_model: CostModel | None = None
@@ -223,86 +329,21 @@ class KVConsumer:
         Raises:
             ValueError: not connected, or a strategy whose chunks cannot fit the staging slots.
         """
-        if not self._producers:
-            raise ValueError("replan: connect() to the prefill engine first")
-        self._pairs = self._plan_pairs(self._producers, cost_model or self._cost_model, strategy)
-        return [pair.plan for pair in self._pairs]
+        self._check_open("replan")
+        done: Future[list[PairPlan]] = Future()
 
-    def _plan_pairs(
-        self, producers: list[_Producer], cost_model: CostModel | None, strategy: str | None
-    ) -> list[_Pair]:
-        src = check_side([p.spec for p in producers], "producers")
-        dst = self.spec.engine_ranks()
-        plans = plan_pairs(src, dst, cost_model=cost_model, strategy=strategy)
-        by_rank = {p.rank: p for p in producers}
-        pairs = []
-        for plan in plans:
-            if plan.dst_rank != self.spec.tp_rank:
-                continue
-            producer = by_rank[plan.src_rank]
-            chunk = max_chunk_tokens(
-                plan.strategy,
-                plan.route,
-                producer.spec,
-                self.spec,
-                producer.slot_bytes,
-                producer.pool.slot_bytes,
-            )
-            if chunk is not None and chunk < 1:
-                raise ValueError(
-                    f"staging_bytes: a slot cannot hold one token of pair {plan.src_rank}->"
-                    f"{plan.dst_rank} ({plan.strategy}); raise staging_bytes on both sides"
-                )
-            pairs.append(_Pair(plan, producer, chunk))
-            unpack = unpack_copy(
-                plan.strategy, plan.route, producer.spec, self.spec, np.zeros(1, np.int64), 0, 1
-            )
-            if unpack is not None:  # compile now, not on the first request
-                warm_up(unpack, self.caches[0].dtype, self.caches[0].device, self._backend)
-        return pairs
+        def replan() -> None:
+            if not self._pairs:
+                done.set_exception(ValueError("replan: connect() to the prefill engine first"))
+                return
+            try:
+                self._pairs = self._plan(cost_model or self._cost_model, strategy)
+                done.set_result([p.plan for p in self._pairs])
+            except Exception as exc:
+                done.set_exception(exc)
 
-    def _handshake(self, address: str, timeout: float) -> _Producer:
-        pool = StagingPool(
-            self.transport, self._staging_bytes, self._staging_slots, self.caches[0].device
-        )
-        hello = Handshake(
-            engine_id=self.engine_id,
-            rank=self.spec.tp_rank,
-            spec=self.spec,
-            endpoint=self.transport.endpoint,
-            cache_regions=[
-                RegionInfo(r.region_id, r.address, r.nbytes) for r in self._cache_regions
-            ],
-            staging_region=RegionInfo(
-                pool.region.region_id, pool.region.address, pool.region.nbytes
-            ),
-            staging_slot_bytes=pool.slot_bytes,
-            secret=self._secret,
-        )
-        sock = self._socket(address)
-        try:
-            sock.send(encode(hello))
-            reply = _receive(sock, timeout)
-        finally:
-            sock.close(linger=0)
-        if reply is None:
-            pool.close()
-            raise ConnectionError(f"producer {address} did not answer the handshake in {timeout} s")
-        if not isinstance(reply, HandshakeReply):
-            pool.close()
-            reason = reply.reason if isinstance(reply, ErrorReply) else type(reply).__name__
-            raise ConnectionError(f"producer {address} refused the handshake: {reason}")
-        return _Producer(
-            address, reply.rank, reply.spec, reply.session, reply.staging_slot_bytes, pool
-        )
-
-    def _socket(self, address: str) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 2000)  # let RequestDone out before a socket closes
-        sock.connect(address)
-        return sock
-
-    # ---- fetch --------------------------------------------------------------------------
+        self._post(replan)
+        return done.result()
 
     def fetch(
         self,
@@ -318,65 +359,63 @@ class KVConsumer:
         for the whole fetch. Earlier tokens' slots are never written.
 
         Raises:
-            ValueError: bad token range or block ids (nothing is started).
+            ValueError: bad id, token range or block ids, or not connected (nothing starts).
+            RuntimeError: the consumer is closed.
         """
+        self._check_open("fetch")
+        request_id = check_request_id(request_id, "fetch")
+        num_tokens, start_token = check_token_range(num_tokens, start_token)
+        ids = check_block_ids(self.spec, block_ids, num_tokens, f"fetch({request_id!r})")
         if not self._pairs:
             raise ValueError("fetch: connect() to the prefill engine first")
-        check_token_range(num_tokens, start_token)
-        ids = check_block_ids(self.spec, block_ids, num_tokens, f"fetch({request_id!r})")
-        handle = FetchHandle(request_id)
+        handle = FetchHandle(request_id, self._wake)
         budget = self._timeout_s if timeout is None else timeout
-        self._fetches.submit(self._run_fetch, handle, ids, num_tokens, start_token, budget)
+        now = time.monotonic()
+        fetch = _Fetch(handle, ids, num_tokens, start_token, now + budget, now, [])
+        self._post(lambda: self._start_fetch(fetch))
         return handle
 
-    def _run_fetch(
-        self,
-        handle: FetchHandle,
-        block_ids: np.ndarray,
-        num_tokens: int,
-        start_token: int,
-        budget: float,
-    ) -> None:
-        began = time.monotonic()
-        try:
-            result = _Fetch(self, handle, block_ids, num_tokens, start_token, began + budget).run()
-        except Exception as exc:  # a bug must still complete the handle, with every block
-            log.exception("fetch %s crashed", handle.request_id)
-            failed = blocks_of_tokens(block_ids, self.spec.block_size, start_token, num_tokens)
-            result = TransferResult(False, failed, 0, 0, "", time.monotonic() - began, [repr(exc)])
-        if not result.ok:
-            log.warning(
-                "fetch %s failed, %d blocks to recompute: %s",
-                handle.request_id,
-                len(result.failed_block_ids),
-                "; ".join(result.errors),
-            )
-        self.stats.record(
-            TransferRecord(
-                handle.request_id,
-                result.seconds,
-                result.bytes,
-                result.num_ops,
-                result.strategy,
-                result.ok,
-            )
-        )
-        handle.future.set_result(result)
+    def abort(self, request_id: str) -> None:
+        """Tell every producer that this engine will never load the request (they free its
+        blocks at once), and abandon a fetch of it running here."""
+        self._check_open("abort")
+        request_id = check_request_id(request_id, "abort")
+        self._post(lambda: self._abort(request_id))
 
     def staging_free_slots(self) -> dict[int, int]:
-        """Free slots of each producer rank's staging pool (all free when idle)."""
-        return {p.rank: p.pool.free_slots for p in self._producers}
+        """Free slots of each producer rank's staging pool (all free when idle; a slot whose
+        read has not settled is not free)."""
+        return {rank: pool.free_slots for rank, pool in sorted(self._pools.items())}
+
+    def stats_snapshot(self) -> dict[str, object]:
+        """Live state, for monitoring and leak checks."""
+        sessions = list(self._sessions.values())
+        return {
+            "sessions": sum(s.state == "live" for s in sessions),
+            "dead_sessions": sum(s.state == "dead" for s in sessions),
+            "fetches": len(self._fetches),
+            "quarantined_slots": len(self._quarantine),
+            "transport": getattr(self.transport, "protocol", type(self.transport).__name__),
+            "threads": 2 + len(getattr(self._copies, "_threads", ())),
+        }
 
     def close(self) -> None:
-        """Wait for running fetches, close sockets, unregister memory."""
+        """Fail every running fetch (its unfinished blocks listed), close the sessions and
+        unregister memory. Returns without waiting for peers."""
         if self._closed:
             return
         self._closed = True
-        self._fetches.shutdown(wait=True)
+        self._post(self._shutdown)
+        self._thread.join()
+        self._copies.shutdown(wait=True)
+        self._registration.close()  # ends the engine when it is ours: no read is left
+        for pool in self._pools.values():
+            pool.close()
         self._ctx.term()
-        for producer in self._producers:
-            producer.pool.close()
-        self._registration.close()
+        wake_r, wake_w = self._wake_r, self._wake_w
+        self._wake_w = -1  # callbacks that still come must not write to a reused descriptor
+        os.close(wake_r)
+        os.close(wake_w)
 
     def __enter__(self) -> KVConsumer:
         return self
@@ -384,215 +423,565 @@ class KVConsumer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what}: the consumer is closed; create a new KVConsumer")
 
-class _Fetch:
-    """One fetch: chunks out, answers in, unpack, done reports."""
+    def _post(self, event: Callable[[], None]) -> None:
+        self._events.put(event)
+        self._wake()
 
-    def __init__(
-        self,
-        consumer: KVConsumer,
-        handle: FetchHandle,
-        block_ids: np.ndarray,
-        num_tokens: int,
-        start_token: int,
-        deadline: float,
-    ) -> None:
-        self.c, self.handle = consumer, handle
-        self.pairs = list(consumer._pairs)  # the plans when the fetch started
-        self.block_ids, self.num_tokens, self.start = block_ids, num_tokens, start_token
-        self.deadline = deadline
-        # by producer rank (one pair per producer rank feeds this rank), and (rank, chunk id)
-        self.queues: dict[int, list[_Chunk]] = {}
-        self.in_flight: dict[tuple[int, int], _Chunk] = {}
-        self.failed: list[_Chunk] = []
-        self.errors: list[str] = []
-        self.nbytes = self.num_ops = 0
+    def _wake(self) -> None:
+        fd = self._wake_w
+        if fd < 0:
+            return  # closed
+        with contextlib.suppress(BlockingIOError):  # a full pipe wakes the loop anyway
+            os.write(fd, b"x")
 
-    def run(self) -> TransferResult:
-        began = time.monotonic()
-        sockets = {p.rank: self.c._socket(p.address) for p in self.c._producers}
+    # ---- the loop (one thread owns every socket and every state machine) -------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        registered: set[zmq.Socket] = set()
+        while not self._stop.is_set():
+            sockets = set(self._open)
+            for sock in registered - sockets:
+                poller.unregister(sock)
+            for sock in sockets - registered:
+                poller.register(sock, zmq.POLLIN)
+            registered = sockets
+            for sock_or_fd, _ in poller.poll(int(_TICK_S * 1000)):
+                if sock_or_fd == self._wake_r:
+                    os.read(self._wake_r, 4096)
+                else:
+                    self._drain(sock_or_fd)
+            self._guarded(self._handle_events)
+            self._guarded(self._tick)
+
+    def _guarded(self, fn: Callable[[], None]) -> None:
         try:
-            self._plan_chunks()
-            self.handle.chunks_total = sum(len(q) for q in self.queues.values())
-            while self.queues or self.in_flight:
-                if self.handle.cancelled.is_set() or time.monotonic() >= self.deadline:
-                    why = "cancelled" if self.handle.cancelled.is_set() else "timed out"
-                    self._abandon(why)
-                    break
-                self._send_ready(sockets)
-                self._receive_answers(sockets)
-            ok = not self.failed
-            for producer in self.c._producers:
-                done = RequestDone(
-                    session=producer.session, request_id=self.handle.request_id, ok=ok
+            fn()
+        except Exception:  # a bug must not stop every other fetch: log it, go on
+            log.exception("consumer %s: internal error", self.engine_id)
+
+    def _handle_events(self) -> None:
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return
+            event()
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        session = self._open.get(sock)
+        while session is not None and session.state != "dead":
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._on_frames(session, frames)
+            except ProtocolError as exc:
+                self._session_failed(session, f"unreadable answer: {exc}")
+                return
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        for pending, done in list(self._connects):
+            self._await_sessions(pending, done)
+        for session in list(self._open.values()):
+            if session.state == "connecting" and now > session.deadline:
+                self._session_failed(session, "did not answer the handshake in time")
+            elif session.state == "live":
+                if now - session.last_heard > self._peer_timeout_s:
+                    silent = now - session.last_heard
+                    self._session_failed(session, f"silent for {silent:.1f} s: presumed dead")
+                elif now - session.last_ping >= self._heartbeat_s:
+                    session.last_ping = now
+                    self._send(session, Ping(session=session.session))
+        for fetch in list(self._fetches):
+            if fetch.handle.cancelled.is_set() or now >= fetch.deadline:
+                why = "cancelled" if fetch.handle.cancelled.is_set() else "timed out"
+                self._abandon(fetch, f"fetch {why}")
+            else:
+                self._send_ready(fetch)
+            self._finish_if_done(fetch)
+
+    # ---- handshakes ---------------------------------------------------------------------
+
+    def _start_connect(self, addresses: list[str], timeout: float, done: Future) -> None:
+        for session in list(self._sessions.values()):
+            self._session_failed(session, "was replaced by connect()")
+        self._sessions, self._pairs = {}, []
+        pending = [self._open_session(address, timeout) for address in addresses]
+        self._connects.append((pending, done))
+
+    def _open_session(
+        self, address: str, timeout: float, expect: KVCacheSpec | None = None
+    ) -> _Session:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        session = _Session(address, sock, deadline=time.monotonic() + timeout, expect=expect)
+        session.client_nonce = auth.new_nonce()
+        sock.send(encode(Hello(engine_id=self.engine_id, nonce=session.client_nonce)))
+        self._open[sock] = session
+        return session
+
+    def _await_sessions(self, pending: list[_Session], done: Future) -> None:
+        """Finish `connect` once every session is live, or one failed (then none stays)."""
+        if any(s.state == "connecting" for s in pending) and not any(
+            s.state == "dead" for s in pending
+        ):
+            return
+        self._connects = [c for c in self._connects if c[1] is not done]
+        try:
+            failed = next((s for s in pending if s.state == "dead"), None)
+            if failed is not None:
+                raise ConnectionError(f"producer {failed.address} {failed.error}")
+            self._sessions = {s.rank: s for s in pending}
+            if len(self._sessions) != len(pending):
+                raise ValueError("connect: two addresses lead to the same producer rank")
+            self._pairs = self._plan(self._cost_model, self._strategy)
+        except Exception as exc:
+            for session in pending:
+                self._session_failed(session, "connect failed")
+            self._sessions, self._pairs = {}, []
+            done.set_exception(exc)
+            return
+        done.set_result([p.plan for p in self._pairs])
+
+    def _on_frames(self, session: _Session, frames: list[bytes]) -> None:
+        if not 1 <= len(frames) <= 2:
+            raise ProtocolError(f"expected a frame and its MAC, got {len(frames)} frames")
+        message = decode(frames[0])
+        session.last_heard = time.monotonic()
+        if isinstance(message, Challenge) and session.state == "connecting":
+            self._on_challenge(session, message)
+        elif isinstance(message, HandshakeReply) and session.state == "connecting":
+            self._on_handshake_reply(session, message)
+        elif isinstance(message, ErrorReply):
+            self._session_failed(session, f"refused: {message.reason}")
+        elif session.state == "live":
+            if len(frames) != 2 or not auth.verify(session.key, frames[0], frames[1]):
+                raise ProtocolError("an answer without a valid MAC was refused")
+            self._on_session_message(session, message)
+
+    def _on_challenge(self, session: _Session, challenge: Challenge) -> None:
+        session.server_nonce = challenge.nonce
+        proof = auth.proof(
+            self._secret,
+            "consumer",
+            session.client_nonce,
+            session.server_nonce,
+            self.engine_id,
+            encode_spec(self.spec),
+        )
+        hello = Handshake(
+            engine_id=self.engine_id,
+            spec=self.spec,
+            client_nonce=session.client_nonce,
+            server_nonce=session.server_nonce,
+            proof=proof,
+        )
+        session.sock.send(encode(hello))
+
+    def _on_handshake_reply(self, session: _Session, reply: HandshakeReply) -> None:
+        expected = auth.proof(
+            self._secret, "producer", session.client_nonce, session.server_nonce, reply.session
+        )
+        if not auth.proof_matches(expected, reply.proof):
+            self._session_failed(
+                session, "could not prove the shared secret: set the same secret on both sides"
+            )
+            return
+        try:
+            endpoint = check_transport_endpoint(reply.endpoint)
+            if len(reply.cache_regions) != reply.spec.num_layers or any(
+                r.nbytes < reply.spec.layer_bytes for r in reply.cache_regions
+            ):
+                raise ValueError("its advertised regions do not cover its cache")
+        except ValueError as exc:
+            self._session_failed(session, f"sent a bad handshake: {exc}")
+            return
+        session.session, session.spec = reply.session, reply.spec
+        session.key = auth.session_key(
+            self._secret, session.client_nonce, session.server_nonce, reply.session
+        )
+        regions = {
+            layer: Region(layer, r.address, r.nbytes) for layer, r in enumerate(reply.cache_regions)
+        }
+        session.peer = Peer(endpoint, regions)
+        session.slot_bytes = reply.staging_slot_bytes
+        if session.expect is not None and session.expect != reply.spec:
+            self._session_failed(
+                session,
+                "came back with another geometry; call connect() again to plan the new engine",
+            )
+            return
+        session.state, session.last_ping = "live", time.monotonic()
+
+    def _session_failed(self, session: _Session, why: str) -> None:
+        """The session is over: fail every chunk that relied on it."""
+        if session.state == "dead":
+            return
+        session.state, session.error, session.died_at = "dead", why, time.monotonic()
+        self._open.pop(session.sock, None)
+        log.warning("consumer %s: producer %s %s", self.engine_id, session.address, why)
+        for fetch in list(self._fetches):
+            for chunk in fetch.chunks:
+                if chunk.session is session:
+                    self._fail_chunk(chunk, f"producer {session.address} {why}")
+        session.sock.close(linger=0)
+
+    def _session_for(self, rank: int, fetch: _Fetch) -> _Session | str | None:
+        """The live session with producer `rank`; None while one is being opened; or why the
+        chunk cannot be served (the producer died, or a new handshake failed, during this
+        fetch). A session that died before the fetch began is opened again."""
+        session = self._sessions.get(rank)
+        if session is None:
+            return "is not connected"
+        if session.state == "dead":
+            if session.died_at >= fetch.began:
+                return f"producer {session.address} {session.error}"
+            # Shake hands again, as briefly as a peer may stay silent.
+            fresh = self._open_session(session.address, self._peer_timeout_s, session.spec)
+            fresh.spec = session.spec
+            self._sessions[rank] = fresh
+            return None
+        return session if session.state == "live" else None
+
+    # ---- planning -----------------------------------------------------------------------
+
+    def _plan(self, cost_model: CostModel | None, strategy: str | None) -> list[_Pair]:
+        specs = check_side([s.spec for s in self._sessions.values() if s.spec], "producers")
+        plans = plan_pairs(
+            specs, self.spec.engine_ranks(), cost_model=cost_model, strategy=strategy, landing=True
+        )
+        pairs = []
+        for plan in plans:
+            if plan.dst_rank != self.spec.tp_rank:
+                continue
+            plan, chunk = self._fitting(plan, specs[plan.src_rank], forced=strategy is not None)
+            pairs.append(_Pair(plan, chunk))
+            unpack = unpack_copy(
+                plan.strategy,
+                plan.route,
+                specs[plan.src_rank],
+                self.spec,
+                np.zeros(1, np.int64),
+                0,
+                1,
+                landing=True,
+            )
+            if unpack is not None:  # compile now, not on the first request
+                warm_up(unpack, self.caches[0].dtype, self.caches[0].device, self._backend)
+        return pairs
+
+    def _fitting(self, plan: PairPlan, producer: KVCacheSpec, forced: bool) -> tuple[PairPlan, int]:
+        """The plan (the cheapest strategy whose chunks fit both sides' slots, unless one is
+        forced) and its tokens per chunk.
+
+        Raises:
+            ValueError: no strategy, or not the forced one, fits one token in a slot.
+        """
+        slot_bytes = (
+            self._sessions[plan.src_rank].slot_bytes,
+            self._pool(plan.src_rank).slot_bytes,
+        )
+        order = [plan.chosen] if forced else sorted(plan.estimates, key=lambda e: e.seconds)
+        for estimate in order:
+            chunk = max_chunk_tokens(
+                estimate.strategy, plan.route, producer, self.spec, *slot_bytes, landing=True
+            )
+            if chunk is not None and chunk >= 1:
+                return dataclasses.replace(plan, strategy=estimate.strategy), chunk
+        raise ValueError(
+            f"staging_bytes: a slot cannot hold one token of pair {plan.src_rank}->"
+            f"{plan.dst_rank} ({'strategy ' + plan.strategy if forced else 'any strategy'}); "
+            "raise staging_bytes on both sides"
+        )
+
+    def _pool(self, rank: int) -> StagingPool:
+        if rank not in self._pools:
+            self._pools[rank] = StagingPool(
+                self.transport, self._staging_bytes, self._staging_slots, self.caches[0].device
+            )
+        return self._pools[rank]
+
+    # ---- fetches ------------------------------------------------------------------------
+
+    def _start_fetch(self, fetch: _Fetch) -> None:
+        fetch.pairs = list(self._pairs)
+        if fetch.start < fetch.num_tokens:
+            for pair in fetch.pairs:
+                bounds = range(fetch.start, fetch.num_tokens, pair.chunk_tokens)
+                fetch.chunks.extend(
+                    _Chunk(fetch, pair, i, s, min(s + pair.chunk_tokens, fetch.num_tokens))
+                    for i, s in enumerate(bounds)
                 )
-                sockets[producer.rank].send(encode(done))
-        finally:
-            for sock in sockets.values():
-                sock.close()
+        fetch.handle.chunks_total = len(fetch.chunks)
+        self._fetches.append(fetch)
+        self._send_ready(fetch)
+        self._finish_if_done(fetch)
+
+    def _send_ready(self, fetch: _Fetch) -> None:
+        """Ask for queued chunks, at most `staging_slots` at a time per producer rank, and
+        start the reads of chunks that are ready once a slot is free."""
+        active: dict[int, int] = {}
+        for chunk in fetch.chunks:
+            if chunk.state in _ACTIVE:
+                active[chunk.pair.src_rank] = active.get(chunk.pair.src_rank, 0) + 1
+        for chunk in fetch.chunks:
+            if chunk.state == "ready":
+                self._start_read(chunk)
+            if chunk.state != "queued":
+                continue
+            rank = chunk.pair.src_rank
+            if active.get(rank, 0) >= self._staging_slots:
+                continue
+            session = self._session_for(rank, fetch)
+            if isinstance(session, str):
+                self._fail_chunk(chunk, session)
+                continue
+            if session is None:
+                continue  # shaking hands again
+            active[rank] = active.get(rank, 0) + 1
+            chunk.state, chunk.session = "asked", session
+            self._send(
+                session,
+                TransferRequest(
+                    session=session.session,
+                    request_id=fetch.request_id,
+                    chunk_id=chunk.chunk_id,
+                    num_tokens=fetch.num_tokens,
+                    token_start=chunk.start,
+                    token_end=chunk.end,
+                    strategy=chunk.pair.plan.strategy,
+                    wait_seconds=max(0.0, fetch.deadline - time.monotonic()),
+                ),
+            )
+
+    def _send(self, session: _Session, message: Message) -> None:
+        frame = encode(message)
+        try:
+            session.sock.send_multipart([frame, auth.sign(session.key, frame)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._session_failed(session, f"cannot be sent to: {exc}")
+
+    def _on_session_message(self, session: _Session, message: Message) -> None:
+        if isinstance(message, Pong):
+            return
+        if not isinstance(message, ChunkReady | ChunkValid | ChunkFailed):
+            return
+        chunk = self._chunk(session, message.request_id, message.chunk_id)
+        if chunk is None:
+            return  # a chunk given up on: its answer is too late
+        if isinstance(message, ChunkFailed):
+            self._fail_chunk(chunk, f"producer rank {session.rank}: {message.reason}")
+        elif isinstance(message, ChunkReady) and chunk.state == "asked":
+            chunk.ready, chunk.state = message, "ready"
+            self._start_read(chunk)
+        elif isinstance(message, ChunkValid) and chunk.state == "confirming":
+            if message.ok:
+                self._start_copy(chunk)
+            else:
+                self._fail_chunk(chunk, f"producer rank {session.rank}: {message.reason}")
+
+    def _chunk(self, session: _Session, request_id: str, chunk_id: int) -> _Chunk | None:
+        for fetch in self._fetches:
+            if fetch.request_id != request_id:
+                continue
+            for chunk in fetch.chunks:
+                if chunk.chunk_id == chunk_id and chunk.session is session:
+                    return chunk if chunk.state not in ("done", "failed") else None
+        return None
+
+    def _start_read(self, chunk: _Chunk) -> None:
+        """Read a ready chunk into a staging slot, if one is free (else it stays ready)."""
+        fetch, pair, session, ready = chunk.fetch, chunk.pair, chunk.session, chunk.ready
+        assert session is not None and session.spec is not None and session.peer is not None
+        assert ready is not None
+        pool = self._pools[pair.src_rank]
+        chunk.slot = pool.try_acquire()
+        if chunk.slot is None:
+            return  # every slot is busy reading or copying: soon one is free
+        try:
+            src_ids = check_block_ids(
+                session.spec, ready.src_block_ids, fetch.num_tokens, "the producer's blocks"
+            )
+            program = build_program(
+                pair.plan.route,
+                pair.plan.strategy,
+                session.spec,
+                self.spec,
+                src_ids,
+                fetch.block_ids,
+                chunk.start,
+                chunk.end,
+                landing=True,
+            )
+            staging_key = session.spec.num_layers  # after the producer's layer regions
+            regions = dict(session.peer.regions)
+            if ready.staging is not None:
+                regions[staging_key] = Region(
+                    staging_key, ready.staging.address, ready.staging.nbytes
+                )
+            src_places = {i: (i, 0) for i in range(session.spec.num_layers)}
+            src_places[STAGING_REGION] = (staging_key, 0)
+            dst_places = {STAGING_REGION: (pool.region.region_id, pool.offset(chunk.slot))}
+            segments = program.segments.with_regions(src_places, dst_places)
+            future = self.transport.read(segments, Peer(session.peer.endpoint, regions))
+        except Exception as exc:
+            self._fail_chunk(chunk, f"cannot read from producer rank {session.rank}: {exc}")
+            return
+        chunk.unpack = program.unpack
+        chunk.nbytes, chunk.num_ops = segments.nbytes, len(segments)
+        chunk.state, chunk.read_pending = "reading", True
+
+        # The callback keeps the pool alive while the read may still land in it.
+        def settled(done: Future[None], pool: StagingPool = pool) -> None:
+            self._post(lambda: self._on_read_settled(chunk, done, pool))
+
+        future.add_done_callback(settled)
+
+    def _on_read_settled(self, chunk: _Chunk, future: Future[None], pool: StagingPool) -> None:
+        chunk.read_pending = False
+        error = future.exception()
+        if chunk.state != "reading":  # given up on while reading: the quarantine ends now
+            self._quarantine.discard(chunk)
+            self._release_slot(chunk)
+            return
+        if error is not None:
+            self._fail_chunk(chunk, f"read failed: {error}")
+            return
+        session = chunk.session
+        if session is None or session.state != "live":
+            self._fail_chunk(chunk, "the producer's session ended before the read was confirmed")
+            return
+        assert chunk.ready is not None
+        chunk.state = "confirming"
+        self._send(
+            session,
+            ChunkRead(
+                session=session.session,
+                request_id=chunk.fetch.request_id,
+                chunk_id=chunk.chunk_id,
+                generation=chunk.ready.generation,
+                staged=chunk.ready.staging is not None,
+            ),
+        )
+
+    def _start_copy(self, chunk: _Chunk) -> None:
+        chunk.state = "copying"
+        copy, slot, pool = chunk.unpack, chunk.slot, self._pools[chunk.pair.src_rank]
+        assert copy is not None and slot is not None
+        elements = len(self.caches) * copy.src.geometry.layer_elements
+        staging = pool.slot_tensor(slot, self.caches[0].dtype)[:elements]
+        future = self._copies.submit(run_cell_copy, copy, [staging], self.caches, self._backend)
+        future.add_done_callback(lambda f: self._post(lambda: self._on_copied(chunk, f)))
+
+    def _on_copied(self, chunk: _Chunk, future: Future[None]) -> None:
+        error = future.exception()
+        if error is not None:
+            self._fail_chunk(chunk, f"copy into the cache failed: {error}")
+            return
+        chunk.state = "done"
+        self._release_slot(chunk)
+        chunk.fetch.handle.chunks_done += 1
+        self._finish_if_done(chunk.fetch)
+
+    def _fail_chunk(self, chunk: _Chunk, why: str) -> None:
+        if chunk.state in ("done", "failed"):
+            return
+        if chunk.state == "copying":  # a local copy finishes by itself, soon
+            return
+        chunk.state = "failed"
+        chunk.fetch.errors.append(f"tokens [{chunk.start}, {chunk.end}): {why}")
+        if chunk.read_pending:  # the slot stays out of use until the read settles
+            self._quarantine.add(chunk)
+        else:
+            self._release_slot(chunk)
+        self._finish_if_done(chunk.fetch)
+
+    def _release_slot(self, chunk: _Chunk) -> None:
+        if chunk.slot is not None:
+            self._pools[chunk.pair.src_rank].release(chunk.slot)
+            chunk.slot = None
+
+    def _abandon(self, fetch: _Fetch, why: str) -> None:
+        for chunk in fetch.chunks:
+            self._fail_chunk(chunk, why)
+
+    def _abort(self, request_id: str) -> None:
+        for fetch in self._fetches:
+            if fetch.request_id == request_id:
+                self._abandon(fetch, "aborted")
+        for session in self._sessions.values():
+            if session.state == "live":
+                self._send(session, Abort(session=session.session, request_id=request_id))
+
+    def _finish_if_done(self, fetch: _Fetch) -> None:
+        if fetch.handle.done() or any(c.state not in ("done", "failed") for c in fetch.chunks):
+            return
+        self._fetches.remove(fetch)
+        failed = [c for c in fetch.chunks if c.state == "failed"]
+        for session in self._sessions.values():
+            if session.state == "live":
+                done = RequestDone(
+                    session=session.session, request_id=fetch.request_id, ok=not failed
+                )
+                self._send(session, done)
         failed_ids = sorted(
             {
-                int(block)
-                for chunk in self.failed
+                block
+                for chunk in failed
                 for block in blocks_of_tokens(
-                    self.block_ids, self.c.spec.block_size, chunk.start, chunk.end
+                    fetch.block_ids, self.spec.block_size, chunk.start, chunk.end
                 )
             }
         )
-        strategies = sorted({pair.plan.strategy for pair in self.pairs})
-        return TransferResult(
-            ok=not self.failed,
+        result = TransferResult(
+            ok=not failed,
             failed_block_ids=failed_ids,
-            bytes=self.nbytes,
-            num_ops=self.num_ops,
-            strategy=",".join(strategies),
-            seconds=time.monotonic() - began,
-            errors=self.errors,
+            bytes=sum(c.nbytes for c in fetch.chunks if c.state == "done"),
+            num_ops=sum(c.num_ops for c in fetch.chunks if c.state == "done"),
+            strategy=",".join(sorted({p.plan.strategy for p in fetch.pairs})),
+            seconds=time.monotonic() - fetch.began,
+            errors=fetch.errors,
         )
-
-    def _plan_chunks(self) -> None:
-        if self.start == self.num_tokens:
-            return
-        for pair in self.pairs:
-            step = pair.chunk_tokens or (self.num_tokens - self.start)
-            bounds = range(self.start, self.num_tokens, step)
-            self.queues[pair.producer.rank] = [
-                _Chunk(pair, i, s, min(s + step, self.num_tokens)) for i, s in enumerate(bounds)
-            ]
-
-    def _needs_staging(self, pair: _Pair) -> bool:
-        return pair.plan.strategy in ("unpack", "pack+unpack")
-
-    def _send_ready(self, sockets: dict[int, zmq.Socket]) -> None:
-        for rank in list(self.queues):
-            queue = self.queues[rank]
-            pair = queue[0].pair
-            pool = pair.producer.pool
-            window = pool.num_slots if self._needs_staging(pair) else _DIRECT_WINDOW
-            while queue and sum(1 for k in self.in_flight if k[0] == rank) < window:
-                chunk = queue[0]
-                if self._needs_staging(pair):
-                    chunk.slot = pool.try_acquire()
-                    if chunk.slot is None:
-                        break  # pool full (other fetches): wait, do not fail
-                queue.pop(0)
-                self.in_flight[(rank, chunk.chunk_id)] = chunk
-                sockets[rank].send(encode(self._ask(chunk)))
-            if not queue:
-                del self.queues[rank]
-
-    def _ask(self, chunk: _Chunk) -> TransferRequest:
-        pool = chunk.pair.producer.pool
-        return TransferRequest(
-            session=chunk.pair.producer.session,
-            request_id=self.handle.request_id,
-            chunk_id=chunk.chunk_id,
-            dst_block_ids=self.block_ids.tolist(),
-            num_tokens=self.num_tokens,
-            token_start=chunk.start,
-            token_end=chunk.end,
-            strategy=chunk.pair.plan.strategy,
-            staging_offset=-1 if chunk.slot is None else pool.offset(chunk.slot),
-            wait_seconds=max(0.0, self.deadline - time.monotonic()),
-        )
-
-    def _receive_answers(self, sockets: dict[int, zmq.Socket]) -> None:
-        poller = zmq.Poller()
-        for sock in sockets.values():
-            poller.register(sock, zmq.POLLIN)
-        wait_ms = max(0, min(_POLL_MS, int((self.deadline - time.monotonic()) * 1000)))
-        for sock, _ in poller.poll(wait_ms):
-            rank = next(r for r, s in sockets.items() if s is sock)
-            while True:
-                try:
-                    frame = sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    self._on_answer(rank, decode(frame))
-                except ProtocolError as exc:
-                    self.errors.append(f"producer rank {rank}: {exc}")
-
-    def _on_answer(self, rank: int, answer: Message) -> None:
-        if isinstance(answer, ErrorReply):
-            # The producer refused a request without saying which: fail its chunks in flight.
-            self.errors.append(f"producer rank {rank}: {answer.reason}")
-            for key, chunk in list(self.in_flight.items()):
-                if chunk.pair.producer.rank == rank:
-                    self._fail(key, chunk, release_now=True)
-            return
-        if (
-            not isinstance(answer, ChunkDone | ChunkFailed)
-            or answer.request_id != self.handle.request_id
-        ):
-            return
-        key = (rank, answer.chunk_id)
-        if key not in self.in_flight:
-            return
-        chunk = self.in_flight[key]
-        if isinstance(answer, ChunkFailed):
-            self.errors.append(
-                f"producer rank {rank}, tokens [{chunk.start}, {chunk.end}): {answer.reason}"
+        if not result.ok:
+            log.warning(
+                "fetch %s failed, %d blocks to recompute: %s",
+                fetch.request_id,
+                len(failed_ids),
+                "; ".join(fetch.errors[:3]),
             )
-            self._fail(key, chunk, release_now=True)
-            self._drop_queue(key[0])
-            return
-        try:
-            self._unpack(chunk)
-        except Exception as exc:
-            self.errors.append(f"unpack of tokens [{chunk.start}, {chunk.end}): {exc}")
-            self._fail(key, chunk, release_now=True)
-            return
-        del self.in_flight[key]
-        if chunk.slot is not None:
-            chunk.pair.producer.pool.release(chunk.slot)
-        self.nbytes += answer.nbytes
-        self.num_ops += answer.num_ops
-        self.handle.chunks_done += 1
-
-    def _unpack(self, chunk: _Chunk) -> None:
-        pair = chunk.pair
-        copy = unpack_copy(
-            pair.plan.strategy,
-            pair.plan.route,
-            pair.producer.spec,
-            self.c.spec,
-            self.block_ids,
-            chunk.start,
-            chunk.end,
+        self.stats.record(
+            TransferRecord(
+                fetch.request_id,
+                result.seconds,
+                result.bytes,
+                result.num_ops,
+                result.strategy,
+                result.ok,
+            )
         )
-        if copy is None:
-            return
-        assert chunk.slot is not None
-        elements = len(self.c.caches) * copy.src.geometry.layer_elements
-        staging = pair.producer.pool.slot_tensor(chunk.slot, self.c.caches[0].dtype)[:elements]
-        run_cell_copy(copy, [staging], self.c.caches, self.c._backend)
+        fetch.handle.future.set_result(result)
 
-    def _fail(self, key: tuple[int, int], chunk: _Chunk, release_now: bool) -> None:
-        del self.in_flight[key]
-        self.failed.append(chunk)
-        if chunk.slot is not None:
-            pool = chunk.pair.producer.pool
-            if release_now:
-                pool.release(chunk.slot)
-            else:
-                pool.release_later(chunk.slot, self.c._grace_s)
-
-    def _drop_queue(self, rank: int) -> None:
-        self.failed.extend(self.queues.pop(rank, []))
-
-    def _abandon(self, why: str) -> None:
-        self.errors.append(f"fetch {why} with {len(self.in_flight)} chunks in flight")
-        for key, chunk in list(self.in_flight.items()):
-            self._fail(key, chunk, release_now=False)  # the producer may still write there
-        for rank in list(self.queues):
-            self._drop_queue(rank)
-
-
-def _receive(sock: zmq.Socket, timeout: float) -> Message | None:
-    if not sock.poll(int(timeout * 1000)):
-        return None
-    try:
-        return decode(sock.recv())
-    except ProtocolError as exc:
-        return ErrorReply(reason=f"unreadable answer: {exc}")
+    def _shutdown(self) -> None:
+        for fetch in list(self._fetches):
+            self._abandon(fetch, "the consumer closed")
+        # Local copies in flight finish by themselves; wait for them so that close() returns
+        # only when nothing more will touch the cache.
+        while any(c.state == "copying" for f in self._fetches for c in f.chunks):
+            self._handle_events()
+            time.sleep(0.001)
+        for session in list(self._open.values()):
+            session.state = "dead"
+            session.sock.close(linger=0)
+        self._open.clear()
+        for _, done in self._connects:
+            done.set_exception(ConnectionError("connect: the consumer closed"))
+        self._stop.set()

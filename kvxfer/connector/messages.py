@@ -16,7 +16,7 @@ from kvxfer.spec import KVCacheSpec
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: pull transfers, authenticated sessions
 MAX_FRAME_BYTES = 8 << 20  # a 128k-token request's block ids take well under 1 MiB
 
 
@@ -36,61 +36,97 @@ class _Message(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):
     version: int = PROTOCOL_VERSION
 
 
-class Handshake(_Message, tag="handshake", frozen=True):
-    """Consumer -> producer: who I am, my geometry and where you may write."""
+# ---- KV connector: handshake ---------------------------------------------------------------
+# Consumer and producer prove knowledge of the shared secret to each other without sending it
+# (kvxfer.connector.auth); the producer then names a session whose key signs every later frame.
+
+
+class Hello(_Message, tag="hello", frozen=True):
+    """Consumer -> producer: I want a session; here is my nonce."""
 
     engine_id: str
-    rank: int
+    nonce: str  # hex
+
+
+class Challenge(_Message, tag="challenge", frozen=True):
+    """Producer -> consumer: prove you hold the secret, over both nonces."""
+
+    nonce: str  # hex
+
+
+class Handshake(_Message, tag="handshake", frozen=True):
+    """Consumer -> producer: who I am and my geometry, with the proof of the secret."""
+
+    engine_id: str
     spec: KVCacheSpec
-    endpoint: str  # transport endpoint (Mooncake host:port)
-    cache_regions: list[RegionInfo]  # one per layer, in layer order
-    staging_region: RegionInfo | None
-    staging_slot_bytes: int
-    secret: str = ""
+    client_nonce: str
+    server_nonce: str
+    proof: str  # hex HMAC over the nonces, the engine id and the spec
 
 
 class HandshakeReply(_Message, tag="handshake_reply", frozen=True):
-    """Producer -> consumer: my geometry, and the session to name in later messages."""
+    """Producer -> consumer: my geometry, where my cache lives, and the session."""
 
     engine_id: str
-    rank: int
     spec: KVCacheSpec
-    endpoint: str
+    endpoint: str  # transport endpoint (Mooncake host:port)
+    cache_regions: list[RegionInfo]  # one per layer, in layer order
     session: str
     staging_slot_bytes: int
+    proof: str  # hex HMAC: the producer holds the secret too
+
+
+# ---- KV connector: session messages (each frame followed by its MAC frame) ----------------
 
 
 class TransferRequest(_Message, tag="transfer", frozen=True):
-    """Consumer -> producer: write tokens `[token_start, token_end)` of a request to me."""
+    """Consumer -> producer: make tokens `[token_start, token_end)` of a request readable."""
 
     session: str
     request_id: str
     chunk_id: int
-    dst_block_ids: list[int]  # the consumer's blocks for tokens [0, num_tokens)
     num_tokens: int
     token_start: int
     token_end: int
     strategy: str
-    staging_offset: int  # byte offset of the chunk's slot in my staging region, or -1
     wait_seconds: float  # how long to wait for the request to be published
 
 
-class ChunkDone(_Message, tag="chunk_done", frozen=True):
-    """Producer -> consumer: a chunk's bytes are in place."""
+class ChunkReady(_Message, tag="chunk_ready", frozen=True):
+    """Producer -> consumer: read the chunk now, from my cache blocks or my staging slot."""
 
     request_id: str
     chunk_id: int
-    nbytes: int
-    num_ops: int
+    generation: int  # the publication these bytes belong to
+    src_block_ids: list[int]  # my blocks for tokens [0, num_tokens)
+    staging: RegionInfo | None  # the packed chunk, for strategies that pack
+
+
+class ChunkRead(_Message, tag="chunk_read", frozen=True):
+    """Consumer -> producer: I have read the chunk; was its source held all along?"""
+
+    session: str
+    request_id: str
+    chunk_id: int
+    generation: int
+    staged: bool  # read from the producer's staging slot (else from its cache blocks)
+
+
+class ChunkValid(_Message, tag="chunk_valid", frozen=True):
+    """Producer -> consumer: the chunk's source was (ok) or was not held while it was read."""
+
+    request_id: str
+    chunk_id: int
+    ok: bool
+    reason: str = ""
 
 
 class ChunkFailed(_Message, tag="chunk_failed", frozen=True):
-    """Producer -> consumer: a chunk was not (fully) written."""
+    """Producer -> consumer: a chunk cannot be served."""
 
     request_id: str
     chunk_id: int
     reason: str
-    dst_block_ids: list[int]  # the consumer's blocks holding the chunk's tokens
 
 
 class RequestDone(_Message, tag="request_done", frozen=True):
@@ -101,10 +137,34 @@ class RequestDone(_Message, tag="request_done", frozen=True):
     ok: bool
 
 
+class Abort(_Message, tag="abort", frozen=True):
+    """Consumer -> producer: the decode engine will never load this request; free it now."""
+
+    session: str
+    request_id: str
+
+
+class Ping(_Message, tag="ping", frozen=True):
+    """Consumer -> producer: I am alive; are you?"""
+
+    session: str
+
+
+class Pong(_Message, tag="pong", frozen=True):
+    """Producer -> consumer: alive."""
+
+
 class ErrorReply(_Message, tag="error", frozen=True):
     """Either way: the last frame was refused, and why."""
 
     reason: str
+    session_lost: bool = False  # the named session is unknown: shake hands again
+
+
+SESSION_MESSAGES = (TransferRequest, ChunkRead, RequestDone, Abort, Ping)
+
+
+# ---- encoder cache ------------------------------------------------------------------------
 
 
 class ECQuery(_Message, tag="ec_query", frozen=True):
@@ -151,12 +211,19 @@ class ECRelease(_Message, tag="ec_release", frozen=True):
 
 
 Message = (
-    Handshake
+    Hello
+    | Challenge
+    | Handshake
     | HandshakeReply
     | TransferRequest
-    | ChunkDone
+    | ChunkReady
+    | ChunkRead
+    | ChunkValid
     | ChunkFailed
     | RequestDone
+    | Abort
+    | Ping
+    | Pong
     | ErrorReply
     | ECQuery
     | ECInfo

@@ -1,90 +1,109 @@
 """`KVProducer`: a prefill rank that serves its requests' KV to decode ranks.
 
-Push, on request: a consumer rank asks for a chunk of a request (its block ids, a token range,
-the strategy and, for strategies that unpack, a slot of its staging pool); the producer packs
-when the strategy says so and writes the bytes into the consumer's registered memory, then
-answers on the side channel. The consumer knows where the bytes go, the producer knows when
-they exist; writes are the fast path of RDMA NICs.
+Pull, on request: a consumer rank asks for a chunk of a request (a token range and a
+strategy); once the request is published the producer packs it into its staging if the strategy
+packs, and answers where to read it. The consumer reads the bytes into its own staging with
+Mooncake, asks whether the source was held all along, and only then copies them into its cache.
+The producer never writes into a consumer's memory: a peer cannot make it touch memory other
+than its own, and no write of it can land late (README, "No late bytes").
 
-Threads: one side-channel thread owns the ZeroMQ sockets; chunks run on a worker pool and hand
-their answers back through an inproc socket.
+Three parts, each with one job:
+- the side-channel server (`SideChannelServer`): sockets and framing, one thread that never
+  blocks;
+- the request table (`RequestTable`): publish, fetchers, reports, expiry, one release each;
+- a session per consumer rank: authentication, its staging pool, its pack leases and its own
+  worker thread, so a slow, frozen or hostile peer costs only its own requests.
 """
 
 from __future__ import annotations
 
-import hmac
-import itertools
 import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import zmq
 
+from kvxfer.connector import auth
 from kvxfer.connector.messages import (
-    ChunkDone,
+    SESSION_MESSAGES,
+    Abort,
+    Challenge,
     ChunkFailed,
+    ChunkRead,
+    ChunkReady,
+    ChunkValid,
+    ErrorReply,
     Handshake,
     HandshakeReply,
+    Hello,
     Message,
+    Ping,
+    Pong,
     ProtocolError,
+    RegionInfo,
     RequestDone,
     TransferRequest,
-    answer_frames,
+    decode,
     encode,
 )
 from kvxfer.connector.registration import CacheRegistration
+from kvxfer.connector.requests import RequestTable
+from kvxfer.connector.sidechannel import SideChannelServer
 from kvxfer.connector.staging import StagingPool
 from kvxfer.execute import resolve_backend, run_cell_copy, warm_up
-from kvxfer.plan import HeadRoute, build_program, check_pairable, route_heads
-from kvxfer.plan.layout import STAGING_REGION, blocks_of_tokens
-from kvxfer.plan.program import check_strategy, program_shape
-from kvxfer.spec import KVCacheSpec
-from kvxfer.transport.base import Peer, Region, Transport
-from kvxfer.validation import check_block_ids, check_caches
+from kvxfer.plan import HeadRoute, check_pairable, route_heads
+from kvxfer.plan.program import CellCopy, check_strategy, pack_copy, program_shape
+from kvxfer.spec import KVCacheSpec, encode_spec
+from kvxfer.transport.base import Transport
+from kvxfer.validation import check_block_ids, check_caches, check_num_tokens, check_request_id
 
 log = logging.getLogger(__name__)
 
-HARD_FRAME_LIMIT = 64 << 20  # ZeroMQ drops peers that send more; smaller frames get a reply
-_POLL_MS = 10
-_instances = itertools.count()
+_HELLO_TTL_S = 10.0  # a handshake must complete within this long after its Hello
+_MAX_PENDING_HELLOS = 1024
+_MAX_WAITING_PER_SESSION = 4096  # chunks waiting for their request to be published
 
 
 @dataclass
-class _Consumer:
+class _Lease:
+    """A staging slot holding a packed chunk until its consumer has read it."""
+
+    slot: int
+    expires: float
+
+
+@dataclass
+class _Waiting:
+    ask: TransferRequest
+    deadline: float
+
+
+@dataclass
+class _Session:
     """A consumer rank that completed the handshake."""
 
     session: str
     engine_id: str
-    rank: int
     spec: KVCacheSpec
-    peer: Peer
-    staging_region: int | None
-    route: HeadRoute | None  # the heads this producer sends to that rank, if any
-    pool: StagingPool | None = None
-
-
-@dataclass
-class _Request:
-    """A published request, until released."""
-
-    block_ids: np.ndarray
-    num_tokens: int
-    deadline: float
-    reported: set[tuple[str, int]] = field(default_factory=set)  # (engine, rank) that are done
-
-
-@dataclass
-class _WaitingChunk:
+    key: bytes
     identity: bytes
-    consumer: _Consumer
-    message: TransferRequest
-    deadline: float
+    route: HeadRoute | None  # the heads this producer serves that rank, if any
+    last_heard: float
+    worker: ThreadPoolExecutor
+    pool: StagingPool | None = None
+    leases: dict[tuple[str, int], _Lease] = field(default_factory=dict)
+    waiting: list[_Waiting] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def rank(self) -> int:
+        return self.spec.tp_rank
 
 
 class KVProducer:
@@ -96,18 +115,23 @@ class KVProducer:
         engine_id: the prefill engine's id.
         host: address to bind the side channel and the transport to (127.0.0.1 by default).
         port: side-channel port (0: any free port; see `address`).
-        release: called with a request id once every decode rank is done with it, or at its
-            deadline; exactly once per published request.
-        secret: a shared secret consumers must present at handshake.
+        release: called with a request id once every decode rank that fetched it is done, when
+            its decode engine aborts it, at its deadline, or at `close`: exactly once per
+            published request. It runs on the side-channel thread: it must not block.
+        secret: a shared secret; consumers must prove they hold it (challenge-response, never
+            sent) and every session frame is signed with a key derived from it.
         transport: a transport to share (default: an own `MooncakeTransport` on `host`,
             `protocol`, closed with this object; a shared one is left open).
         protocol: "tcp" or "rdma" for the default transport.
-        staging_bytes: staging pool per consumer rank, in bytes.
-        staging_slots: slots in each pool (chunks in flight per consumer rank).
+        staging_bytes: staging pool per consumer rank that asks for packed chunks, in bytes.
+        staging_slots: slots in each pool (packed chunks awaiting their read per consumer).
         request_timeout_s: default deadline of a published request.
-        write_timeout_s: how long one chunk's write may take before it counts as failed.
+        session_timeout_s: a consumer session silent this long is dropped (its pack leases
+            end, its pool is reused); consumers ping every `heartbeat_s` (0.5 s by default).
+        released_ttl_s: how long a released request id is remembered (refused if published
+            again, answered "released" to a late fetch).
+        max_sessions: the most consumer sessions at once; more handshakes are refused.
         backend: pack backend ("auto", "torch", "triton").
-        workers: chunks processed at once.
     """
 
     def __init__(
@@ -125,9 +149,10 @@ class KVProducer:
         staging_bytes: int = 32 << 20,
         staging_slots: int = 4,
         request_timeout_s: float = 300.0,
-        write_timeout_s: float = 60.0,
+        session_timeout_s: float = 10.0,
+        released_ttl_s: float = 600.0,
+        max_sessions: int = 256,
         backend: str = "auto",
-        workers: int = 4,
     ) -> None:
         check_caches(spec, caches, "producer")
         self.spec = spec
@@ -138,38 +163,29 @@ class KVProducer:
         self._staging_bytes, self._staging_slots = staging_bytes, staging_slots
         self._slot_bytes = StagingPool.slot_size(staging_bytes, staging_slots)
         self._request_timeout_s = request_timeout_s
-        self._write_timeout_s = write_timeout_s
+        self._session_timeout_s = session_timeout_s
+        self._max_sessions = max_sessions
         self._backend = resolve_backend(backend, caches[0].device)
         self._registration = CacheRegistration(self.caches, transport, host, protocol)
         self.transport = self._registration.transport
-        self._cache_regions = self._registration.regions
-        self._cache_places = {i: (r.region_id, 0) for i, r in enumerate(self._cache_regions)}
-
+        self._cache_regions = [
+            RegionInfo(r.region_id, r.address, r.nbytes) for r in self._registration.regions
+        ]
+        self._requests = RequestTable(released_ttl_s)
         self._lock = threading.Lock()
-        self._requests: dict[str, _Request] = {}
-        self._released: set[str] = set()
-        self._consumers: dict[str, _Consumer] = {}
-        self._waiting: list[_WaitingChunk] = []
-
-        self._ctx = zmq.Context()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.MAXMSGSIZE, HARD_FRAME_LIMIT)
-        self._router.setsockopt(zmq.LINGER, 0)
-        if port == 0:
-            port = self._router.bind_to_random_port(f"tcp://{host}")
-        else:
-            self._router.bind(f"tcp://{host}:{port}")
-        self.address = f"tcp://{host}:{port}"
-        self._answers_address = f"inproc://kvxfer-producer-{next(_instances)}"
-        self._answers = self._ctx.socket(zmq.PULL)
-        self._answers.bind(self._answers_address)
-        self._local = threading.local()
-        self._worker_sockets: list[zmq.Socket] = []
-
-        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="kvxfer-producer")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="kvxfer-producer", daemon=True)
-        self._thread.start()
+        self._sessions: dict[str, _Session] = {}
+        self._hellos: OrderedDict[tuple[bytes, str], tuple[str, float]] = OrderedDict()
+        self._spare_pools: list[StagingPool] = []
+        self._warmed: set[tuple[object, ...]] = set()
+        self._closed = False
+        try:
+            self._server = SideChannelServer(
+                host, port, self._on_frames, self._on_tick, name="kvxfer-producer"
+            )
+        except Exception:
+            self._registration.close()
+            raise
+        self.address = self._server.address
 
     # ---- public API ---------------------------------------------------------------------
 
@@ -183,46 +199,71 @@ class KVProducer:
         """Offer a request's KV (tokens `[0, num_tokens)` in `block_ids`) to decode ranks.
 
         Its blocks stay untouched by kvxfer and are handed back through `release` once every
-        decode rank reported done, or `deadline_s` (default `request_timeout_s`) after now.
+        decode rank that fetched it reported done, or `deadline_s` (default
+        `request_timeout_s`) after now.
+
+        Raises:
+            ValueError: a bad id, token count or block table, or an id already published.
+            RuntimeError: the producer is closed.
         """
-        ids = check_block_ids(self.spec, block_ids, num_tokens, f"publish({request_id!r})")
+        if self._closed:
+            raise RuntimeError("publish: the producer is closed; create a new KVProducer")
+        request_id = check_request_id(request_id, "publish")
+        where = f"publish({request_id!r})"
+        tokens = check_num_tokens(num_tokens, f"{where}: num_tokens")
+        ids = check_block_ids(self.spec, block_ids, tokens, where)
         timeout = self._request_timeout_s if deadline_s is None else deadline_s
-        with self._lock:
-            if request_id in self._requests or request_id in self._released:
-                raise ValueError(f"request_id: {request_id!r} was already published")
-            self._requests[request_id] = _Request(ids, num_tokens, time.monotonic() + timeout)
+        self._requests.publish(request_id, ids, tokens, timeout)
 
     @property
     def pending_requests(self) -> list[str]:
         """Published requests not released yet."""
-        with self._lock:
-            return sorted(self._requests)
+        return self._requests.pending()
 
     def staging_free_slots(self) -> dict[tuple[str, int], int]:
-        """Free slots of each consumer rank's staging pool (all free when idle)."""
+        """Free slots of each live consumer session's staging pool (all free when idle)."""
         with self._lock:
             return {
-                (c.engine_id, c.rank): c.pool.free_slots
-                for c in self._consumers.values()
-                if c.pool is not None
+                (s.engine_id, s.rank): s.pool.free_slots
+                for s in self._sessions.values()
+                if s.pool is not None
             }
 
+    def stats_snapshot(self) -> dict[str, object]:
+        """Live state, for monitoring and leak checks: sessions, pending and remembered
+        request ids, leases, the transport, and the threads this producer runs."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        return {
+            "sessions": len(sessions),
+            "pending_requests": len(self._requests.pending()),
+            "released_ids_kept": self._requests.released_kept,
+            "leases": sum(len(s.leases) for s in sessions),
+            "waiting_chunks": sum(len(s.waiting) for s in sessions),
+            "spare_pools": len(self._spare_pools),
+            "transport": getattr(self.transport, "protocol", type(self.transport).__name__),
+            "threads": 2 + len(sessions),  # side channel, transport pump, a worker per session
+        }
+
     def close(self) -> None:
-        """Stop serving, wait for running chunks, unregister memory."""
-        if self._stop.is_set():
+        """Stop serving, release every pending request once, free staging, unregister."""
+        if self._closed:
             return
-        self._stop.set()
-        self._thread.join()
-        self._workers.shutdown(wait=True)
-        for sock in self._worker_sockets:
-            sock.close(linger=0)
-        self._router.close(linger=0)
-        self._answers.close(linger=0)
-        self._ctx.term()
-        for consumer in self._consumers.values():
-            if consumer.pool is not None:
-                consumer.pool.close()
-        self._registration.close()
+        self._closed = True
+        self._server.close()
+        for request_id in self._requests.pending():
+            self._release(request_id, "the producer closed")
+        with self._lock:
+            sessions = list(self._sessions.values())
+            self._sessions.clear()
+        for session in sessions:
+            session.worker.shutdown(wait=True)
+        self._registration.close()  # ends the engine first when it is ours: no read in flight
+        for session in sessions:
+            if session.pool is not None:
+                session.pool.close()
+        for pool in self._spare_pools:
+            pool.close()
 
     def __enter__(self) -> KVProducer:
         return self
@@ -230,144 +271,280 @@ class KVProducer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- side channel -------------------------------------------------------------------
+    # ---- side channel (server thread: never blocks) ---------------------------------------
 
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._answers, zmq.POLLIN)
-        while not self._stop.is_set():
-            events = dict(poller.poll(_POLL_MS))
-            if self._router in events:
-                self._drain(self._router, self._on_frames)
-            if self._answers in events:
-                self._drain(self._answers, self._router.send_multipart)
-            self._dispatch_waiting()
-            self._expire()
-
-    @staticmethod
-    def _drain(sock: zmq.Socket, handle: Callable[[list[bytes]], object]) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            handle(frames)
-
-    def _on_frames(self, frames: list[bytes]) -> None:
-        identity, reply = answer_frames(frames, self._on_message, "side channel")
-        if reply is not None:
-            self._reply(identity, reply)
-
-    def _on_message(self, identity: bytes, message: Message) -> None:
-        # Answers go out from the handlers (a chunk's answer comes later, from a worker).
-        if isinstance(message, Handshake):
-            self._on_handshake(identity, message)
-        elif isinstance(message, TransferRequest | RequestDone):
-            consumer = self._consumers.get(message.session)
-            if consumer is None:
-                raise ProtocolError("unknown session; handshake first")
-            if isinstance(message, TransferRequest):
-                self._on_transfer(identity, consumer, message)
+    def _on_frames(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            if not 1 <= len(frames) <= 2:
+                raise ProtocolError(f"expected a frame and its MAC, got {len(frames)} frames")
+            message = decode(frames[0])
+            if isinstance(message, SESSION_MESSAGES):
+                self._on_session_frame(identity, message, frames)
+            elif isinstance(message, Hello):
+                self._on_hello(identity, message)
+            elif isinstance(message, Handshake):
+                self._on_handshake(identity, message)
             else:
-                self._on_request_done(consumer, message)
-        else:
-            raise ProtocolError(f"a producer does not accept {type(message).__name__} messages")
+                raise ProtocolError(f"a producer does not accept {type(message).__name__} messages")
+        except ProtocolError as exc:
+            log.warning("producer %s: refused a frame: %s", self.engine_id, exc)
+            self._server.send(identity, [encode(ErrorReply(reason=str(exc)))])
 
-    def _reply(self, identity: bytes, message: Message) -> None:
-        self._router.send_multipart([identity, encode(message)])
+    def _on_hello(self, identity: bytes, hello: Hello) -> None:
+        with self._lock:
+            if len(self._sessions) >= self._max_sessions:
+                raise ProtocolError(
+                    f"handshake refused: {self._max_sessions} sessions are open (max_sessions)"
+                )
+        server_nonce = auth.new_nonce()
+        self._hellos[(identity, hello.nonce)] = (server_nonce, time.monotonic() + _HELLO_TTL_S)
+        while len(self._hellos) > _MAX_PENDING_HELLOS:
+            self._hellos.popitem(last=False)
+        self._server.send(identity, [encode(Challenge(nonce=server_nonce))])
 
     def _on_handshake(self, identity: bytes, hello: Handshake) -> None:
-        if not hmac.compare_digest(hello.secret.encode(), self._secret.encode()):
-            raise ProtocolError("handshake refused: wrong or missing shared secret")
+        pending = self._hellos.pop((identity, hello.client_nonce), None)
+        if pending is None or pending[0] != hello.server_nonce or pending[1] < time.monotonic():
+            raise ProtocolError("handshake refused: no matching Hello; start with Hello")
+        expected = auth.proof(
+            self._secret,
+            "consumer",
+            hello.client_nonce,
+            hello.server_nonce,
+            hello.engine_id,
+            encode_spec(hello.spec),
+        )
+        if not auth.proof_matches(expected, hello.proof):
+            raise ProtocolError(
+                "handshake refused: wrong or missing shared secret (both sides need the same "
+                "secret=...)"
+            )
         try:
             check_pairable(self.spec, hello.spec)
-            peer = _advertised_peer(hello)
         except ValueError as exc:
             raise ProtocolError(f"handshake refused: {exc}") from exc
+        session_id = secrets.token_hex(16)
         routes = route_heads(self.spec.num_kv_heads, self.spec.tp_size, hello.spec.tp_size)
         route = next(
-            (r for r in routes if r.src_rank == self.spec.tp_rank and r.dst_rank == hello.rank),
+            (
+                r
+                for r in routes
+                if r.src_rank == self.spec.tp_rank and r.dst_rank == hello.spec.tp_rank
+            ),
             None,
         )
-        if route is not None:
-            self._warm_up(route, hello.spec)
-        session = secrets.token_hex(16)
-        staging = _staging_key(hello.spec) if hello.staging_region else None
-        consumer = _Consumer(session, hello.engine_id, hello.rank, hello.spec, peer, staging, route)
+        session = _Session(
+            session=session_id,
+            engine_id=hello.engine_id,
+            spec=hello.spec,
+            key=auth.session_key(self._secret, hello.client_nonce, hello.server_nonce, session_id),
+            identity=identity,
+            route=route,
+            last_heard=time.monotonic(),
+            worker=ThreadPoolExecutor(1, thread_name_prefix="kvxfer-producer-peer"),
+        )
         with self._lock:
-            self._consumers[session] = consumer
-        self._reply(
-            identity,
-            HandshakeReply(
-                engine_id=self.engine_id,
-                rank=self.spec.tp_rank,
-                spec=self.spec,
-                endpoint=self.transport.endpoint,
-                session=session,
-                staging_slot_bytes=self._slot_bytes,
+            self._sessions[session_id] = session
+        if route is not None:
+            session.worker.submit(self._warm_up, route, hello.spec)
+        reply = HandshakeReply(
+            engine_id=self.engine_id,
+            spec=self.spec,
+            endpoint=self.transport.endpoint,
+            cache_regions=self._cache_regions,
+            session=session_id,
+            staging_slot_bytes=self._slot_bytes,
+            proof=auth.proof(
+                self._secret, "producer", hello.client_nonce, hello.server_nonce, session_id
             ),
         )
+        self._server.send(identity, [encode(reply)])
 
-    def _warm_up(self, route: HeadRoute, consumer_spec: KVCacheSpec) -> None:
-        """Compile the packs this pair may ask for at handshake, not on its first request."""
-        one = np.zeros(1, dtype=np.int64)
-        for strategy in ("pack", "pack+unpack"):
-            shape = program_shape(strategy, route, self.spec, consumer_spec, one, one, 0, 1)
-            assert shape.pack is not None
-            warm_up(shape.pack, self.caches[0].dtype, self.caches[0].device, self._backend)
-
-    def _on_transfer(self, identity: bytes, consumer: _Consumer, ask: TransferRequest) -> None:
-        with self._lock:
-            published = ask.request_id in self._requests
-            released = ask.request_id in self._released
-        if published:
-            self._workers.submit(self._run_chunk, identity, consumer, ask)
-        elif released:
-            self._reply(identity, _failed(ask, consumer, "the request was already released"))
-        else:
-            deadline = time.monotonic() + ask.wait_seconds
-            self._waiting.append(_WaitingChunk(identity, consumer, ask, deadline))
-
-    def _on_request_done(self, consumer: _Consumer, done: RequestDone) -> None:
-        with self._lock:
-            request = self._requests.get(done.request_id)
-            if request is None:
-                return
-            request.reported.add((consumer.engine_id, consumer.rank))
-            ranks = {rank for engine, rank in request.reported if engine == consumer.engine_id}
-            finished = len(ranks) >= consumer.spec.tp_size
-        if finished:
-            self._release(done.request_id, "every decode rank is done")
-
-    def _dispatch_waiting(self) -> None:
-        if not self._waiting:
+    def _on_session_frame(self, identity: bytes, message: Message, frames: list[bytes]) -> None:
+        session = self._sessions.get(getattr(message, "session", ""))
+        if session is None:
+            self._server.send(
+                identity,
+                [
+                    encode(
+                        ErrorReply(reason="unknown session; shake hands again", session_lost=True)
+                    )
+                ],
+            )
             return
-        now, still = time.monotonic(), []
-        for chunk in self._waiting:
-            with self._lock:
-                published = chunk.message.request_id in self._requests
-            if published:
-                self._workers.submit(self._run_chunk, chunk.identity, chunk.consumer, chunk.message)
+        if len(frames) != 2 or not auth.verify(session.key, frames[0], frames[1]):
+            raise ProtocolError("a session frame without a valid MAC was refused")
+        session.identity, session.last_heard = identity, time.monotonic()
+        if isinstance(message, Ping):
+            self._send(session, Pong())
+        elif isinstance(message, TransferRequest):
+            self._on_transfer(session, message)
+        elif isinstance(message, ChunkRead):
+            self._on_chunk_read(session, message)
+        elif isinstance(message, RequestDone):
+            self._drop_leases(session, message.request_id)
+            if self._requests.report_done(
+                message.request_id, session.engine_id, session.rank, session.spec.tp_size
+            ):
+                self._release(message.request_id, "every decode rank is done")
+        elif isinstance(message, Abort):
+            self._drop_leases(session, message.request_id)
+            if self._requests.may_abort(message.request_id, session.engine_id):
+                self._release(message.request_id, f"engine {session.engine_id} aborted it")
+
+    def _send(self, session: _Session, message: Message) -> None:
+        frame = encode(message)
+        self._server.send(session.identity, [frame, auth.sign(session.key, frame)])
+
+    def _on_transfer(self, session: _Session, ask: TransferRequest) -> None:
+        try:
+            check_strategy(ask.strategy)
+        except ValueError as exc:
+            self._send(session, _failed(ask, str(exc)))
+            return
+        if session.route is None:
+            reason = (
+                f"producer rank {self.spec.tp_rank} holds no heads that consumer rank "
+                f"{session.rank} needs"
+            )
+            self._send(session, _failed(ask, reason))
+        elif self._requests.get(ask.request_id) is not None:
+            self._serve_chunk(session, ask)
+        elif self._requests.was_released(ask.request_id):
+            self._send(session, _failed(ask, "the request was already released"))
+        elif len(session.waiting) >= _MAX_WAITING_PER_SESSION:
+            self._send(session, _failed(ask, "too many chunks wait for unpublished requests"))
+        else:
+            session.waiting.append(_Waiting(ask, time.monotonic() + ask.wait_seconds))
+
+    def _serve_chunk(self, session: _Session, ask: TransferRequest) -> None:
+        request = self._requests.get(ask.request_id)
+        if request is None:
+            self._send(session, _failed(ask, "the request was released before its chunk ran"))
+            return
+        if ask.num_tokens != request.num_tokens or not (
+            0 <= ask.token_start < ask.token_end <= request.num_tokens
+        ):
+            reason = (
+                f"tokens [{ask.token_start}, {ask.token_end}) of {ask.num_tokens} do not fit the "
+                f"published {request.num_tokens} tokens"
+            )
+            self._send(session, _failed(ask, reason))
+            return
+        self._requests.note_fetcher(ask.request_id, session.engine_id, session.spec.tp_size)
+        assert session.route is not None
+        pack = pack_copy(
+            check_strategy(ask.strategy),
+            session.route,
+            self.spec,
+            session.spec,
+            request.block_ids,
+            ask.token_start,
+            ask.token_end,
+        )
+        ready = ChunkReady(
+            request_id=ask.request_id,
+            chunk_id=ask.chunk_id,
+            generation=request.generation,
+            src_block_ids=request.block_ids.tolist(),
+            staging=None,
+        )
+        if pack is None:  # the consumer reads the cache blocks themselves
+            self._send(session, ready)
+        else:
+            session.worker.submit(self._pack_chunk, session, ask, ready, pack)
+
+    def _on_chunk_read(self, session: _Session, read: ChunkRead) -> None:
+        with session.lock:
+            lease = session.leases.pop((read.request_id, read.chunk_id), None)
+        if lease is not None and session.pool is not None:
+            session.pool.release(lease.slot)
+        held = self._requests.holds(read.request_id, read.generation)
+        valid = held and (lease is not None or not read.staged)
+        reason = "" if valid else "the source was released before the read was confirmed"
+        self._send(
+            session,
+            ChunkValid(request_id=read.request_id, chunk_id=read.chunk_id, ok=valid, reason=reason),
+        )
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        for request_id in self._requests.expired(now):
+            self._release(request_id, "its deadline passed")
+        for key in [k for k, (_, expires) in self._hellos.items() if expires < now]:
+            del self._hellos[key]
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for session in sessions:
+            if now - session.last_heard > self._session_timeout_s:
+                self._end_session(session, "silent for too long")
+                continue
+            self._expire_leases(session, now)
+            if session.waiting:
+                self._dispatch_waiting(session, now)
+
+    def _dispatch_waiting(self, session: _Session, now: float) -> None:
+        still = []
+        for chunk in session.waiting:
+            if self._requests.get(chunk.ask.request_id) is not None:
+                self._serve_chunk(session, chunk.ask)
+            elif self._requests.was_released(chunk.ask.request_id):
+                self._send(session, _failed(chunk.ask, "the request was already released"))
             elif now >= chunk.deadline:
-                reason = f"not published within {chunk.message.wait_seconds:.1f} s"
-                self._reply(chunk.identity, _failed(chunk.message, chunk.consumer, reason))
+                reason = f"not published within {chunk.ask.wait_seconds:.1f} s"
+                self._send(session, _failed(chunk.ask, reason))
             else:
                 still.append(chunk)
-        self._waiting = still
+        session.waiting = still
 
-    def _expire(self) -> None:
-        now = time.monotonic()
+    def _end_session(self, session: _Session, why: str) -> None:
+        log.info(
+            "producer %s: session of %s rank %d ended: %s",
+            self.engine_id,
+            session.engine_id,
+            session.rank,
+            why,
+        )
         with self._lock:
-            expired = [rid for rid, r in self._requests.items() if r.deadline <= now]
-        for request_id in expired:
-            self._release(request_id, "its deadline passed")
+            self._sessions.pop(session.session, None)
+        session.worker.shutdown(wait=False)
+        # Its pool goes back to the spares once its last pack finished (the worker's last job).
+        threading.Thread(target=self._recycle_pool, args=(session,), daemon=True).start()
+
+    def _recycle_pool(self, session: _Session) -> None:
+        session.worker.shutdown(wait=True)
+        with session.lock:
+            session.leases.clear()
+            pool = session.pool
+            session.pool = None
+        if pool is None:
+            return
+        pool.reset()
+        with self._lock:
+            if self._closed:
+                pool.close()
+            else:
+                self._spare_pools.append(pool)
+
+    def _expire_leases(self, session: _Session, now: float) -> None:
+        with session.lock:
+            expired = [key for key, lease in session.leases.items() if lease.expires <= now]
+            slots = [session.leases.pop(key).slot for key in expired]
+        if session.pool is not None:
+            for slot in slots:
+                session.pool.release(slot)
+
+    def _drop_leases(self, session: _Session, request_id: str) -> None:
+        with session.lock:
+            keys = [key for key in session.leases if key[0] == request_id]
+            slots = [session.leases.pop(key).slot for key in keys]
+        if session.pool is not None:
+            for slot in slots:
+                session.pool.release(slot)
 
     def _release(self, request_id: str, why: str) -> None:
-        with self._lock:
-            if self._requests.pop(request_id, None) is None:
-                return  # released already: the callback runs once
-            self._released.add(request_id)
+        if not self._requests.release(request_id):
+            return  # released already: the callback runs once
         log.debug("releasing request %s: %s", request_id, why)
         if self._release_cb is not None:
             try:
@@ -375,144 +552,77 @@ class KVProducer:
             except Exception:
                 log.exception("release callback failed for request %s", request_id)
 
-    # ---- chunks (worker threads) --------------------------------------------------------
+    # ---- a session's worker thread -------------------------------------------------------
 
-    def _answer(self, identity: bytes, message: Message) -> None:
-        sock = getattr(self._local, "sock", None)
-        if sock is None:
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.connect(self._answers_address)
-            self._local.sock = sock
-            with self._lock:
-                self._worker_sockets.append(sock)
-        sock.send_multipart([identity, encode(message)])
-
-    def _run_chunk(self, identity: bytes, consumer: _Consumer, ask: TransferRequest) -> None:
-        try:
-            self._answer(identity, self._write_chunk(consumer, ask))
-        except Exception as exc:
-            log.warning("request %s chunk %d failed: %s", ask.request_id, ask.chunk_id, exc)
-            self._answer(identity, _failed(ask, consumer, f"{type(exc).__name__}: {exc}"))
-
-    def _write_chunk(self, consumer: _Consumer, ask: TransferRequest) -> ChunkDone:
-        if consumer.route is None:
-            raise ValueError(
-                f"producer rank {self.spec.tp_rank} holds no heads that consumer rank "
-                f"{consumer.rank} needs"
-            )
-        with self._lock:
-            request = self._requests.get(ask.request_id)
-        if request is None:
-            raise ValueError("the request was released before its chunk ran")
-        if ask.num_tokens != request.num_tokens or not (
-            0 <= ask.token_start < ask.token_end <= request.num_tokens
-        ):
-            raise ValueError(
-                f"tokens [{ask.token_start}, {ask.token_end}) of {ask.num_tokens} do not fit "
-                f"the published {request.num_tokens} tokens"
-            )
-        dst_ids = check_block_ids(consumer.spec, ask.dst_block_ids, ask.num_tokens, "consumer")
-        program = build_program(
-            consumer.route,
-            check_strategy(ask.strategy),
-            self.spec,
-            consumer.spec,
-            request.block_ids,
-            dst_ids,
-            ask.token_start,
-            ask.token_end,
+    def _warm_up(self, route: HeadRoute, consumer_spec: KVCacheSpec) -> None:
+        """Compile the packs this pair may ask for now, not on its first request."""
+        key = (
+            route.num_heads,
+            route.src_head_offset,
+            consumer_spec.block_size,
+            consumer_spec.layout,
+            consumer_spec.kv_placement,
         )
-        src_places = dict(self._cache_places)
-        dst_places = {i: (i, 0) for i in range(consumer.spec.num_layers)}
-        if program.dst_staging is not None:
-            if consumer.staging_region is None or ask.staging_offset < 0:
-                raise ValueError(f"strategy {ask.strategy} needs a staging slot on the consumer")
-            dst_places[STAGING_REGION] = (consumer.staging_region, ask.staging_offset)
-        if program.pack is None:
-            segments = program.segments.with_regions(src_places, dst_places)
-            self.transport.write(segments, consumer.peer, timeout=self._write_timeout_s)
-            return _done(ask, segments.nbytes, len(segments))
-        assert program.src_staging is not None
-        pool = self._pool_for(consumer)
-        slot = pool.acquire(timeout=max(ask.wait_seconds, 1.0))
-        written = False
-        try:
-            elements = program.num_layers * program.src_staging.layer_elements
-            staging = pool.slot_tensor(slot, self.caches[0].dtype)[:elements]
-            run_cell_copy(program.pack, self.caches, [staging], self._backend)
-            if self.caches[0].device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # the NIC reads what the kernel wrote
-            src_places[STAGING_REGION] = (pool.region.region_id, pool.offset(slot))
-            segments = program.segments.with_regions(src_places, dst_places)
-            self.transport.write(segments, consumer.peer, timeout=self._write_timeout_s)
-            written = True
-            return _done(ask, segments.nbytes, len(segments))
-        finally:
-            if written:
-                pool.release(slot)
-            else:  # a write that timed out may still be reading the slot
-                pool.release_later(slot, self._write_timeout_s)
+        if key in self._warmed:
+            return
+        one = np.zeros(1, dtype=np.int64)
+        for strategy in ("pack", "pack+unpack"):
+            shape = program_shape(strategy, route, self.spec, consumer_spec, one, one, 0, 1)
+            assert shape.pack is not None
+            warm_up(shape.pack, self.caches[0].dtype, self.caches[0].device, self._backend)
+        self._warmed.add(key)
 
-    def _pool_for(self, consumer: _Consumer) -> StagingPool:
-        with self._lock:
-            if consumer.pool is None:
-                consumer.pool = StagingPool(
+    def _pack_chunk(
+        self, session: _Session, ask: TransferRequest, ready: ChunkReady, pack: CellCopy
+    ) -> None:
+        try:
+            pool = self._pool_for(session)
+            remaining = max(0.0, ask.wait_seconds)
+            slot = pool.acquire(timeout=max(remaining, 0.1))
+            try:
+                elements = self.spec.num_layers * pack.dst.geometry.layer_elements
+                staging = pool.slot_tensor(slot, self.caches[0].dtype)[:elements]
+                run_cell_copy(pack, self.caches, [staging], self._backend)
+                if self.caches[0].device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()  # the NIC reads what we wrote
+            except BaseException:
+                pool.release(slot)
+                raise
+            with session.lock:
+                session.leases[(ask.request_id, ask.chunk_id)] = _Lease(
+                    slot, time.monotonic() + remaining + 1.0
+                )
+            info = RegionInfo(
+                pool.region.region_id, pool.region.address + pool.offset(slot), pool.slot_bytes
+            )
+            self._send(session, _with_staging(ready, info))
+        except Exception as exc:
+            log.warning("request %s chunk %d: pack failed: %s", ask.request_id, ask.chunk_id, exc)
+            self._send(session, _failed(ask, f"{type(exc).__name__}: {exc}"))
+
+    def _pool_for(self, session: _Session) -> StagingPool:
+        with session.lock:
+            if session.pool is None:
+                with self._lock:
+                    spare = self._spare_pools.pop() if self._spare_pools else None
+                session.pool = spare or StagingPool(
                     self.transport,
                     self._staging_bytes,
                     self._staging_slots,
                     self.caches[0].device,
                 )
-            return consumer.pool
+            return session.pool
 
 
-def _done(ask: TransferRequest, nbytes: int, num_ops: int) -> ChunkDone:
-    return ChunkDone(
-        request_id=ask.request_id, chunk_id=ask.chunk_id, nbytes=nbytes, num_ops=num_ops
+def _with_staging(ready: ChunkReady, staging: RegionInfo) -> ChunkReady:
+    return ChunkReady(
+        request_id=ready.request_id,
+        chunk_id=ready.chunk_id,
+        generation=ready.generation,
+        src_block_ids=ready.src_block_ids,
+        staging=staging,
     )
 
 
-def _failed(ask: TransferRequest, consumer: _Consumer, reason: str) -> ChunkFailed:
-    """A chunk's failure, naming the consumer's blocks that hold its tokens."""
-    blocks = blocks_of_tokens(
-        ask.dst_block_ids, consumer.spec.block_size, ask.token_start, ask.token_end
-    )
-    return ChunkFailed(
-        request_id=ask.request_id, chunk_id=ask.chunk_id, reason=reason, dst_block_ids=blocks
-    )
-
-
-def _advertised_peer(hello: Handshake) -> Peer:
-    """The consumer's regions as a transport peer, after checking they cover its cache.
-
-    The consumer numbers its cache regions 0..layers-1 in the plan's region keys; the producer
-    maps layer `i` to the i-th advertised region.
-
-    Raises:
-        ValueError: a layer region missing or smaller than the spec's layer size.
-    """
-    spec = hello.spec
-    if len(hello.cache_regions) != spec.num_layers:
-        raise ValueError(
-            f"the consumer advertises {len(hello.cache_regions)} cache regions for "
-            f"{spec.num_layers} layers"
-        )
-    regions: dict[int, Region] = {}
-    for layer, info in enumerate(hello.cache_regions):
-        if info.nbytes < spec.layer_bytes:
-            raise ValueError(
-                f"the consumer's region for layer {layer} has {info.nbytes} bytes, but its "
-                f"spec needs {spec.layer_bytes}: the region does not cover the cache"
-            )
-        regions[layer] = Region(layer, info.address, info.nbytes)
-    if hello.staging_region is not None:
-        info = hello.staging_region
-        if info.nbytes < hello.staging_slot_bytes:
-            raise ValueError("the consumer's staging region is smaller than one slot")
-        key = _staging_key(spec)
-        regions[key] = Region(key, info.address, info.nbytes)
-    return Peer(hello.endpoint, regions)
-
-
-def _staging_key(spec: KVCacheSpec) -> int:
-    """The consumer's staging region among its advertised regions: after the layers."""
-    return spec.num_layers
+def _failed(ask: TransferRequest, reason: str) -> ChunkFailed:
+    return ChunkFailed(request_id=ask.request_id, chunk_id=ask.chunk_id, reason=reason)

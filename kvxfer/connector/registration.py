@@ -3,6 +3,7 @@ created (and closes) or shares with its caller (and leaves open)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -10,14 +11,23 @@ import torch
 from kvxfer.transport.base import Region, Transport
 from kvxfer.transport.mooncake import MooncakeTransport
 
+log = logging.getLogger(__name__)
+
 
 class CacheRegistration:
-    """Registers one region per layer tensor, in layer order.
+    """Registers one region per layer tensor, in layer order; all or nothing.
 
     Args:
         caches: the layer tensors.
         transport: a transport to share, or None to create a `MooncakeTransport`.
         host, protocol: where and how the created transport runs.
+        rdma_fallback: for the created transport: run TCP (with a warning) when
+            protocol="rdma" is unavailable, instead of raising.
+
+    Raises:
+        ValueError, TransferError: the transport could not be created or a tensor could not
+            be registered (e.g. not contiguous). Nothing is left behind then: the regions
+            registered so far are unregistered and a transport created here is closed.
     """
 
     def __init__(
@@ -26,15 +36,35 @@ class CacheRegistration:
         transport: Transport | None,
         host: str,
         protocol: str,
+        *,
+        rdma_fallback: bool = False,
     ) -> None:
         self._owns_transport = transport is None
-        self.transport: Transport = transport or MooncakeTransport(host, protocol)
-        self.regions: list[Region] = [self.transport.register(t) for t in caches]
+        self.transport: Transport = transport or MooncakeTransport(
+            host, protocol, rdma_fallback=rdma_fallback
+        )
+        self.regions: list[Region] = []
+        try:
+            for tensor in caches:
+                self.regions.append(self.transport.register(tensor))
+        except BaseException:
+            self._release()
+            raise
 
     def close(self) -> None:
         """Close the transport if it was created here, else give back only the caches."""
+        self._release()
+
+    def _release(self) -> None:
+        """Close an owned transport (which ends its registrations), else unregister every
+        region registered here (all, even if one fails)."""
+        regions, self.regions = self.regions, []
         if self._owns_transport:
-            self.transport.close()  # unregisters the caches too
-        else:
-            for region in self.regions:
+            # No unregister first: closing ends transfers still in flight, then registrations.
+            self.transport.close()
+            return
+        for region in regions:
+            try:
                 self.transport.unregister(region)
+            except Exception:
+                log.exception("unregistering region %d failed", region.region_id)

@@ -92,6 +92,12 @@ class StagingPool:
         timer.daemon = True
         timer.start()
 
+    def reset(self) -> None:
+        """Make every slot free again (the pool changes hands between sessions)."""
+        with self._cond:
+            self._free = list(range(self.num_slots))
+            self._cond.notify_all()
+
     def offset(self, slot: int) -> int:
         """Byte offset of a slot in the registered region."""
         return slot * self.slot_bytes

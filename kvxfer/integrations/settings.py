@@ -32,7 +32,6 @@ class ConnectorSettings:
             for decode engines before freeing them.
         fetch_timeout_s: longest time one request's load may take on a decode rank; its
             unfinished blocks are then reported as load errors (vLLM recomputes them).
-        write_timeout_s: longest time one chunk's write may take on a prefill rank.
         handshake_timeout_s: longest wait for a prefill rank to answer a handshake.
         staging_bytes, staging_slots: staging pool per remote rank, and chunks in flight.
         backend: pack/unpack backend, "auto", "torch" or "triton".
@@ -46,7 +45,6 @@ class ConnectorSettings:
     secret: str | None = None
     request_timeout_s: float = 120.0
     fetch_timeout_s: float = 60.0
-    write_timeout_s: float = 30.0
     handshake_timeout_s: float = 10.0
     staging_bytes: int = 32 << 20
     staging_slots: int = 4

@@ -82,15 +82,17 @@ def estimate_strategy(
     dst_spec: KVCacheSpec,
     model: CostModel,
     num_tokens: int | None = None,
+    landing: bool = False,
 ) -> StrategyEstimate:
-    """Estimate one strategy for one pair on a reference request of `num_tokens` tokens."""
+    """Estimate one strategy for one pair on a reference request of `num_tokens` tokens
+    (`landing`: a connector's program, whose bytes always land in destination staging)."""
     tokens = num_tokens or model.reference_tokens
     src_ids = reference_block_ids(tokens, src_spec.block_size, model.contiguous_blocks)
     dst_ids = reference_block_ids(tokens, dst_spec.block_size, model.contiguous_blocks)
     # Size the caches for the synthetic ids: the plane stride of kv_first depends on it.
     src_spec = msgspec.structs.replace(src_spec, num_blocks=int(src_ids[-1]) + 1)
     dst_spec = msgspec.structs.replace(dst_spec, num_blocks=int(dst_ids[-1]) + 1)
-    shape = program_shape(strategy, route, src_spec, dst_spec, src_ids, dst_ids, 0, tokens)
+    shape = program_shape(strategy, route, src_spec, dst_spec, src_ids, dst_ids, 0, tokens, landing)
     ops = count_program_segments(shape, route, 0, tokens, src_spec.num_layers)
     geometry = BlockGeometry.of_spec(src_spec)
     nbytes = src_spec.num_layers * moved_bytes(geometry, route.num_heads, tokens)

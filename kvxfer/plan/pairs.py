@@ -104,6 +104,7 @@ def plan_pairs(
     cost_model: CostModel | None = None,
     strategy: str | None = None,
     reference_tokens: int | None = None,
+    landing: bool = False,
 ) -> list[PairPlan]:
     """Plan every rank pair that moves heads from the source engine to the destination engine.
 
@@ -113,6 +114,8 @@ def plan_pairs(
         cost_model: constants of the cost model (defaults: `CostModel()`).
         strategy: force one strategy for every pair instead of the cost model's choice.
         reference_tokens: request size for the estimates (default: the cost model's).
+        landing: plan a connector's transfers, whose bytes always land in destination
+            staging first (`kvxfer.plan.program`).
 
     Returns:
         One `PairPlan` per route, sorted by destination rank, then head.
@@ -126,7 +129,8 @@ def plan_pairs(
     for route in route_heads(src[0].num_kv_heads, src[0].tp_size, dst[0].tp_size):
         s, d = src[route.src_rank], dst[route.dst_rank]
         estimates = tuple(
-            estimate_strategy(name, route, s, d, model, reference_tokens) for name in STRATEGIES
+            estimate_strategy(name, route, s, d, model, reference_tokens, landing)
+            for name in STRATEGIES
         )
         # min() keeps the first of equal costs: STRATEGIES lists the simplest first.
         chosen = forced or min(estimates, key=lambda e: e.seconds).strategy

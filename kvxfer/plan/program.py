@@ -9,6 +9,16 @@ local cell copy on the destination"; they differ only in the buffers the segment
 | pack        | gather into a mirror of dst  | mirror -> cache         | -                        |
 | unpack      | -                            | cache -> mirror of src  | scatter from the mirror  |
 | pack+unpack | gather into the wire layout  | wire -> wire (one run)  | scatter from the wire    |
+
+Connectors build *landing* programs (`landing=True`): the bytes of every strategy land in the
+destination's staging, never in its cache, and the destination copies them into the cache
+itself once the transfer is complete and confirmed (the no-late-byte contract, README). Then
+`direct` and `pack` land in a mirror of the destination's blocks and copy it over:
+
+| strategy (landing) | source side          | segments                 | destination side          |
+|--------------------|----------------------|--------------------------|---------------------------|
+| direct             | -                    | cache -> mirror of dst   | copy the mirror's runs    |
+| pack               | gather, mirror of dst| mirror -> mirror         | copy the mirror's runs    |
 """
 
 from __future__ import annotations
@@ -112,16 +122,19 @@ def _staging_views(
     num_heads: int,
     token_start: int,
     token_end: int,
+    landing: bool = False,
 ) -> tuple[PagedView | None, PagedView | None]:
-    """The (source-side, destination-side) staging buffers of a strategy, if any."""
+    """The (source-side, destination-side) staging buffers of a strategy, if any; with
+    `landing`, the destination side always has one."""
     n, t0, t1 = num_heads, token_start, token_end
+    dst_mirror = staging_mirror(dst_geometry, n, t0, t1) if landing else None
     if strategy == "pack":
-        return staging_mirror(dst_geometry, n, t0, t1), None
+        return staging_mirror(dst_geometry, n, t0, t1), dst_mirror
     if strategy == "unpack":
         return None, staging_mirror(src_geometry, n, t0, t1)
     if strategy == "pack+unpack":
         return wire_buffer(src_geometry, n, t0, t1), wire_buffer(src_geometry, n, t0, t1)
-    return None, None
+    return None, dst_mirror
 
 
 def program_shape(
@@ -133,13 +146,15 @@ def program_shape(
     dst_block_ids: np.ndarray,
     token_start: int,
     token_end: int,
+    landing: bool = False,
 ) -> ProgramShape:
-    """Lay out the buffers of `strategy` for one pair and token range."""
+    """Lay out the buffers of `strategy` for one pair and token range (`landing`: a
+    connector's program, see the module docstring)."""
     n, t0, t1 = route.num_heads, token_start, token_end
     src_cache = cache_view(src_spec, src_block_ids, route.src_head_offset)
     dst_cache = cache_view(dst_spec, dst_block_ids, route.dst_head_offset)
     src_staging, dst_staging = _staging_views(
-        strategy, src_cache.geometry, dst_cache.geometry, n, t0, t1
+        strategy, src_cache.geometry, dst_cache.geometry, n, t0, t1, landing
     )
     pack = CellCopy(src_cache, src_staging, n, t0, t1) if src_staging else None
     unpack = CellCopy(dst_staging, dst_cache, n, t0, t1) if dst_staging else None
@@ -154,6 +169,7 @@ def unpack_copy(
     dst_block_ids: np.ndarray,
     token_start: int,
     token_end: int,
+    landing: bool = False,
 ) -> CellCopy | None:
     """The destination's part of a program alone (what a consumer runs once a chunk landed
     in its staging), or None when the strategy writes the cache directly."""
@@ -164,11 +180,37 @@ def unpack_copy(
         route.num_heads,
         token_start,
         token_end,
+        landing,
     )
     if dst_staging is None:
         return None
     dst_cache = cache_view(dst_spec, dst_block_ids, route.dst_head_offset)
     return CellCopy(dst_staging, dst_cache, route.num_heads, token_start, token_end)
+
+
+def pack_copy(
+    strategy: Strategy,
+    route: HeadRoute,
+    src_spec: KVCacheSpec,
+    dst_spec: KVCacheSpec,
+    src_block_ids: np.ndarray,
+    token_start: int,
+    token_end: int,
+) -> CellCopy | None:
+    """The source's part of a program alone (what a producer runs into its staging before a
+    consumer reads the chunk), or None when the strategy sends from the cache."""
+    src_staging, _ = _staging_views(
+        strategy,
+        BlockGeometry.of_spec(src_spec),
+        BlockGeometry.of_spec(dst_spec),
+        route.num_heads,
+        token_start,
+        token_end,
+    )
+    if src_staging is None:
+        return None
+    src_cache = cache_view(src_spec, src_block_ids, route.src_head_offset)
+    return CellCopy(src_cache, src_staging, route.num_heads, token_start, token_end)
 
 
 def shape_template(shape: ProgramShape, route: HeadRoute, start: int, end: int) -> LayerTemplate:
@@ -185,6 +227,7 @@ def build_program(
     dst_block_ids: np.ndarray,
     token_start: int,
     token_end: int,
+    landing: bool = False,
 ) -> TransferProgram:
     """The transfer program of one pair for tokens `[token_start, token_end)`.
 
@@ -194,6 +237,7 @@ def build_program(
         src_spec, dst_spec: the two ranks' geometry.
         src_block_ids, dst_block_ids: each side's block table for the request (int64).
         token_start, token_end: the token range to move.
+        landing: a connector's program: every strategy lands in the destination's staging.
     """
     shape = program_shape(
         strategy,
@@ -204,6 +248,7 @@ def build_program(
         dst_block_ids,
         token_start,
         token_end,
+        landing,
     )
     template = shape_template(shape, route, token_start, token_end)
     segments = expand_layers(template, shape.send_from, shape.send_to, src_spec.num_layers)
@@ -236,9 +281,10 @@ def max_chunk_tokens(
     dst_spec: KVCacheSpec,
     src_slot_bytes: int,
     dst_slot_bytes: int,
+    landing: bool = False,
 ) -> int | None:
     """The most tokens one chunk may carry so that its staging fits each side's slot, wherever
-    the chunk starts; None when the strategy uses no staging.
+    the chunk starts; None when the strategy uses no staging (never with `landing`).
 
     A wire buffer needs one row per token; a mirror of blocks of `bs` tokens needs whole blocks,
     and `c` tokens can touch `(c + bs - 2) // bs + 1` of them.
@@ -252,6 +298,8 @@ def max_chunk_tokens(
         limits.append(_mirror_limit(src_slot_bytes // row, dst_spec.block_size))
     elif strategy == "unpack":
         limits.append(_mirror_limit(dst_slot_bytes // row, src_spec.block_size))
+    if landing and strategy in ("direct", "pack"):
+        limits.append(_mirror_limit(dst_slot_bytes // row, dst_spec.block_size))
     return min(limits) if limits else None
 
 

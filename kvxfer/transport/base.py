@@ -52,6 +52,11 @@ class Transport(Protocol):
         with `TransferError`."""
         ...
 
+    def read(self, segments: Segments, peer: Peer) -> Future[None]:
+        """Start reading `segments` (peer source ids, local destination ids); the future
+        completes once every segment has settled, and fails with `TransferError`."""
+        ...
+
     def write(self, segments: Segments, peer: Peer, timeout: float | None = None) -> None:
         """Write `segments` and wait up to `timeout` seconds; raise `TransferError` on failure
         or timeout."""

@@ -61,6 +61,11 @@ class LocalTransport:
             return completed(exc)
         return completed()
 
+    def read(self, segments: Segments, peer: Peer) -> Future[None]:
+        """Copy now, from the peer's regions (in-process: this transport's own) into local
+        ones; return a completed future (failed with the error, if any)."""
+        return self.submit(segments, peer)
+
     def close(self) -> None:
         """Forget every region."""
         self._bytes.clear()

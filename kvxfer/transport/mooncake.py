@@ -6,9 +6,10 @@ buffer on each side. TCP by default; RDMA when `protocol="rdma"` and a NIC is pr
 
 Measured with the non-CUDA wheel 0.3.13 on TCP loopback (2-core machine): a batch of more than
 about 2,048 descriptors, or several batches in flight whose descriptors add up to that, fails
-with -1 *and leaves the engine failing every later write*. Writes therefore go out in batches of
-at most `MAX_BATCH` descriptors, one batch in flight per engine, submitted by one worker thread.
-One descriptor costs about 45 us there, whatever its size up to 16 KiB.
+with -1 *and leaves the engine failing every later write*. Transfers therefore go through one
+`CompletionPump` per engine, which keeps at most 1,024 descriptors in flight (256 per peer) and
+polls them without spinning (`kvxfer.transport.completion`). One descriptor costs about 45 us
+there, whatever its size up to 16 KiB.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -27,15 +28,77 @@ import torch
 
 from kvxfer.plan.segments import Segments
 from kvxfer.transport.base import Peer, Region, TransferError, check_segments_in_regions
+from kvxfer.transport.completion import CompletionPump
+from kvxfer.validation import check_host
 
 log = logging.getLogger(__name__)
 
-MAX_BATCH = 1024
+PROTOCOLS: tuple[str, ...] = ("tcp", "rdma")
+"""The Mooncake protocols `MooncakeTransport` accepts."""
+
+INFINIBAND_SYSFS = "/sys/class/infiniband"
+"""Where Linux lists RDMA devices (InfiniBand, RoCE, iWARP), one entry per device."""
+
+
+def rdma_devices() -> list[str]:
+    """The RDMA devices of this machine (e.g. `["mlx5_0", "mlx5_1"]`), sorted; `[]` when none.
+
+    Reads `/sys/class/infiniband` only: neither Mooncake nor libibverbs is loaded.
+    """
+    try:
+        return sorted(os.listdir(INFINIBAND_SYSFS))
+    except OSError:  # no such directory: no RDMA driver loaded, no device
+        return []
+
+
+def check_protocol(protocol: object) -> str:
+    """Check a transport protocol name: "tcp" or "rdma".
+
+    Returns:
+        The protocol, unchanged.
+
+    Raises:
+        ValueError: any other value (e.g. "udp"), naming the accepted ones.
+    """
+    if protocol not in PROTOCOLS:
+        raise ValueError(
+            f"protocol: {protocol!r} is not supported; use one of {list(PROTOCOLS)} "
+            '("tcp" works everywhere, "rdma" needs an RDMA NIC)'
+        )
+    return str(protocol)
+
+
+def _missing_rdma(device: str) -> str | None:
+    """Why RDMA cannot run here with the device filter `device`, or None when it can."""
+    found = rdma_devices()
+    if not found:
+        return f"no RDMA device found ({INFINIBAND_SYSFS} lists none)"
+    wanted = [name.strip() for name in device.split(",") if name.strip()]
+    missing = [name for name in wanted if name not in found]
+    if missing:
+        return f"RDMA device(s) {missing} not found; this machine has {found}"
+    return None
+
+
+def _rdma_unavailable(problem: str) -> TransferError:
+    return TransferError(
+        f'protocol="rdma": {problem}; use protocol="tcp", or pass rdma_fallback=True to fall '
+        "back to TCP when RDMA is unavailable"
+    )
+
+
+def _warn_fallback(problem: str) -> None:
+    log.warning(
+        'protocol="rdma" asked, but %s; using TCP instead because rdma_fallback=True '
+        "(transfers are slower than over RDMA)",
+        problem,
+    )
 
 
 def _engine_class() -> type:
-    # Mooncake's native logging (glog) is verbose at INFO; keep warnings and errors unless the
-    # user chose a level.
+    # Mooncake's native logging is verbose at INFO; keep errors unless the user chose a level.
+    # This wheel reads MC_LOG_LEVEL; GLOG_minloglevel is for builds that log through glog.
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("GLOG_minloglevel", "1")
     try:
         from mooncake.engine import TransferEngine
@@ -48,16 +111,37 @@ def _engine_class() -> type:
     return TransferEngine
 
 
-def _new_engine(host: str, protocol: str, device: str) -> tuple[Any, str]:
-    """An initialized engine and its endpoint (host:rpc_port)."""
+def _new_engine(
+    host: str, protocol: str, device: str, rdma_fallback: bool = False
+) -> tuple[Any, str, str]:
+    """An initialized engine, its endpoint (host:rpc_port) and the protocol it runs.
+
+    RDMA is checked first (a device must be listed in sysfs): without it, or when Mooncake
+    fails to start on RDMA, this raises unless `rdma_fallback`, which logs a warning and runs
+    TCP instead.
+    """
+    if protocol == "rdma":
+        problem = _missing_rdma(device)
+        if problem is not None:
+            if not rdma_fallback:
+                raise _rdma_unavailable(problem)
+            _warn_fallback(problem)
+            protocol = "tcp"
     engine = _engine_class()()
     code = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+    if code != 0 and protocol == "rdma":
+        engine = None  # drop the failed engine now (see MooncakeTransport.close)
+        problem = f"Mooncake initialize({host!r}, protocol='rdma') returned {code}"
+        if not rdma_fallback:
+            raise _rdma_unavailable(problem)
+        _warn_fallback(problem)
+        return _new_engine(host, "tcp", device)
     if code != 0:
         raise TransferError(
             f"Mooncake initialize({host!r}, protocol={protocol!r}) returned {code}; check "
-            "that the host address is local and, for rdma, that a NIC is present"
+            "that the host address is an address of this machine"
         )
-    return engine, f"{host}:{engine.get_rpc_port()}"
+    return engine, f"{host}:{engine.get_rpc_port()}", protocol
 
 
 class MooncakeTransport:
@@ -66,17 +150,35 @@ class MooncakeTransport:
     Args:
         host: the address peers reach this engine at (127.0.0.1 by default).
         protocol: "tcp" (default) or "rdma".
-        device: RDMA device filter ("" = all).
+        device: RDMA device filter, comma-separated names ("" = all).
+        rdma_fallback: with protocol="rdma", run TCP (and log a warning saying so) when this
+            machine has no RDMA device or Mooncake cannot start on RDMA; without it, that
+            raises. `self.protocol` is the protocol actually in use.
+
+    Raises:
+        ValueError: a bad host, or a protocol other than "tcp" and "rdma".
+        TransferError: RDMA asked but unavailable (the message names the fix), or Mooncake
+            failed to start.
     """
 
-    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
-        self._engine, self.endpoint = _new_engine(host, protocol, device)
-        self.protocol = protocol
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device: str = "",
+        *,
+        rdma_fallback: bool = False,
+    ) -> None:
+        check_host(host)
+        check_protocol(protocol)
+        self._engine, self.endpoint, self.protocol = _new_engine(
+            host, protocol, device, rdma_fallback
+        )
         self._regions: dict[int, Region] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        # One writer thread: batches go out one at a time (see the module docstring).
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvxfer-mooncake")
+        # One thread submits and polls every transfer of this engine (see completion.py).
+        self._pump = CompletionPump(self._engine, "kvxfer-mooncake")
         self._closed = False
 
     @property
@@ -112,14 +214,31 @@ class MooncakeTransport:
         Raises:
             TransferError: a segment outside a region (nothing is written then).
         """
-        if self._closed:
-            raise TransferError("the transport is closed")
-        with self._lock:
-            local = dict(self._regions)
+        local = self._live_regions()
         check_segments_in_regions(segments, local, peer.regions)
         src = _addresses(segments.src_region, segments.src_offset, local)
         dst = _addresses(segments.dst_region, segments.dst_offset, peer.regions)
-        return self._writer.submit(self._write_batches, peer.endpoint, src, dst, segments.length)
+        return self._pump.add(peer.endpoint, "write", src, dst, segments.length)
+
+    def read(self, segments: Segments, peer: Peer) -> Future[None]:
+        """Read `segments` from the peer's regions (sources) into local regions
+        (destinations), in the background.
+
+        The future completes once every segment has settled (landed or failed): after that,
+        nothing of this read can land any more, whatever the peer does.
+
+        Raises:
+            TransferError: a segment outside a region (nothing is read then).
+        """
+        local = self._live_regions()
+        check_segments_in_regions(segments, peer.regions, local)
+        remote = _addresses(segments.src_region, segments.src_offset, peer.regions)
+        dst = _addresses(segments.dst_region, segments.dst_offset, local)
+        return self._pump.add(peer.endpoint, "read", dst, remote, segments.length)
+
+    def in_flight(self, endpoint: str | None = None) -> int:
+        """Segments submitted to the engine and not settled (for one peer, or all)."""
+        return self._pump.in_flight(endpoint)
 
     def write(self, segments: Segments, peer: Peer, timeout: float | None = None) -> None:
         """Write and wait up to `timeout` seconds.
@@ -137,37 +256,29 @@ class MooncakeTransport:
                 f"{timeout} s"
             ) from exc
 
-    def _write_batches(
-        self, endpoint: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray
-    ) -> None:
-        for start in range(0, len(lengths), MAX_BATCH):
-            end = start + MAX_BATCH
-            code = self._engine.batch_transfer_sync_write(
-                endpoint,
-                src[start:end].tolist(),
-                dst[start:end].tolist(),
-                lengths[start:end].tolist(),
-            )
-            if code != 0:
-                raise TransferError(
-                    f"Mooncake write to {endpoint} failed with {code} in segments "
-                    f"[{start}, {min(end, len(lengths))}) of {len(lengths)}"
-                )
+    def _live_regions(self) -> dict[int, Region]:
+        if self._closed:
+            raise TransferError("the transport is closed")
+        with self._lock:
+            return dict(self._regions)
 
     def close(self) -> None:
-        """Finish queued writes, unregister everything."""
+        """Destroy the engine: transfers not settled fail, registrations end."""
         if self._closed:
             return
         self._closed = True
-        self._writer.shutdown(wait=True)
-        for region in list(self._regions.values()):
-            self.unregister(region)
+        unsettled = self._pump.stop()
         # Destroy the engine now, not whenever the garbage collector gets to this object: an
         # engine destroyed late tore down registrations of newer engines in the same process
         # (measured: a fresh engine set failed its first write with "not within any registered
         # buffer" whenever an older, closed engine was collected after it registered memory;
-        # never with the engine dropped here). It takes about a second.
+        # never with the engine dropped here). It takes about a second. Memory is not
+        # unregistered first: transfers still in flight (a frozen peer) would then fault;
+        # destroying the engine ends them and its registrations at once.
+        self._regions.clear()
         self._engine = None
+        for future in unsettled:  # nothing of these can land now: the engine is gone
+            future.set_exception(TransferError("the transport was closed before it finished"))
 
     def __enter__(self) -> MooncakeTransport:
         return self

@@ -10,17 +10,19 @@ import pytest
 import zmq
 from helpers import make_scenario, side_specs
 
-from kvxfer.connector import KVConsumer, KVProducer
+from kvxfer.connector import KVConsumer, KVProducer, auth
 from kvxfer.connector.messages import (
     MAX_FRAME_BYTES,
-    ChunkDone,
+    Challenge,
+    ChunkValid,
     ErrorReply,
     Handshake,
-    RegionInfo,
+    Hello,
     TransferRequest,
     decode,
     encode,
 )
+from kvxfer.spec import encode_spec
 
 SMALL = {"staging_bytes": 4096, "staging_slots": 2}
 
@@ -99,18 +101,16 @@ def ask(sock, frames, timeout=5.0):
 def test_garbage_on_the_side_channel_gets_errors_and_service_goes_on(engines):
     sock = raw_socket(engines.producers[0].address)
     hello_v9 = msgspec.msgpack.encode({"type": "error", "version": 9, "reason": "x"})
-    stray = encode(ChunkDone(request_id="r", chunk_id=0, nbytes=0, num_ops=0))
+    stray = encode(ChunkValid(request_id="r", chunk_id=0, ok=True))
     bad_session = encode(
         TransferRequest(
             session="forged",
             request_id="r",
             chunk_id=0,
-            dst_block_ids=[0],
             num_tokens=1,
             token_start=0,
             token_end=1,
             strategy="direct",
-            staging_offset=-1,
             wait_seconds=0.0,
         )
     )
@@ -118,9 +118,9 @@ def test_garbage_on_the_side_channel_gets_errors_and_service_goes_on(engines):
         ([b"\x00\xffnot msgpack"], "not a kvxfer message"),
         ([b"x" * (MAX_FRAME_BYTES + 1)], "exceeds"),
         ([hello_v9], "protocol version 9 is not supported"),
-        ([stray], "does not accept ChunkDone"),
+        ([stray], "does not accept ChunkValid"),
         ([bad_session], "unknown session"),
-        ([b"a", b"b"], "one frame per message"),
+        ([b"a", b"b", b"c"], "a frame and its MAC"),
     ]
     for frames, reason in cases:
         reply = ask(sock, frames)
@@ -144,21 +144,33 @@ def test_shared_secret_is_required_when_set():
         e.close()
 
 
-def test_a_consumer_whose_regions_do_not_cover_its_cache_is_refused(engines):
-    spec, caches, _ = engines.scenario.dst[0]
-    short = [RegionInfo(i, t.data_ptr(), spec.layer_bytes // 2) for i, t in enumerate(caches)]
-    hello = Handshake(
+def test_a_handshake_must_answer_this_producers_challenge(engines):
+    spec = engines.scenario.dst[0][0]
+    sock = raw_socket(engines.producers[0].address)
+    unasked = Handshake(engine_id="evil", spec=spec, client_nonce="00", server_nonce="11", proof="")
+    reply = ask(sock, [encode(unasked)])
+    assert isinstance(reply, ErrorReply) and "no matching Hello" in reply.reason
+    challenge = ask(sock, [encode(Hello(engine_id="evil", nonce="22"))])
+    assert isinstance(challenge, Challenge)
+    forged = Handshake(  # a proof made for other nonces (a replay) does not pass
         engine_id="evil",
-        rank=0,
         spec=spec,
-        endpoint="127.0.0.1:1",
-        cache_regions=short,
-        staging_region=None,
-        staging_slot_bytes=0,
+        client_nonce="22",
+        server_nonce=challenge.nonce,
+        proof=auth.proof("", "consumer", "22", "00", "evil", encode_spec(spec)),
     )
-    reply = ask(raw_socket(engines.producers[0].address), [encode(hello)])
-    assert isinstance(reply, ErrorReply)
-    assert "region for layer 0 has" in reply.reason and "does not cover" in reply.reason
+    reply = ask(sock, [encode(forged)])
+    assert isinstance(reply, ErrorReply) and "shared secret" in reply.reason
+    sock.close()
+
+
+def test_a_consumer_with_a_secret_refuses_a_producer_without_it():
+    e = Engines(consumer={"secret": "s3cret"}, connect=False)
+    try:
+        with pytest.raises(ConnectionError, match="shared secret"):
+            e.consumers[0].connect(e.addresses)
+    finally:
+        e.close()
 
 
 def test_a_consumer_of_another_model_is_refused_at_handshake(engines):

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 import numpy as np
 import pytest
 import torch
 
+import kvxfer.connector.registration as registration_mod
+import kvxfer.transport.mooncake as mooncake_mod
+from kvxfer.connector.registration import CacheRegistration
 from kvxfer.plan import Segments
 from kvxfer.transport import Peer, TransferError
-from kvxfer.transport.mooncake import MAX_BATCH, MooncakeTransport
+from kvxfer.transport.completion import TOTAL_IN_FLIGHT
+from kvxfer.transport.mooncake import MooncakeTransport, rdma_devices
 
 
 @pytest.fixture
@@ -30,12 +37,12 @@ def segs(src_id, src_off, dst_id, dst_off, length):
     )
 
 
-def test_writes_more_segments_than_one_batch_exactly(pair):
+def test_writes_more_segments_than_the_in_flight_cap_exactly(pair):
     a, b = pair
     src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
     dst = torch.full((1 << 20,), 0xA5, dtype=torch.uint8)
     ra, rb = a.register(src), b.register(dst)
-    n = 2 * MAX_BATCH + 17  # three batches
+    n = 2 * TOTAL_IN_FLIGHT + 17  # more than the engine may have in flight at once
     src_off = np.arange(n) * 300
     dst_off = (np.arange(n) * 301)[::-1].copy()
     a.write(
@@ -74,3 +81,135 @@ def test_write_to_an_unknown_endpoint_fails_with_context(pair):
     peer = Peer("127.0.0.1:1", {0: type(ra)(0, 4096, 64)})  # nobody listens there
     with pytest.raises(TransferError, match=r"Mooncake write to 127\.0\.0\.1:1 failed"):
         a.write(segs(ra.region_id, [0], 0, [0], [64]), peer)
+
+
+# --- Protocols ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_rdma(tmp_path, monkeypatch):
+    """A machine without RDMA devices, whatever this one has."""
+    monkeypatch.setattr(mooncake_mod, "INFINIBAND_SYSFS", str(tmp_path / "missing"))
+
+
+def roundtrip(a: MooncakeTransport, b: MooncakeTransport) -> None:
+    """Write 4 KiB from `a` to `b` and check every byte."""
+    src = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    dst = torch.zeros(4096, dtype=torch.uint8)
+    ra, rb = a.register(src), b.register(dst)
+    a.write(segs(ra.region_id, [0], rb.region_id, [0], [4096]), Peer(b.endpoint, b.regions))
+    assert torch.equal(src, dst)
+
+
+@pytest.mark.parametrize("protocol", ["udp", "TCP", "", None, "nvlink"])
+def test_an_unknown_protocol_is_refused_naming_the_accepted_ones(protocol):
+    with pytest.raises(
+        ValueError, match=r"protocol: .* is not supported; use one of \['tcp', 'rdma'\]"
+    ):
+        MooncakeTransport(protocol=protocol)
+
+
+def test_rdma_devices_lists_sysfs(tmp_path, monkeypatch):
+    for name in ("mlx5_1", "mlx5_0"):
+        (tmp_path / name).mkdir()
+    monkeypatch.setattr(mooncake_mod, "INFINIBAND_SYSFS", str(tmp_path))
+    assert rdma_devices() == ["mlx5_0", "mlx5_1"]
+    monkeypatch.setattr(mooncake_mod, "INFINIBAND_SYSFS", str(tmp_path / "missing"))
+    assert rdma_devices() == []
+
+
+def test_rdma_without_a_device_is_refused_with_the_fix(no_rdma):
+    with pytest.raises(
+        TransferError,
+        match=r'protocol="rdma": no RDMA device found .*; use protocol="tcp", or pass '
+        r"rdma_fallback=True",
+    ):
+        MooncakeTransport(protocol="rdma")
+
+
+@pytest.mark.skipif(bool(rdma_devices()), reason="this machine has RDMA devices")
+def test_rdma_is_refused_on_this_machine():
+    with pytest.raises(TransferError, match=r'use protocol="tcp", or pass rdma_fallback=True'):
+        MooncakeTransport(protocol="rdma")
+
+
+def test_a_named_rdma_device_that_is_missing_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "mlx5_0").mkdir()
+    monkeypatch.setattr(mooncake_mod, "INFINIBAND_SYSFS", str(tmp_path))
+    with pytest.raises(
+        TransferError,
+        match=r"RDMA device\(s\) \['mlx5_9'\] not found; this machine has \['mlx5_0'\]",
+    ):
+        MooncakeTransport(protocol="rdma", device="mlx5_9")
+
+
+def test_rdma_fallback_runs_tcp_and_says_so(no_rdma, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvxfer.transport.mooncake"):
+        a = MooncakeTransport(protocol="rdma", rdma_fallback=True)
+    try:
+        assert a.protocol == "tcp"
+        assert "using TCP instead because rdma_fallback=True" in caplog.text
+        with MooncakeTransport() as b:
+            assert b.protocol == "tcp"
+            roundtrip(a, b)
+    finally:
+        a.close()
+
+
+def test_a_bad_host_is_refused_before_mooncake_starts():
+    with pytest.raises(ValueError, match=r"host: 256\.1\.1\.1 is not a valid IPv4 address"):
+        MooncakeTransport("256.1.1.1")
+
+
+def test_mooncake_log_level_defaults_to_error_unless_set(monkeypatch):
+    monkeypatch.delenv("MC_LOG_LEVEL", raising=False)
+    mooncake_mod._engine_class()
+    assert os.environ["MC_LOG_LEVEL"] == "ERROR"
+    monkeypatch.setenv("MC_LOG_LEVEL", "INFO")
+    mooncake_mod._engine_class()
+    assert os.environ["MC_LOG_LEVEL"] == "INFO"
+
+
+# --- Registration is all or nothing ------------------------------------------------------
+
+
+def layer_tensors() -> list[torch.Tensor]:
+    return [torch.zeros(64, 64, dtype=torch.float16) for _ in range(3)]
+
+
+@pytest.mark.parametrize("bad", ["not_contiguous", "overlapping"])
+def test_a_failed_registration_on_a_shared_transport_leaves_nothing(bad):
+    caches = layer_tensors()
+    if bad == "not_contiguous":
+        failing = [caches[0], caches[1], caches[2].t()]  # fails in kvxfer's check
+        error: type[Exception] = ValueError
+    else:
+        failing = [caches[0], caches[1], caches[0]]  # Mooncake refuses (-7): overlapping
+        error = TransferError
+    with MooncakeTransport() as shared:
+        with pytest.raises(error):
+            CacheRegistration(failing, shared, "127.0.0.1", "tcp")
+        assert shared.regions == {}  # the first two were given back
+        again = CacheRegistration(caches, shared, "127.0.0.1", "tcp")  # no -7 now
+        assert len(again.regions) == 3 and len(shared.regions) == 3
+        again.close()
+        assert shared.regions == {}
+
+
+def test_a_failed_registration_closes_the_transport_it_created(monkeypatch):
+    created: list[MooncakeTransport] = []
+
+    class Recorded(MooncakeTransport):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            created.append(self)
+
+    monkeypatch.setattr(registration_mod, "MooncakeTransport", Recorded)
+    caches = layer_tensors()
+    with pytest.raises(ValueError, match="must be contiguous"):
+        CacheRegistration([caches[0], caches[1], caches[2].t()], None, "127.0.0.1", "tcp")
+    (transport,) = created
+    assert transport.regions == {} and transport._closed
+    fresh = CacheRegistration(caches, None, "127.0.0.1", "tcp")
+    assert len(fresh.regions) == 3
+    fresh.close()

@@ -1,0 +1,57 @@
+"""Peer authentication on the side channel: a challenge-response handshake and signed frames.
+
+With a shared secret, neither side sends it: each proves it holds it with an HMAC-SHA256 over
+both sides' fresh nonces (so a recorded proof is worthless later) and what it claims (engine
+id, geometry, session). Both then derive a session key from the secret and the nonces; every
+session frame travels with a MAC under that key, so only the session that fetched a request
+can report it done or abort it, and a consumer only trusts answers of the producer it
+authenticated.
+
+Without a secret the same exchange runs with an empty key: frames are still checked for
+integrity, but anyone who can reach the side channel can open a session. That is the trust
+model of an isolated serving network; set a secret anywhere else (README, "Trust").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+NONCE_BYTES = 16
+MAC_BYTES = 16  # truncated HMAC-SHA256: 128 bits are plenty against forgery
+
+
+def new_nonce() -> str:
+    """A fresh random nonce, hex."""
+    return secrets.token_hex(NONCE_BYTES)
+
+
+def proof(secret: str, role: str, *parts: str | bytes) -> str:
+    """Proof that `role` ("consumer" or "producer") holds `secret`, bound to `parts`."""
+    mac = hmac.new(secret.encode(), role.encode(), hashlib.sha256)
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else part
+        mac.update(len(data).to_bytes(4, "big"))  # unambiguous concatenation
+        mac.update(data)
+    return mac.hexdigest()
+
+
+def proof_matches(expected: str, received: str) -> bool:
+    """Constant-time comparison of two proofs."""
+    return hmac.compare_digest(expected.encode(), received.encode())
+
+
+def session_key(secret: str, client_nonce: str, server_nonce: str, session: str) -> bytes:
+    """The key that signs one session's frames."""
+    return bytes.fromhex(proof(secret, "session", client_nonce, server_nonce, session))
+
+
+def sign(key: bytes, frame: bytes) -> bytes:
+    """The MAC frame that travels after `frame`."""
+    return hmac.new(key, frame, hashlib.sha256).digest()[:MAC_BYTES]
+
+
+def verify(key: bytes, frame: bytes, mac: bytes) -> bool:
+    """Whether `mac` signs `frame` under `key`."""
+    return hmac.compare_digest(sign(key, frame), mac)

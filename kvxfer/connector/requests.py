@@ -1,0 +1,139 @@
+"""`RequestTable`: a producer's published requests, from `publish` to exactly one release.
+
+A request is released when every rank of the decode engine that fetched it reported done, when
+that engine aborts it before loading, at its deadline, or at `close`: whichever comes first, and
+only once. Once an engine fetches a request, only that engine's reports count towards its
+release, so a stranger's report cannot free blocks another engine reads. Released ids are
+remembered for a while (so that a late fetch gets a clear answer and an id is not published
+twice by mistake), then forgotten: the table's memory is bounded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_generations = itertools.count(1)
+
+
+@dataclass
+class PublishedRequest:
+    """A published request, until released."""
+
+    block_ids: np.ndarray
+    num_tokens: int
+    deadline: float
+    generation: int  # tells this publication from an earlier one of the same id
+    fetchers: dict[str, int] = field(default_factory=dict)  # engine id -> its TP size
+    reported: set[tuple[str, int]] = field(default_factory=set)  # (engine, rank) done
+
+
+class RequestTable:
+    """Thread-safe; never calls out (the caller runs the release callback).
+
+    Args:
+        released_ttl_s: how long a released id is remembered.
+        max_released: the most released ids remembered at once (oldest forgotten first).
+    """
+
+    def __init__(self, released_ttl_s: float = 600.0, max_released: int = 100_000) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[str, PublishedRequest] = {}
+        self._released: OrderedDict[str, float] = OrderedDict()  # id -> when forgotten
+        self._ttl, self._max_released = released_ttl_s, max_released
+
+    def publish(self, request_id: str, block_ids: np.ndarray, num_tokens: int, timeout: float):
+        """Add a request that expires `timeout` seconds from now.
+
+        Raises:
+            ValueError: the id is published, or was released recently.
+        """
+        with self._lock:
+            self._forget_old(time.monotonic())
+            if request_id in self._live or request_id in self._released:
+                raise ValueError(
+                    f"request_id: {request_id!r} was already published; use a new id per request"
+                )
+            self._live[request_id] = PublishedRequest(
+                block_ids, num_tokens, time.monotonic() + timeout, next(_generations)
+            )
+
+    def get(self, request_id: str) -> PublishedRequest | None:
+        """The live request, if published and not released."""
+        with self._lock:
+            return self._live.get(request_id)
+
+    def was_released(self, request_id: str) -> bool:
+        """Whether the id was released (and is still remembered)."""
+        with self._lock:
+            return request_id in self._released
+
+    def holds(self, request_id: str, generation: int) -> bool:
+        """Whether that publication of the request is still live (its blocks untouched)."""
+        with self._lock:
+            request = self._live.get(request_id)
+            return request is not None and request.generation == generation
+
+    def note_fetcher(self, request_id: str, engine_id: str, tp_size: int) -> None:
+        """A session of `engine_id` (TP `tp_size`) asked for the request."""
+        with self._lock:
+            request = self._live.get(request_id)
+            if request is not None:
+                request.fetchers.setdefault(engine_id, tp_size)
+
+    def report_done(self, request_id: str, engine_id: str, rank: int, tp_size: int) -> bool:
+        """A rank of a decode engine (TP `tp_size`) is done with the request. Returns whether
+        the request is now to be released: every rank of that engine reported. Reports of an
+        engine count only while no other engine fetches the request, so a stranger cannot free
+        a request another engine reads (a decode rank that read nothing from this producer,
+        as with MLA or replicated heads, still reports)."""
+        with self._lock:
+            request = self._live.get(request_id)
+            if request is None or set(request.fetchers) - {engine_id}:
+                return False
+            request.reported.add((engine_id, rank))
+            ranks = {r for engine, r in request.reported if engine == engine_id}
+            return len(ranks) >= tp_size
+
+    def may_abort(self, request_id: str, engine_id: str) -> bool:
+        """Whether `engine_id` may abort the request: no other engine is fetching it."""
+        with self._lock:
+            request = self._live.get(request_id)
+            return request is not None and set(request.fetchers) <= {engine_id}
+
+    def expired(self, now: float) -> list[str]:
+        """Ids whose deadline passed."""
+        with self._lock:
+            return [rid for rid, r in self._live.items() if r.deadline <= now]
+
+    def release(self, request_id: str) -> bool:
+        """Mark the request released. Returns True exactly once per publication."""
+        with self._lock:
+            if self._live.pop(request_id, None) is None:
+                return False
+            self._released[request_id] = time.monotonic() + self._ttl
+            self._forget_old(time.monotonic())
+            return True
+
+    def pending(self) -> list[str]:
+        """Published ids not released, sorted."""
+        with self._lock:
+            return sorted(self._live)
+
+    @property
+    def released_kept(self) -> int:
+        """Released ids remembered now."""
+        with self._lock:
+            return len(self._released)
+
+    def _forget_old(self, now: float) -> None:
+        while self._released:
+            request_id, forget_at = next(iter(self._released.items()))
+            if forget_at > now and len(self._released) <= self._max_released:
+                return
+            del self._released[request_id]

@@ -1,0 +1,141 @@
+"""`SideChannelServer`: the ZeroMQ ROUTER socket a producer listens on, and its one thread.
+
+It owns sockets and framing only: each incoming message (an identity, then its frames) goes
+to the service's `on_frames`, which must never block (work that may wait goes to the
+service's own per-peer workers); replies may be sent from any thread. The KV producer and
+the encoder-cache producer both serve through it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+HARD_FRAME_LIMIT = 64 << 20  # ZeroMQ drops peers that send more; smaller frames get a reply
+_instances = itertools.count()
+
+
+class SideChannelServer:
+    """A bound ROUTER socket served by one thread.
+
+    Args:
+        host: the address to bind (127.0.0.1 by default in the connectors).
+        port: the port (0: a free one; see `address`).
+        on_frames: called on the server thread with (identity, frames) of each message.
+        on_tick: called on the server thread at least every `tick_s` seconds.
+        name: the thread's name.
+        tick_s: the longest wait between two `on_tick` calls.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        on_frames: Callable[[bytes, list[bytes]], None],
+        on_tick: Callable[[], None] | None = None,
+        name: str = "kvxfer-side-channel",
+        tick_s: float = 0.01,
+    ) -> None:
+        self._on_frames, self._on_tick = on_frames, on_tick
+        self._tick_ms = max(1, int(tick_s * 1000))
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.MAXMSGSIZE, HARD_FRAME_LIMIT)
+        self._router.setsockopt(zmq.LINGER, 0)
+        # A peer that stopped reading must not make sends block: drop its replies instead.
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        try:
+            if port == 0:
+                port = self._router.bind_to_random_port(f"tcp://{host}")
+            else:
+                self._router.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as exc:
+            self._router.close(linger=0)
+            self._ctx.term()
+            raise OSError(
+                f"cannot bind the side channel to {host}:{port}: {exc}; pick another port or "
+                "port=0 for a free one"
+            ) from exc
+        self.address = f"tcp://{host}:{port}"
+        self._outbox_address = f"inproc://kvxfer-side-channel-{next(_instances)}"
+        self._outbox = self._ctx.socket(zmq.PULL)
+        self._outbox.bind(self._outbox_address)
+        self._local = threading.local()
+        self._senders: list[zmq.Socket] = []
+        self._senders_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def send(self, identity: bytes, frames: list[bytes]) -> None:
+        """Send a message to a peer, from any thread."""
+        if self._stop.is_set():
+            return
+        if threading.current_thread() is self._thread:
+            self._router.send_multipart([identity, *frames])
+            return
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.connect(self._outbox_address)
+            self._local.sock = sock
+            with self._senders_lock:
+                self._senders.append(sock)
+        sock.send_multipart([identity, *frames])
+
+    def close(self) -> None:
+        """Stop the thread and close every socket."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join()
+        with self._senders_lock:
+            for sock in self._senders:
+                sock.close(linger=0)
+        self._router.close(linger=0)
+        self._outbox.close(linger=0)
+        self._ctx.term()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._outbox, zmq.POLLIN)
+        while not self._stop.is_set():
+            events = dict(poller.poll(self._tick_ms))
+            if self._router in events:
+                self._drain(self._router, self._dispatch)
+            if self._outbox in events:
+                self._drain(self._outbox, self._forward)
+            if self._on_tick is not None:
+                self._guarded(self._on_tick)
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        self._guarded(self._on_frames, frames[0], frames[1:])
+
+    def _forward(self, frames: list[bytes]) -> None:
+        try:
+            self._router.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the peer is gone or not reading: its loss only
+            log.debug("side channel: reply dropped: %s", exc)
+
+    @staticmethod
+    def _drain(sock: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:
+        for _ in range(1000):  # then let the other socket and the tick have a turn
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            handle(frames)
+
+    @staticmethod
+    def _guarded(fn: Callable[..., None], *args: object) -> None:
+        try:
+            fn(*args)
+        except Exception:  # a bug must not stop the service for every other peer
+            log.exception("side channel: internal error")
