@@ -80,6 +80,9 @@ from kvxfer.validation import (
 log = logging.getLogger(__name__)
 
 _TICK_S = 0.01  # the loop's longest sleep: deadlines and heartbeats are checked this often
+# A producer is dead when silent for `peer_timeout_s` AND this many pings went unanswered: a
+# stall of this whole process (a long call holding the GIL) then never passes for a dead peer.
+_MISSED_PINGS = 3
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,7 @@ class _Session:
     slot_bytes: int = 0
     last_heard: float = 0.0
     last_ping: float = 0.0
+    unanswered: int = 0  # pings sent since the producer was last heard
     error: str = ""
     died_at: float = float("inf")
     expect: KVCacheSpec | None = None  # a reconnect must find the same producer geometry
@@ -276,7 +280,9 @@ class KVConsumer:
         self._backend = resolve_backend(backend, caches[0].device)
         self._timeout_s = timeout_s
         self._heartbeat_s, self._peer_timeout_s = heartbeat_s, peer_timeout_s
-        self._registration = CacheRegistration(self.caches, transport, host, protocol)
+        # Nothing but this rank's staging pools is registered: reads land only there (the
+        # caches are written by local copies), so no peer can address the cache at all.
+        self._registration = CacheRegistration([], transport, host, protocol)
         self.transport = self._registration.transport
         self.stats = TransferStats()
         self._ctx = zmq.Context()
@@ -292,6 +298,7 @@ class KVConsumer:
         os.set_blocking(self._wake_w, False)
         self._copies = ThreadPoolExecutor(copy_workers, thread_name_prefix="kvxfer-copy")
         self._closed = False
+        self._polled_at = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvxfer-consumer", daemon=True)
         self._thread.start()
@@ -456,6 +463,9 @@ class KVConsumer:
                     os.read(self._wake_r, 4096)
                 else:
                     self._drain(sock_or_fd)
+            # Whatever a peer sent before now has been read: silence is measured from here, so
+            # a loop that was busy (a plan, a compile) does not take live peers for dead.
+            self._polled_at = time.monotonic()
             self._guarded(self._handle_events)
             self._guarded(self._tick)
 
@@ -494,11 +504,12 @@ class KVConsumer:
             if session.state == "connecting" and now > session.deadline:
                 self._session_failed(session, "did not answer the handshake in time")
             elif session.state == "live":
-                if now - session.last_heard > self._peer_timeout_s:
-                    silent = now - session.last_heard
+                silent = self._polled_at - session.last_heard
+                if silent > self._peer_timeout_s and session.unanswered >= _MISSED_PINGS:
                     self._session_failed(session, f"silent for {silent:.1f} s: presumed dead")
                 elif now - session.last_ping >= self._heartbeat_s:
                     session.last_ping = now
+                    session.unanswered += 1
                     self._send(session, Ping(session=session.session))
         for fetch in list(self._fetches):
             if fetch.handle.cancelled.is_set() or now >= fetch.deadline:
@@ -556,7 +567,7 @@ class KVConsumer:
         if not 1 <= len(frames) <= 2:
             raise ProtocolError(f"expected a frame and its MAC, got {len(frames)} frames")
         message = decode(frames[0])
-        session.last_heard = time.monotonic()
+        session.last_heard, session.unanswered = time.monotonic(), 0
         if isinstance(message, Challenge) and session.state == "connecting":
             self._on_challenge(session, message)
         elif isinstance(message, HandshakeReply) and session.state == "connecting":

@@ -100,6 +100,7 @@ class _Session:
     leases: dict[tuple[str, int], _Lease] = field(default_factory=dict)
     waiting: list[_Waiting] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    ended: bool = False
 
     @property
     def rank(self) -> int:
@@ -507,6 +508,7 @@ class KVProducer:
         )
         with self._lock:
             self._sessions.pop(session.session, None)
+        session.ended = True
         session.worker.shutdown(wait=False)
         # Its pool goes back to the spares once its last pack finished (the worker's last job).
         threading.Thread(target=self._recycle_pool, args=(session,), daemon=True).start()
@@ -578,7 +580,7 @@ class KVProducer:
         try:
             pool = self._pool_for(session)
             remaining = max(0.0, ask.wait_seconds)
-            slot = pool.acquire(timeout=max(remaining, 0.1))
+            slot = self._acquire_slot(session, pool, time.monotonic() + max(remaining, 0.1))
             try:
                 elements = self.spec.num_layers * pack.dst.geometry.layer_elements
                 staging = pool.slot_tensor(slot, self.caches[0].dtype)[:elements]
@@ -599,6 +601,16 @@ class KVProducer:
         except Exception as exc:
             log.warning("request %s chunk %d: pack failed: %s", ask.request_id, ask.chunk_id, exc)
             self._send(session, _failed(ask, f"{type(exc).__name__}: {exc}"))
+
+    def _acquire_slot(self, session: _Session, pool: StagingPool, deadline: float) -> int:
+        """A free slot of the session's pool; gives up at `deadline`, at `close` or when the
+        session ends (its consumer's own leases fill the pool: only it waits)."""
+        while True:
+            try:
+                return pool.acquire(timeout=0.05)
+            except TimeoutError:
+                if self._closed or session.ended or time.monotonic() >= deadline:
+                    raise
 
     def _pool_for(self, session: _Session) -> StagingPool:
         with session.lock:

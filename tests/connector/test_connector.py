@@ -311,19 +311,19 @@ def test_replan_switches_strategies_without_a_new_handshake():
         e.close()
 
 
-def test_a_shared_transport_stays_open_when_a_connector_closes():
+def test_a_shared_transport_stays_open_when_a_connector_closes(engines):
     from kvxfer.transport import MooncakeTransport
 
     shared = MooncakeTransport()
     try:
-        (spec,) = side_specs(1, heads=4, num_blocks=4)
+        spec, caches, _ = engines.scenario.dst[0]
         other = np_empty(spec)
         kept = shared.register(other)
-        consumer = KVConsumer(
-            spec, [np_empty(spec) for _ in range(spec.num_layers)], "decode", transport=shared
-        )
-        assert len(shared.regions) == 1 + spec.num_layers
+        consumer = KVConsumer(spec, caches, "decode", transport=shared, **SMALL)
+        assert len(shared.regions) == 1  # a consumer registers no cache: reads land in staging
+        plans = consumer.connect(engines.addresses)
+        assert len(shared.regions) == 1 + len(plans)  # a staging pool per producer it reads
         consumer.close()
-        assert list(shared.regions) == [kept.region_id]  # only the consumer's caches left
+        assert list(shared.regions) == [kept.region_id]  # only the consumer's pools went
     finally:
         shared.close()
