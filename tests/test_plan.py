@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from helpers import side_specs
@@ -193,3 +195,42 @@ def test_forced_strategy_applies_to_every_pair():
     src, dst = side_specs(2), side_specs(4, layout="HND")
     for name in STRATEGIES:
         assert {p.strategy for p in plan_pairs(src, dst, strategy=name)} == {name}
+
+
+@given(
+    strategy=st.sampled_from(STRATEGIES),
+    src_bs=st.sampled_from([8, 16, 48]),
+    dst_bs=st.sampled_from([16, 32, 64]),
+    slot_rows=st.integers(64, 400),
+    start=st.integers(0, 300),
+    length=st.integers(1, 500),
+)
+@settings(max_examples=150, deadline=None)
+def test_landing_chunks_fit_both_staging_slots_wherever_the_fetch_starts(
+    strategy, src_bs, dst_bs, slot_rows, start, length
+):
+    """Chunks cut by `chunk_bounds` at `max_chunk_tokens` never need more staging than a slot,
+    on either side, and together cover the token range exactly once."""
+    from kvxfer.plan.program import chunk_bounds, max_chunk_tokens
+
+    (s,) = side_specs(1, heads=4, block_size=src_bs, num_blocks=64)
+    (d,) = side_specs(1, heads=4, block_size=dst_bs, num_blocks=64)
+    (route,) = route_heads(4, 1, 1)
+    row = s.num_layers * 2 * route.num_heads * s.head_dim * s.itemsize
+    slot = slot_rows * row
+    chunk = max_chunk_tokens(strategy, route, s, d, slot, slot, landing=True)
+    assert chunk is not None
+    if chunk < 1:
+        return  # the consumer refuses such a pair with a clear error
+    end = start + length
+    bounds = chunk_bounds(start, end, chunk)
+    assert bounds[0][0] == start and bounds[-1][1] == end
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    src_ids = np.arange(-(-end // src_bs), dtype=np.int64)
+    dst_ids = np.arange(-(-end // dst_bs), dtype=np.int64)
+    for lo, hi in bounds:
+        program = build_program(route, strategy, s, d, src_ids, dst_ids, lo, hi, landing=True)
+        for staging in (program.src_staging, program.dst_staging):
+            if staging is not None:
+                assert s.num_layers * staging.layer_bytes <= slot, (lo, hi, chunk)
+        assert program.dst_staging is not None  # landing: bytes never go to the cache

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
 import logging
 import os
 import queue
@@ -65,7 +67,13 @@ from kvxfer.connector.stats import TransferRecord, TransferStats
 from kvxfer.execute import resolve_backend, run_cell_copy, warm_up
 from kvxfer.plan import CostModel, PairPlan, check_side, plan_pairs
 from kvxfer.plan.layout import STAGING_REGION, blocks_of_tokens
-from kvxfer.plan.program import CellCopy, build_program, max_chunk_tokens, unpack_copy
+from kvxfer.plan.program import (
+    CellCopy,
+    build_program,
+    chunk_bounds,
+    max_chunk_tokens,
+    unpack_copy,
+)
 from kvxfer.spec import KVCacheSpec, encode_spec
 from kvxfer.transport.base import Peer, Region, Transport
 from kvxfer.validation import (
@@ -83,6 +91,7 @@ _TICK_S = 0.01  # the loop's longest sleep: deadlines and heartbeats are checked
 # A producer is dead when silent for `peer_timeout_s` AND this many pings went unanswered: a
 # stall of this whole process (a long call holding the GIL) then never passes for a dead peer.
 _MISSED_PINGS = 3
+_MAX_NOTICES = 4096  # done/abort notices kept per producer rank while it is unreachable
 
 
 @dataclass(frozen=True)
@@ -144,7 +153,7 @@ class FetchHandle:
 SessionState = Literal["connecting", "live", "dead"]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: compared and hashed as objects
 class _Session:
     """This rank's session with one producer rank (one socket, one handshake)."""
 
@@ -164,6 +173,7 @@ class _Session:
     unanswered: int = 0  # pings sent since the producer was last heard
     error: str = ""
     died_at: float = float("inf")
+    lost: bool = False  # the producer forgot it (a restart): its unread chunks may ask anew
     expect: KVCacheSpec | None = None  # a reconnect must find the same producer geometry
 
     @property
@@ -192,7 +202,7 @@ ChunkState = Literal[
 _ACTIVE = ("asked", "ready", "reading", "confirming", "copying")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: compared and hashed as objects
 class _Chunk:
     fetch: _Fetch
     pair: _Pair
@@ -209,7 +219,7 @@ class _Chunk:
     num_ops: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # identity: compared and hashed as objects
 class _Fetch:
     handle: FetchHandle
     block_ids: np.ndarray
@@ -290,6 +300,8 @@ class KVConsumer:
         self._open: dict[zmq.Socket, _Session] = {}  # every session not dead, by socket
         self._connects: list[tuple[list[_Session], Future[list[PairPlan]]]] = []
         self._quarantine: set[_Chunk] = set()  # failed chunks whose reads have not settled
+        self._notices: dict[int, list[Callable[[str], Message]]] = {}  # for dead sessions
+        self._chunk_ids = itertools.count()
         self._pairs: list[_Pair] = []
         self._pools: dict[int, StagingPool] = {}  # by producer rank, kept across sessions
         self._fetches: list[_Fetch] = []
@@ -573,6 +585,8 @@ class KVConsumer:
         elif isinstance(message, HandshakeReply) and session.state == "connecting":
             self._on_handshake_reply(session, message)
         elif isinstance(message, ErrorReply):
+            if message.session_lost and session.state == "live":
+                self._requeue_unread(session)
             self._session_failed(session, f"refused: {message.reason}")
         elif session.state == "live":
             if len(frames) != 2 or not auth.verify(session.key, frames[0], frames[1]):
@@ -632,6 +646,8 @@ class KVConsumer:
             )
             return
         session.state, session.last_ping = "live", time.monotonic()
+        for notice in self._notices.pop(session.rank, []):
+            self._send(session, notice(session.session))
 
     def _session_failed(self, session: _Session, why: str) -> None:
         """The session is over: fail every chunk that relied on it."""
@@ -646,6 +662,15 @@ class KVConsumer:
                     self._fail_chunk(chunk, f"producer {session.address} {why}")
         session.sock.close(linger=0)
 
+    def _requeue_unread(self, session: _Session) -> None:
+        """The producer forgot the session (it restarted faster than a heartbeat notices):
+        chunks it had not served yet ask again on a new session; nothing of them was read."""
+        session.lost = True
+        for fetch in self._fetches:
+            for chunk in fetch.chunks:
+                if chunk.session is session and chunk.state in ("asked", "ready"):
+                    chunk.state, chunk.session, chunk.ready = "queued", None, None
+
     def _session_for(self, rank: int, fetch: _Fetch) -> _Session | str | None:
         """The live session with producer `rank`; None while one is being opened; or why the
         chunk cannot be served (the producer died, or a new handshake failed, during this
@@ -654,12 +679,9 @@ class KVConsumer:
         if session is None:
             return "is not connected"
         if session.state == "dead":
-            if session.died_at >= fetch.began:
+            if session.died_at >= fetch.began and not session.lost:
                 return f"producer {session.address} {session.error}"
-            # Shake hands again, as briefly as a peer may stay silent.
-            fresh = self._open_session(session.address, self._peer_timeout_s, session.spec)
-            fresh.spec = session.spec
-            self._sessions[rank] = fresh
+            self._reconnect(rank)  # shake hands again, as briefly as a peer may stay silent
             return None
         return session if session.state == "live" else None
 
@@ -725,13 +747,13 @@ class KVConsumer:
 
     def _start_fetch(self, fetch: _Fetch) -> None:
         fetch.pairs = list(self._pairs)
-        if fetch.start < fetch.num_tokens:
-            for pair in fetch.pairs:
-                bounds = range(fetch.start, fetch.num_tokens, pair.chunk_tokens)
-                fetch.chunks.extend(
-                    _Chunk(fetch, pair, i, s, min(s + pair.chunk_tokens, fetch.num_tokens))
-                    for i, s in enumerate(bounds)
-                )
+        for pair in fetch.pairs:
+            # Chunk ids are unique in this consumer's life, so a late answer meant for an
+            # earlier fetch of the same request can never pass for one of this fetch.
+            fetch.chunks.extend(
+                _Chunk(fetch, pair, next(self._chunk_ids), lo, hi)
+                for lo, hi in chunk_bounds(fetch.start, fetch.num_tokens, pair.chunk_tokens)
+            )
         fetch.handle.chunks_total = len(fetch.chunks)
         self._fetches.append(fetch)
         self._send_ready(fetch)
@@ -896,6 +918,7 @@ class KVConsumer:
     def _on_copied(self, chunk: _Chunk, future: Future[None]) -> None:
         error = future.exception()
         if error is not None:
+            chunk.state = "confirming"  # the copy is over: failing it is now allowed
             self._fail_chunk(chunk, f"copy into the cache failed: {error}")
             return
         chunk.state = "done"
@@ -929,21 +952,40 @@ class KVConsumer:
         for fetch in self._fetches:
             if fetch.request_id == request_id:
                 self._abandon(fetch, "aborted")
-        for session in self._sessions.values():
-            if session.state == "live":
-                self._send(session, Abort(session=session.session, request_id=request_id))
+        for rank in list(self._sessions):
+            self._notify(rank, lambda sid: Abort(session=sid, request_id=request_id))
+
+    def _notify(self, rank: int, message: Callable[[str], Message]) -> None:
+        """Send a notice (done, abort) to producer `rank` now, or once a session with it is
+        live again: a producer that was silent for a while still frees its blocks early."""
+        session = self._sessions.get(rank)
+        if session is not None and session.state == "live":
+            self._send(session, message(session.session))
+            return
+        queue = self._notices.setdefault(rank, [])
+        queue.append(message)
+        del queue[:-_MAX_NOTICES]
+        self._reconnect(rank)
+
+    def _reconnect(self, rank: int) -> None:
+        """Shake hands again with producer `rank` if its session died (at most once a
+        `peer_timeout_s`: a producer that stays away is not flooded)."""
+        session = self._sessions.get(rank)
+        if session is None or session.state != "dead":
+            return
+        if time.monotonic() - session.died_at < self._peer_timeout_s and session.session == "":
+            return  # the last attempt failed a moment ago
+        fresh = self._open_session(session.address, self._peer_timeout_s, session.spec)
+        fresh.spec = session.spec
+        self._sessions[rank] = fresh
 
     def _finish_if_done(self, fetch: _Fetch) -> None:
         if fetch.handle.done() or any(c.state not in ("done", "failed") for c in fetch.chunks):
             return
         self._fetches.remove(fetch)
         failed = [c for c in fetch.chunks if c.state == "failed"]
-        for session in self._sessions.values():
-            if session.state == "live":
-                done = RequestDone(
-                    session=session.session, request_id=fetch.request_id, ok=not failed
-                )
-                self._send(session, done)
+        for rank in list(self._sessions):
+            self._notify(rank, functools.partial(_done_notice, fetch.request_id, not failed))
         failed_ids = sorted(
             {
                 block
@@ -996,3 +1038,7 @@ class KVConsumer:
         for _, done in self._connects:
             done.set_exception(ConnectionError("connect: the consumer closed"))
         self._stop.set()
+
+
+def _done_notice(request_id: str, ok: bool, session: str) -> Message:
+    return RequestDone(session=session, request_id=request_id, ok=ok)

@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 _HELLO_TTL_S = 10.0  # a handshake must complete within this long after its Hello
 _MAX_PENDING_HELLOS = 1024
 _MAX_WAITING_PER_SESSION = 4096  # chunks waiting for their request to be published
+_MAX_FINISHED_PER_SESSION = 1024  # recent ids a session said it is done with
 
 
 @dataclass
@@ -84,7 +85,7 @@ class _Waiting:
     deadline: float
 
 
-@dataclass
+@dataclass(eq=False)  # identity: compared and hashed as objects
 class _Session:
     """A consumer rank that completed the handshake."""
 
@@ -101,6 +102,7 @@ class _Session:
     waiting: list[_Waiting] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     ended: bool = False
+    finished: OrderedDict[str, None] = field(default_factory=OrderedDict)  # done/aborted ids
 
     @property
     def rank(self) -> int:
@@ -214,7 +216,8 @@ class KVProducer:
         tokens = check_num_tokens(num_tokens, f"{where}: num_tokens")
         ids = check_block_ids(self.spec, block_ids, tokens, where)
         timeout = self._request_timeout_s if deadline_s is None else deadline_s
-        self._requests.publish(request_id, ids, tokens, timeout)
+        if self._requests.publish(request_id, ids, tokens, timeout):
+            self._release(request_id, "its decode engine aborted it before the publish")
 
     @property
     def pending_requests(self) -> list[str]:
@@ -383,14 +386,14 @@ class KVProducer:
         elif isinstance(message, ChunkRead):
             self._on_chunk_read(session, message)
         elif isinstance(message, RequestDone):
-            self._drop_leases(session, message.request_id)
+            self._forget_request(session, message.request_id)
             if self._requests.report_done(
                 message.request_id, session.engine_id, session.rank, session.spec.tp_size
             ):
                 self._release(message.request_id, "every decode rank is done")
         elif isinstance(message, Abort):
-            self._drop_leases(session, message.request_id)
-            if self._requests.may_abort(message.request_id, session.engine_id):
+            self._forget_request(session, message.request_id)
+            if self._requests.abort(message.request_id, session.engine_id):
                 self._release(message.request_id, f"engine {session.engine_id} aborted it")
 
     def _send(self, session: _Session, message: Message) -> None:
@@ -398,6 +401,8 @@ class KVProducer:
         self._server.send(session.identity, [frame, auth.sign(session.key, frame)])
 
     def _on_transfer(self, session: _Session, ask: TransferRequest) -> None:
+        with session.lock:
+            session.finished.pop(ask.request_id, None)  # fetched again
         try:
             check_strategy(ask.strategy)
         except ValueError as exc:
@@ -536,8 +541,14 @@ class KVProducer:
             for slot in slots:
                 session.pool.release(slot)
 
-    def _drop_leases(self, session: _Session, request_id: str) -> None:
+    def _forget_request(self, session: _Session, request_id: str) -> None:
+        """The session is done with a request: its waiting chunks, leases and packs to come
+        are dropped (a chunk it gave up on must not hold a slot until its deadline)."""
+        session.waiting = [w for w in session.waiting if w.ask.request_id != request_id]
         with session.lock:
+            session.finished[request_id] = None
+            while len(session.finished) > _MAX_FINISHED_PER_SESSION:
+                session.finished.popitem(last=False)
             keys = [key for key in session.leases if key[0] == request_id]
             slots = [session.leases.pop(key).slot for key in keys]
         if session.pool is not None:
@@ -591,6 +602,9 @@ class KVProducer:
                 pool.release(slot)
                 raise
             with session.lock:
+                if ask.request_id in session.finished:  # done meanwhile: nobody will read
+                    pool.release(slot)
+                    return
                 session.leases[(ask.request_id, ask.chunk_id)] = _Lease(
                     slot, time.monotonic() + remaining + 1.0
                 )

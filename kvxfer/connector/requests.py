@@ -45,23 +45,32 @@ class RequestTable:
         self._lock = threading.Lock()
         self._live: dict[str, PublishedRequest] = {}
         self._released: OrderedDict[str, float] = OrderedDict()  # id -> when forgotten
+        self._aborted: OrderedDict[str, float] = OrderedDict()  # unpublished id -> forget at
         self._ttl, self._max_released = released_ttl_s, max_released
 
-    def publish(self, request_id: str, block_ids: np.ndarray, num_tokens: int, timeout: float):
+    def publish(
+        self, request_id: str, block_ids: np.ndarray, num_tokens: int, timeout: float
+    ) -> bool:
         """Add a request that expires `timeout` seconds from now.
+
+        Returns:
+            Whether a decode engine aborted the request before it was published: then release
+            it at once (nobody will fetch it).
 
         Raises:
             ValueError: the id is published, or was released recently.
         """
         with self._lock:
-            self._forget_old(time.monotonic())
+            now = time.monotonic()
+            self._forget_old(now)
             if request_id in self._live or request_id in self._released:
                 raise ValueError(
                     f"request_id: {request_id!r} was already published; use a new id per request"
                 )
             self._live[request_id] = PublishedRequest(
-                block_ids, num_tokens, time.monotonic() + timeout, next(_generations)
+                block_ids, num_tokens, now + timeout, next(_generations)
             )
+            return self._aborted.pop(request_id, None) is not None
 
     def get(self, request_id: str) -> PublishedRequest | None:
         """The live request, if published and not released."""
@@ -100,11 +109,19 @@ class RequestTable:
             ranks = {r for engine, r in request.reported if engine == engine_id}
             return len(ranks) >= tp_size
 
-    def may_abort(self, request_id: str, engine_id: str) -> bool:
-        """Whether `engine_id` may abort the request: no other engine is fetching it."""
+    def abort(self, request_id: str, engine_id: str) -> bool:
+        """`engine_id` will never load the request. Returns whether to release it now: it is
+        published and no other engine fetches it. An id not published yet is remembered, and
+        its publish releases it at once (a decode engine may abort after the prefill finished,
+        before the publish)."""
         with self._lock:
             request = self._live.get(request_id)
-            return request is not None and set(request.fetchers) <= {engine_id}
+            if request is not None:
+                return set(request.fetchers) <= {engine_id}
+            if request_id not in self._released:
+                self._aborted[request_id] = time.monotonic() + self._ttl
+                self._forget_old(time.monotonic())
+            return False
 
     def expired(self, now: float) -> list[str]:
         """Ids whose deadline passed."""
@@ -127,13 +144,14 @@ class RequestTable:
 
     @property
     def released_kept(self) -> int:
-        """Released ids remembered now."""
+        """Released (and aborted, unpublished) ids remembered now."""
         with self._lock:
-            return len(self._released)
+            return len(self._released) + len(self._aborted)
 
     def _forget_old(self, now: float) -> None:
-        while self._released:
-            request_id, forget_at = next(iter(self._released.items()))
-            if forget_at > now and len(self._released) <= self._max_released:
-                return
-            del self._released[request_id]
+        for ids in (self._released, self._aborted):
+            while ids:
+                request_id, forget_at = next(iter(ids.items()))
+                if forget_at > now and len(ids) <= self._max_released:
+                    break
+                del ids[request_id]

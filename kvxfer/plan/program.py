@@ -283,26 +283,38 @@ def max_chunk_tokens(
     dst_slot_bytes: int,
     landing: bool = False,
 ) -> int | None:
-    """The most tokens one chunk may carry so that its staging fits each side's slot, wherever
-    the chunk starts; None when the strategy uses no staging (never with `landing`).
+    """The most tokens one chunk may carry so that its staging fits each side's slot; None
+    when the strategy uses no staging (never with `landing`).
 
-    A wire buffer needs one row per token; a mirror of blocks of `bs` tokens needs whole blocks,
-    and `c` tokens can touch `(c + bs - 2) // bs + 1` of them.
+    Chunks must end at multiples of the returned size (`chunk_bounds`): a mirror of blocks of
+    `bs` tokens holds whole blocks, so the size is a multiple of `bs` and an aligned chunk
+    touches no more blocks than it has tokens' worth. A wire buffer needs one row per token.
     """
     planes = 1 if src_spec.mla else 2
     row = src_spec.num_layers * planes * route.num_heads * src_spec.head_dim * src_spec.itemsize
     limits = []
     if strategy == "pack+unpack":
         limits.append(min(src_slot_bytes, dst_slot_bytes) // row)
-    elif strategy == "pack":
-        limits.append(_mirror_limit(src_slot_bytes // row, dst_spec.block_size))
+    elif strategy == "pack":  # both mirrors (the destination's only when landing) are of dst
+        slot = min(src_slot_bytes, dst_slot_bytes) if landing else src_slot_bytes
+        limits.append(_whole_blocks(slot // row, dst_spec.block_size))
     elif strategy == "unpack":
-        limits.append(_mirror_limit(dst_slot_bytes // row, src_spec.block_size))
-    if landing and strategy in ("direct", "pack"):
-        limits.append(_mirror_limit(dst_slot_bytes // row, dst_spec.block_size))
+        limits.append(_whole_blocks(dst_slot_bytes // row, src_spec.block_size))
+    elif landing:  # direct, landing in a mirror of the destination's blocks
+        limits.append(_whole_blocks(dst_slot_bytes // row, dst_spec.block_size))
     return min(limits) if limits else None
 
 
-def _mirror_limit(rows: int, block_size: int) -> int:
-    blocks = rows // block_size
-    return (blocks - 1) * block_size + 1 if blocks > 0 else 0
+def chunk_bounds(start: int, end: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """Cut tokens `[start, end)` into chunks that end at multiples of `chunk_tokens` (the first
+    may be shorter), as `max_chunk_tokens` requires."""
+    bounds, lo = [], start
+    while lo < end:
+        hi = min(end, (lo // chunk_tokens + 1) * chunk_tokens)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def _whole_blocks(rows: int, block_size: int) -> int:
+    return rows // block_size * block_size

@@ -327,3 +327,31 @@ def test_a_shared_transport_stays_open_when_a_connector_closes(engines):
         assert list(shared.regions) == [kept.region_id]  # only the consumer's pools went
     finally:
         shared.close()
+
+
+def test_an_abort_before_the_publish_releases_the_request_at_its_publish(engines):
+    engines.consumers[0].abort("early")  # decode gave up after prefill, before the publish
+    time.sleep(0.3)
+    assert engines.released == []
+    engines.publish("early")
+    assert sorted(engines.released) == [(0, "early"), (1, "early")]
+    assert all(p.pending_requests == [] for p in engines.producers)
+
+
+def test_a_producer_restarted_at_the_same_address_serves_the_next_fetch_at_once():
+    e = Engines()
+    try:
+        ports = [int(a.rsplit(":", 1)[1]) for a in e.addresses]
+        for p in e.producers:
+            p.close()
+        # Back within a heartbeat: the consumers still hold sessions the new producers forgot.
+        e.producers = [
+            KVProducer(s, c, "prefill", port=port, **SMALL)
+            for (s, c, _), port in zip(e.scenario.src, ports, strict=True)
+        ]
+        e.publish("after-restart")
+        results = e.fetch("after-restart")
+        assert all(r.ok for r in results), [r.errors for r in results]
+        e.scenario.assert_exact()
+    finally:
+        e.close()

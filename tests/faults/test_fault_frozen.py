@@ -1,0 +1,117 @@
+"""Frozen peers (SIGSTOP mid-transfer, SIGCONT later): a frozen consumer costs only its own
+request, and a producer that resumes after a fetch gave up on it writes nothing more."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from faultkit import (
+    DECODE,
+    PREFILL,
+    ROOMY_STAGING,
+    SLOW_STAGING,
+    BlockPool,
+    Geometry,
+    Request,
+    describe,
+    leaks,
+    wait_for_progress,
+    watch_for_late_bytes,
+)
+
+SLOW = {"strategy": "pack+unpack", **SLOW_STAGING}  # a 4 MiB request in hundreds of chunks
+
+
+BIG_PREFILL = Geometry(block_size=16, num_blocks=2048)
+BIG_DECODE = Geometry(block_size=32, layout="HND", num_blocks=1024)
+# Frozen mid-transfer: 64 KiB chunks, so that a 16 MiB request is caught in flight. Frozen
+# before the publish: 4 MiB chunks, more bytes due to the frozen consumer than socket buffers
+# hold.
+CHUNKS = {
+    "mid-transfer": {"staging_bytes": 128 << 10, "staging_slots": 2},
+    "before-publish": {"staging_bytes": 8 << 20, "staging_slots": 2},
+}
+
+
+@pytest.mark.parametrize("freeze_at", list(CHUNKS))
+def test_frozen_consumer_does_not_stall_another_consumer(rig, freeze_at):
+    chunks = CHUNKS[freeze_at]
+    producer = rig.producer(BIG_PREFILL, options=chunks)
+    a = rig.consumer(
+        BIG_DECODE, engine_id="decode-a", options={"strategy": "pack+unpack", **chunks}
+    )
+    b = rig.consumer(DECODE, engine_id="decode-b", options=SLOW)
+    for c in (a, b):
+        c.connect([producer.address])
+    src = BlockPool(BIG_PREFILL.num_blocks, 1)
+    big, small = Request("a-big", 16384, seed=1), Request("b-small", 1024, seed=2)
+    src_ids = {r.request_id: src.take(BIG_PREFILL.blocks_for(r.num_tokens)) for r in (big, small)}
+    producer.publish(small, src_ids[small.request_id])
+    a_ids = BlockPool(BIG_DECODE.num_blocks, 2).take(BIG_DECODE.blocks_for(big.num_tokens))
+    b_ids = BlockPool(DECODE.num_blocks, 3).take(DECODE.blocks_for(small.num_tokens))
+
+    if freeze_at == "mid-transfer":
+        producer.publish(big, src_ids[big.request_id])
+        a.fetch(big, a_ids, timeout=30.0)
+        wait_for_progress(a, a_ids)
+        a.freeze()
+        a.pump()
+        assert not any(k == "result" for k, _ in a.events), "the transfer ended before the freeze"
+    else:
+        a.fetch(big, a_ids, timeout=30.0)
+        time.sleep(0.5)  # A's requests reach the producer
+        a.freeze()
+        producer.publish(big, src_ids[big.request_id])
+        time.sleep(0.5)  # the producer starts serving the frozen consumer
+
+    b.fetch(small, b_ids, timeout=5.0)
+    rb = b.result(small.request_id, timeout=5.0 + 5)
+    assert rb["ok"], f"consumer B failed while A was frozen: {rb['errors']}"
+    b.model.settle(b_ids, small, rb["failed_block_ids"])
+    bad = b.model.mismatches()
+    assert not bad, f"consumer B's cache: {describe(bad, {'b-small': b_ids})}"
+
+    a.thaw()
+    ra = a.result(big.request_id, timeout=40.0)
+    assert set(ra["failed_block_ids"]) <= set(a_ids.tolist())
+    assert ra["ok"] == (not ra["failed_block_ids"]), ra
+    a.model.settle(a_ids, big, ra["failed_block_ids"])
+    late = watch_for_late_bytes([a, b], 1.5)
+    groups = {"failed": ra["failed_block_ids"], "a-big": a_ids}
+    assert not late, {name: describe(m, groups) for name, m in late.items()}
+
+    if not ra["ok"]:
+        a.call("abort", big.request_id)  # the engine recomputes it
+    problems = leaks([producer], [a, b], timeout=10.0)
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("strategy", ["direct", "pack+unpack"])
+def test_frozen_producer_resumed_after_the_fetch_failed_writes_nothing(rig, strategy):
+    staging = SLOW_STAGING if strategy == "pack+unpack" else ROOMY_STAGING  # slots hold a block
+    producer = rig.producer(PREFILL, options=staging)
+    consumer = rig.consumer(DECODE, options={"strategy": strategy, **staging})
+    consumer.connect([producer.address])
+    big = Request("big", 4096, seed=4)
+    producer.publish(big, BlockPool(PREFILL.num_blocks, 1).take(PREFILL.blocks_for(4096)))
+    ids = BlockPool(DECODE.num_blocks, 2).take(DECODE.blocks_for(4096))
+
+    consumer.fetch(big, ids, timeout=4.0)
+    wait_for_progress(consumer, ids)
+    producer.freeze()
+    result = consumer.result(big.request_id, timeout=4.0 + 5)
+    assert not result["ok"], "a fetch from a frozen producer cannot complete"
+    failed = result["failed_block_ids"]
+    assert failed and set(failed) <= set(ids.tolist())
+    consumer.model.settle(ids, big, failed)
+    bad = consumer.model.mismatches()
+    assert not bad, f"at the result: {describe(bad, {'failed': failed, 'request': ids})}"
+
+    producer.thaw()
+    late = watch_for_late_bytes([consumer], 2.5)
+    assert not late, describe(late[consumer.name], {"failed": failed, "request": ids})
+
+    consumer.call("abort", big.request_id)  # the engine recomputes the failed blocks
+    problems = leaks([producer], [consumer], timeout=10.0)
+    assert not problems, problems
