@@ -165,18 +165,56 @@ SESSION_MESSAGES = (TransferRequest, ChunkRead, RequestDone, Abort, Ping)
 
 
 # ---- encoder cache ------------------------------------------------------------------------
+# Pull, as for KV: a consumer asks a producer to pin an item in its pool, reads the bytes with
+# its own Mooncake engine into its own memory, then reports the read and learns whether the item
+# stayed in the pool throughout. The handshake proves the shared secret both ways without
+# sending it (kvxfer.connector.auth); every later frame carries a MAC under the session key, and
+# every answer echoes the `ref` of its ask.
+
+
+class ECHello(_Message, tag="ec_hello", frozen=True):
+    """Encoder-cache consumer -> producer: I want a session; here is my nonce."""
+
+    consumer: str  # a name for logs
+    nonce: str  # hex
+
+
+class ECChallenge(_Message, tag="ec_challenge", frozen=True):
+    """Producer -> consumer: prove you hold the secret, over both nonces."""
+
+    nonce: str  # hex
+
+
+class ECHandshake(_Message, tag="ec_handshake", frozen=True):
+    """Consumer -> producer: the proof of the secret over both nonces and my name."""
+
+    consumer: str
+    client_nonce: str
+    server_nonce: str
+    proof: str  # hex HMAC
+
+
+class ECWelcome(_Message, tag="ec_welcome", frozen=True):
+    """Producer -> consumer: the session, my Mooncake endpoint, and my own proof (over the
+    nonces, the session and the endpoint)."""
+
+    session: str
+    endpoint: str  # Mooncake host:port, where the consumer reads from
+    proof: str
 
 
 class ECQuery(_Message, tag="ec_query", frozen=True):
-    """Encoder-cache consumer -> producer: do you hold this item, and how large is it?"""
+    """Consumer -> producer (session): do you hold this item, and how large is it?"""
 
+    session: str
+    ref: int
     mm_hash: str
-    secret: str = ""
 
 
 class ECInfo(_Message, tag="ec_info", frozen=True):
     """Producer -> consumer: an item's dtype, shape and size, if held."""
 
+    ref: int
     mm_hash: str
     found: bool
     dtype: str = ""
@@ -184,30 +222,56 @@ class ECInfo(_Message, tag="ec_info", frozen=True):
     nbytes: int = 0
 
 
-class ECFetch(_Message, tag="ec_fetch", frozen=True):
-    """Consumer -> producer: write the item's bytes to `[address, address + nbytes)` of my
-    registered memory at `endpoint`."""
+class ECPin(_Message, tag="ec_pin", frozen=True):
+    """Consumer -> producer (session): keep the item in place while I read it."""
 
+    session: str
+    ref: int
     mm_hash: str
-    endpoint: str
-    address: int
-    nbytes: int
-    secret: str = ""
 
 
-class ECFetched(_Message, tag="ec_fetched", frozen=True):
-    """Producer -> consumer: the item's bytes are in place (or why not)."""
+class ECPinned(_Message, tag="ec_pinned", frozen=True):
+    """Producer -> consumer: the item is pinned under `lease` at `[address, address + nbytes)`
+    of my registered pool (or why not); the lease ends after `lease_s` seconds at most."""
 
+    ref: int
     mm_hash: str
+    ok: bool
+    reason: str = ""
+    lease: str = ""
+    address: int = 0
+    nbytes: int = 0
+    dtype: str = ""
+    shape: list[int] = []
+    lease_s: float = 0.0
+
+
+class ECDone(_Message, tag="ec_done", frozen=True):
+    """Consumer -> producer (session): my read under `lease` has settled; unpin the item. Did
+    it stay in the pool throughout?"""
+
+    session: str
+    ref: int
+    lease: str
+
+
+class ECValid(_Message, tag="ec_valid", frozen=True):
+    """Producer -> consumer: the leased item stayed in place while it was read (ok), or not."""
+
+    ref: int
+    lease: str
     ok: bool
     reason: str = ""
 
 
 class ECRelease(_Message, tag="ec_release", frozen=True):
-    """Consumer -> producer: I am done with the item (evict it first). No reply."""
+    """Consumer -> producer (session): I am done with the item (evict it first). No reply."""
 
+    session: str
     mm_hash: str
-    secret: str = ""
+
+
+EC_SESSION_MESSAGES = (ECQuery, ECPin, ECDone, ECRelease)
 
 
 Message = (
@@ -225,10 +289,16 @@ Message = (
     | Ping
     | Pong
     | ErrorReply
+    | ECHello
+    | ECChallenge
+    | ECHandshake
+    | ECWelcome
     | ECQuery
     | ECInfo
-    | ECFetch
-    | ECFetched
+    | ECPin
+    | ECPinned
+    | ECDone
+    | ECValid
     | ECRelease
 )
 

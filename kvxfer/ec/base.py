@@ -7,8 +7,10 @@ finally `release`s them.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +36,22 @@ def check_hash(mm_hash: str) -> str:
             "'_', '.' or '-' (a hex digest of the item's content, for example)"
         )
     return mm_hash
+
+
+def item_key(identifier: str) -> str:
+    """A valid item hash for any identifier: itself when valid, else `id-` and its SHA-256.
+
+    vLLM's identifiers may carry a LoRA prefix (`name:hash`) or be a client's own UUID; both
+    sides of a transfer map them the same way.
+    """
+    if isinstance(identifier, str) and _HASH.match(identifier) and identifier not in (".", ".."):
+        return identifier
+    return "id-" + hashlib.sha256(str(identifier).encode()).hexdigest()
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (0-d tensors included)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 class ECLoadHandle:
@@ -74,6 +92,30 @@ class ECLoadHandle:
             raise ECLoadError("could not load " + "; ".join(failures))
         return results
 
+    def results(
+        self, timeout: float | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Every item's outcome, one failure costing only its own item.
+
+        Returns:
+            The tensors that loaded, and for every item that did not, why.
+
+        Raises:
+            TimeoutError: not all loads finished in time.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        loaded: dict[str, torch.Tensor] = {}
+        failed: dict[str, str] = {}
+        for mm_hash, future in self._futures.items():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                loaded[mm_hash] = future.result(left)
+            except FutureTimeout as exc:
+                raise TimeoutError(f"loading {mm_hash!r} did not finish in {timeout} s") from exc
+            except Exception as exc:
+                failed[mm_hash] = str(exc) or type(exc).__name__
+        return loaded, failed
+
 
 class ECConnectorBase(ABC):
     """An encoder-cache connector in one role.
@@ -107,7 +149,12 @@ class ECConnectorBase(ABC):
 
     # consumer
     def has(self, mm_hash: str) -> bool:
-        """Whether the item's encoder output can be loaded."""
+        """Whether the item's encoder output can be loaded now.
+
+        With the built-in connectors a peer's fault (a producer unreachable or frozen, a
+        truncated file) is an answer of False, not an exception; a bad `mm_hash` or role
+        raises.
+        """
         self._require("consumer", "has")
         return self._has(check_hash(mm_hash))
 
@@ -119,7 +166,11 @@ class ECConnectorBase(ABC):
         """Start loading a batch of items in the background."""
         self._require("consumer", "start_load")
         checked = [check_hash(h) for h in hashes]
-        return ECLoadHandle({h: self._loader.submit(self._load_to, h, device) for h in checked})
+        return ECLoadHandle({h: self._submit(h, device) for h in checked})
+
+    def _submit(self, mm_hash: str, device: str | torch.device) -> Future[torch.Tensor]:
+        """Start one load (a connector may route it to its own workers)."""
+        return self._loader.submit(self._load_to, mm_hash, device)
 
     def _load_to(self, mm_hash: str, device: str | torch.device) -> torch.Tensor:
         return self._load(mm_hash).to(device)

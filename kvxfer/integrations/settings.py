@@ -30,9 +30,12 @@ class ConnectorSettings:
         secret: shared secret decode ranks present at handshake.
         request_timeout_s: longest time a prefill engine holds a finished request's blocks
             for decode engines before freeing them.
-        fetch_timeout_s: longest time one request's load may take on a decode rank; its
-            unfinished blocks are then reported as load errors (vLLM recomputes them).
-        handshake_timeout_s: longest wait for a prefill rank to answer a handshake.
+        fetch_timeout_s: longest time one request's load may take on a decode rank (connecting
+            to its prefill engine included); its unfinished blocks are then reported as load
+            errors (vLLM recomputes them).
+        handshake_timeout_s: longest wait for a prefill engine's ranks to answer a handshake
+            (a connect runs off the engine's step, on a thread per prefill engine: loads from
+            other prefill engines go on meanwhile).
         staging_bytes, staging_slots: staging pool per remote rank, and chunks in flight.
         backend: pack/unpack backend, "auto", "torch" or "triton".
     """

@@ -19,11 +19,16 @@ P/D flow (the conventions of vLLM's own P/D connectors):
 3. The proxy sends the request to the decode engine with those parameters. Its scheduler
    reports the prompt as externally computed and loaded asynchronously; every decode worker
    fetches its heads with a `KVConsumer` (one per remote engine, connected to every prefill
-   rank at `remote_port + rank` on first use, strategies planned per rank pair then).
+   rank at `remote_port + rank` on first use, off the engine's step, strategies planned per
+   rank pair then; connected again when a load names other addresses: a restarted engine).
 4. A finished fetch is reported through `get_finished`; blocks that failed come back through
    `get_block_ids_with_load_errors`, so vLLM recomputes exactly them. Once every decode rank
    reported done (or `request_timeout_s` passed), each prefill worker reports the request as
    finished sending and vLLM frees its blocks.
+5. A decode request that vLLM finishes before its KV was loaded (aborted while waiting or
+   loading, or a full local prefix hit) is aborted on the prefill engine through the next
+   step's metadata (`KVConsumer.abort`), which frees its blocks at once, as vLLM's NIXL
+   connector does.
 
 Any KV cache layout on either side works: the geometry is read from the registered tensors
 (`kvxfer.integrations.kv_tensors`), so `get_required_kvcache_layout` asks for none.
@@ -32,8 +37,12 @@ Any KV cache layout on either side works: the geometry is read from the register
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import shutil
+import tempfile
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -51,7 +60,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvxfer.connector import KVConsumer, KVProducer, TransferResult
+from kvxfer.connector import FetchHandle, KVConsumer, KVProducer, TransferResult
+from kvxfer.ec import ECLoadError, item_key
 from kvxfer.integrations.kv_tensors import EngineGeometry, spec_from_layers
 from kvxfer.integrations.settings import ConnectorSettings
 from kvxfer.plan.layout import blocks_of_tokens
@@ -62,6 +72,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -97,11 +108,26 @@ class SendSpec:
 
 
 @dataclass
+class AbortSpec:
+    """A decode worker's order: vLLM finished a request before its KV was loaded (aborted,
+    or finished while waiting). The worker gives up its load, if one runs, and tells the
+    prefill engine, which frees the request's blocks at once."""
+
+    request_id: str
+    remote_request_id: str
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_tp_size: int
+
+
+@dataclass
 class KvxferConnectorMetadata(KVConnectorMetadata):
     """What one step asks of every worker."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     sends: list[SendSpec] = field(default_factory=list)
+    aborts: list[AbortSpec] = field(default_factory=list)
 
 
 @dataclass
@@ -214,10 +240,17 @@ class KvxferConnector(KVConnectorBase_V1):
         """This step's loads and sends."""
         return self._scheduler_side().build_connector_meta()
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Note the loads every worker finished (they need no abort any more)."""
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Prefill side: keep the blocks until decoders are done; hand back the params."""
+        """Prefill side: keep the blocks until decoders are done; hand back the params.
+        Decode side: a request finished before its KV was loaded is aborted on the prefill
+        engine, which frees its blocks at once."""
         return self._scheduler_side().request_finished(request, block_ids)
 
     # ---- worker side ----
@@ -282,6 +315,8 @@ class _SchedulerSide:
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._loads: list[LoadSpec] = []
         self._sends: list[SendSpec] = []
+        self._aborts: list[AbortSpec] = []
+        self._loading: dict[str, AbortSpec] = {}  # loads not finished on every worker yet
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -309,10 +344,12 @@ class _SchedulerSide:
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request
+        remote = _abort_spec(request.request_id, params)
         if num_external_tokens <= 0:
-            # A full local prefix hit: nothing to move; the prefill engine frees the request's
-            # blocks at its request_timeout_s.
+            # A full local prefix hit: nothing to move; the prefill engine frees its blocks.
+            self._aborts.append(remote)
             return
+        self._loading[request.request_id] = remote
         num_tokens = _remote_tokens(request)
         self._loads.append(
             LoadSpec(
@@ -329,9 +366,15 @@ class _SchedulerSide:
         )
 
     def build_connector_meta(self) -> KvxferConnectorMetadata:
-        metadata = KvxferConnectorMetadata(loads=self._loads, sends=self._sends)
-        self._loads, self._sends = [], []
+        metadata = KvxferConnectorMetadata(
+            loads=self._loads, sends=self._sends, aborts=self._aborts
+        )
+        self._loads, self._sends, self._aborts = [], [], []
         return metadata
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for request_id in output.finished_recving or ():
+            self._loading.pop(request_id, None)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -339,7 +382,10 @@ class _SchedulerSide:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_decode"):
+        if not params:
+            return False, None
+        if not params.get("do_remote_decode"):
+            self._abort_if_not_loaded(request, params)
             return False, None
         finished_normally = request.status in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
@@ -361,6 +407,31 @@ class _SchedulerSide:
             "tp_size": self._tp_size,
         }
 
+    def _abort_if_not_loaded(self, request: Request, params: dict[str, Any]) -> None:
+        """Decode side: a request finished before its KV was loaded (as vLLM's NIXL connector
+        does, tell the prefill engine to free its blocks now, not at its request_timeout_s).
+        While its load runs, vLLM keeps the blocks until the workers report it finished."""
+        remote = self._loading.pop(request.request_id, None)
+        if remote is None and params.get("do_remote_prefill"):
+            # Finished before its blocks were allocated (aborted while waiting).
+            params["do_remote_prefill"] = False
+            if all(params.get(key) is not None for key in _REMOTE_KEYS):
+                remote = _abort_spec(request.request_id, params)
+        if remote is not None:
+            self._aborts.append(remote)
+
+
+def _abort_spec(request_id: str, params: dict[str, Any]) -> AbortSpec:
+    """Where a decode request's KV comes from, as an abort order."""
+    return AbortSpec(
+        request_id=request_id,
+        remote_request_id=str(params["remote_request_id"]),
+        remote_engine_id=str(params["remote_engine_id"]),
+        remote_host=str(params["remote_host"]),
+        remote_port=int(params["remote_port"]),
+        remote_tp_size=int(params["tp_size"]),
+    )
+
 
 def _remote_tokens(request: Request) -> int:
     """Prompt tokens the prefill engine holds KV for."""
@@ -370,8 +441,49 @@ def _remote_tokens(request: Request) -> int:
     return min(prompt, int(remote)) if remote is not None else prompt
 
 
+@dataclass
+class _Load:
+    """A load on this decode rank: waiting for its prefill engine's connect, then a fetch."""
+
+    spec: LoadSpec
+    addresses: tuple[str, ...]
+    deadline: float  # `fetch_timeout_s` after vLLM ordered it, connect included
+    handle: FetchHandle | None = None
+    result: TransferResult | None = None  # set when it ended without a fetch
+    aborted: bool = False  # vLLM finished the request: nothing to report but the end
+
+
+@dataclass
+class _Remote:
+    """A prefill engine this rank loads from. Only the engine's thread touches it; its
+    `KVConsumer` is created and connected on a thread of its own (see `_WorkerSide`)."""
+
+    engine_id: str
+    consumer: KVConsumer | None = None
+    connected: tuple[str, ...] | None = None  # the addresses `consumer` is connected to
+    seen_at: tuple[str, ...] = ()  # where the engine was last connected (to retire it)
+    connecting: tuple[str, ...] | None = None  # a connect in flight, to these addresses
+    waiting: list[_Load] = field(default_factory=list)  # loads waiting for a connect
+    aborts: list[tuple[tuple[str, ...], str]] = field(default_factory=list)  # same, aborts
+
+
+_Connected = tuple[_Remote, tuple[str, ...], KVConsumer | None, Exception | None]
+
+
 class _WorkerSide:
-    """One TP rank: a `KVProducer` (prefill) and `KVConsumer`s per remote engine (decode)."""
+    """One TP rank: a `KVProducer` (prefill) and a `KVConsumer` per remote engine (decode).
+
+    Nothing here blocks the engine's step: a fetch is started and its `FetchHandle` kept, and
+    `get_finished` collects the finished ones (no thread per load, so loads that wait for a
+    request never published cost nothing to the others). The one blocking call, creating and
+    connecting a remote engine's consumer (a handshake, up to `handshake_timeout_s`), runs on a
+    thread per remote engine while it connects; that engine's loads wait for it, others go on.
+    A failed connect fails its loads with all their blocks; the next load connects again. A
+    load naming other addresses than its engine's consumer is connected to (the engine
+    restarted on new ports) connects that consumer again first; an engine that restarts at
+    the same addresses is found again by the consumer itself. No lock is held anywhere:
+    connect threads hand their outcome over a queue.
+    """
 
     def __init__(
         self,
@@ -390,10 +502,11 @@ class _WorkerSide:
         self._spec: KVCacheSpec | None = None
         self._caches: list[torch.Tensor] = []
         self._producer: KVProducer | None = None
-        self._consumers: dict[str, KVConsumer] = {}
-        self._consumers_lock = threading.Lock()
-        self._loads: ThreadPoolExecutor | None = None
-        self._loading: dict[str, Future[TransferResult]] = {}
+        self._remotes: dict[str, _Remote] = {}
+        self._connected: queue.SimpleQueue[_Connected] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []  # connects and retirements in flight
+        self._spare: KVConsumer | None = None  # created, never connected (see `_keep_spare`)
+        self._loading: dict[str, _Load] = {}
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._unreported_releases: set[str] = set()
         self._published: set[str] = set()
@@ -424,13 +537,11 @@ class _WorkerSide:
                 staging_bytes=s.staging_bytes,
                 staging_slots=s.staging_slots,
                 request_timeout_s=s.request_timeout_s,
-                write_timeout_s=s.write_timeout_s,
                 backend=s.backend,
             )
-        if self._consumes:
-            self._loads = ThreadPoolExecutor(8, thread_name_prefix="kvxfer-vllm-load")
 
     def start_step(self, metadata: KvxferConnectorMetadata) -> None:
+        self._take_connects()
         for send in metadata.sends:
             if self._producer is None:
                 raise RuntimeError(
@@ -440,69 +551,232 @@ class _WorkerSide:
             self._producer.publish(send.request_id, send.block_ids, send.num_tokens)
             self._published.add(send.request_id)
         for load in metadata.loads:
-            if self._loads is None:
+            if not self._consumes:
                 raise RuntimeError(
                     "KvxferConnector: asked to load KV but this engine's kv_role is not "
                     "kv_consumer or kv_both"
                 )
-            self._loading[load.request_id] = self._loads.submit(self._load, load)
+            self._start_load(load)
+        for abort in metadata.aborts:  # after the loads: a step may start and abort one
+            if self._consumes:
+                self._abort(abort)
 
-    def _load(self, load: LoadSpec) -> TransferResult:
+    # ---- loads (the engine's thread) ----
+
+    def _start_load(self, spec: LoadSpec) -> None:
+        addresses = _addresses(spec.remote_host, spec.remote_port, spec.remote_tp_size)
+        deadline = time.monotonic() + self._settings.fetch_timeout_s
+        load = _Load(spec, addresses, deadline)
+        self._loading[spec.request_id] = load
+        remote = self._remote(spec.remote_engine_id)
+        if remote.connecting is None and remote.connected == addresses:
+            self._fetch(remote, load)
+        else:
+            remote.waiting.append(load)
+            self._connect(remote, addresses)
+
+    def _fetch(self, remote: _Remote, load: _Load) -> None:
+        spec = load.spec
+        assert remote.consumer is not None
         try:
-            consumer = self._consumer_for(load)
-            return consumer.fetch(
-                load.remote_request_id,
-                load.block_ids,
-                load.num_tokens,
-                load.start_token,
-                timeout=self._settings.fetch_timeout_s,
-            ).wait()
-        except Exception as exc:  # unreachable or incompatible prefill: every block fails
+            load.handle = remote.consumer.fetch(
+                spec.remote_request_id,
+                spec.block_ids,
+                spec.num_tokens,
+                spec.start_token,
+                timeout=max(0.0, load.deadline - time.monotonic()),
+            )
+        except Exception as exc:  # refused before any transfer: every block fails
+            load.result = self._failed(spec, exc)
+
+    def _abort(self, abort: AbortSpec) -> None:
+        """Give up the load of a request vLLM finished (if one runs here) and tell its prefill
+        engine, which frees the request's blocks at once."""
+        load = self._loading.get(abort.request_id)
+        if load is not None and load.spec.remote_request_id == abort.remote_request_id:
+            load.aborted = True
+            if load.handle is not None:
+                load.handle.cancel()  # ends soon; nothing of it lands afterwards
+            elif load.result is None:  # still waiting for a connect: nothing can land
+                self._remote(load.spec.remote_engine_id).waiting.remove(load)
+                load.result = TransferResult(False, [], 0, 0, "", 0.0, ["aborted"])
+        addresses = _addresses(abort.remote_host, abort.remote_port, abort.remote_tp_size)
+        remote = self._remote(abort.remote_engine_id)
+        if remote.connecting is None and remote.connected == addresses:
+            self._send_abort(remote, abort.remote_request_id)
+        else:
+            remote.aborts.append((addresses, abort.remote_request_id))
+            self._connect(remote, addresses)
+
+    def _send_abort(self, remote: _Remote, remote_request_id: str) -> None:
+        assert remote.consumer is not None
+        try:
+            remote.consumer.abort(remote_request_id)
+        except Exception as exc:  # the engine frees the request at its request_timeout_s
             log.warning(
-                "kvxfer: load of %s from engine %s failed before any transfer: %s",
-                load.request_id,
-                load.remote_engine_id,
+                "kvxfer: could not tell engine %s that %s is aborted: %s",
+                remote.engine_id,
+                remote_request_id,
                 exc,
             )
-            failed = blocks_of_tokens(
-                load.block_ids, self._geometry.block_size, load.start_token, load.num_tokens
-            )
-            return TransferResult(False, failed, 0, 0, "", 0.0, [f"{type(exc).__name__}: {exc}"])
 
-    def _consumer_for(self, load: LoadSpec) -> KVConsumer:
-        with self._consumers_lock:
-            consumer = self._consumers.get(load.remote_engine_id)
-            if consumer is not None:
-                return consumer
-            assert self._spec is not None, "register_kv_caches() comes first"
-            s = self._settings
-            consumer = KVConsumer(
-                self._spec,
-                self._caches,
-                self._engine_id,
-                s.side_channel_host,
-                secret=s.secret,
-                protocol=s.protocol,
-                staging_bytes=s.staging_bytes,
-                staging_slots=s.staging_slots,
-                cost_model=s.cost_model,
-                strategy=s.strategy,
-                backend=s.backend,
-                timeout_s=s.fetch_timeout_s,
+    def _failed(self, spec: LoadSpec, error: BaseException | str) -> TransferResult:
+        """A load that ended before any transfer: every block it was to fill failed."""
+        why = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        log.warning(
+            "kvxfer: load of %s from engine %s failed before any transfer: %s",
+            spec.request_id,
+            spec.remote_engine_id,
+            why,
+        )
+        failed = blocks_of_tokens(
+            spec.block_ids, self._geometry.block_size, spec.start_token, spec.num_tokens
+        )
+        return TransferResult(False, failed, 0, 0, "", 0.0, [why])
+
+    # ---- remote engines: connects off the engine's thread ----
+
+    def _remote(self, engine_id: str) -> _Remote:
+        remote = self._remotes.get(engine_id)
+        if remote is None:
+            remote = self._remotes[engine_id] = _Remote(engine_id)
+        return remote
+
+    def _connect(self, remote: _Remote, addresses: tuple[str, ...]) -> None:
+        """Connect `remote` to `addresses` on a thread, unless a connect runs already (what
+        still waits when it ends starts the next one)."""
+        if remote.connecting is not None:
+            return
+        if remote.seen_at and remote.seen_at != addresses:
+            log.info(
+                "kvxfer: engine %s is now at %s (was %s): connecting again",
+                remote.engine_id,
+                ", ".join(addresses),
+                ", ".join(remote.seen_at),
             )
-            addresses = [
-                f"tcp://{load.remote_host}:{load.remote_port + rank}"
-                for rank in range(load.remote_tp_size)
-            ]
+        remote.connecting = addresses
+        consumer = remote.consumer
+        if consumer is None:
+            consumer, self._spare = self._spare, None
+        self._in_background(
+            self._connect_thread,
+            f"kvxfer-connect-{remote.engine_id}",
+            remote,
+            consumer,
+            addresses,
+        )
+
+    def _connect_thread(
+        self, remote: _Remote, consumer: KVConsumer | None, addresses: tuple[str, ...]
+    ) -> None:
+        """Connect `consumer` (created first if None) to `addresses`; hand the outcome to
+        the engine's thread, which owns `remote`."""
+        error = None
+        try:
+            if consumer is None:
+                consumer = self._new_consumer()
+            consumer.connect(list(addresses), timeout=self._settings.handshake_timeout_s)
+        except Exception as exc:
+            error = exc
+        self._connected.put((remote, addresses, consumer, error))
+
+    def _new_consumer(self) -> KVConsumer:
+        assert self._spec is not None, "register_kv_caches() comes first"
+        s = self._settings
+        return KVConsumer(
+            self._spec,
+            self._caches,
+            self._engine_id,
+            s.side_channel_host,
+            secret=s.secret,
+            protocol=s.protocol,
+            staging_bytes=s.staging_bytes,
+            staging_slots=s.staging_slots,
+            cost_model=s.cost_model,
+            strategy=s.strategy,
+            backend=s.backend,
+            timeout_s=s.fetch_timeout_s,
+        )
+
+    def _take_connects(self) -> None:
+        """Apply the connects that ended: start their loads' fetches and send their aborts,
+        or fail them."""
+        self._threads = [t for t in self._threads if t.is_alive()]
+        while True:
             try:
-                consumer.connect(addresses, timeout=s.handshake_timeout_s)
-            except Exception:
-                consumer.close()
-                raise
-            self._consumers[load.remote_engine_id] = consumer
-            return consumer
+                remote, addresses, consumer, error = self._connected.get_nowait()
+            except queue.Empty:
+                return
+            remote.connecting = None
+            remote.connected = addresses if error is None else None
+            if error is None:
+                remote.consumer, remote.seen_at = consumer, addresses
+                self._retire_others(remote)
+            else:
+                if remote.consumer is None and consumer is not None:
+                    self._keep_spare(consumer)
+                log.warning(
+                    "kvxfer: cannot connect to engine %s at %s: %s",
+                    remote.engine_id,
+                    ", ".join(addresses),
+                    error,
+                )
+            waiting, remote.waiting = remote.waiting, []
+            for load in waiting:
+                if load.addresses != addresses:
+                    remote.waiting.append(load)  # its engine moved again meanwhile
+                elif error is None:
+                    self._fetch(remote, load)
+                else:
+                    load.result = self._failed(load.spec, error)
+            aborts, remote.aborts = remote.aborts, []
+            for where, remote_request_id in aborts:
+                if where != addresses:
+                    remote.aborts.append((where, remote_request_id))
+                elif error is None:
+                    self._send_abort(remote, remote_request_id)
+            if remote.waiting or remote.aborts:
+                again = remote.waiting[-1].addresses if remote.waiting else remote.aborts[-1][0]
+                self._connect(remote, again)
+            elif remote.consumer is None:
+                del self._remotes[remote.engine_id]  # never connected: keep nothing
+
+    def _keep_spare(self, consumer: KVConsumer) -> None:
+        """Keep a consumer whose first connect failed for the next remote engine: destroying
+        a Mooncake engine stalls the whole process for about a second (it holds the GIL), so
+        a decode engine pointed at a dead prefill engine must not create and destroy one per
+        load. At most one is kept."""
+        if self._spare is None:
+            self._spare = consumer
+        else:
+            self._in_background(consumer.close, "kvxfer-close")
+
+    def _retire_others(self, remote: _Remote) -> None:
+        """Close the consumers of engines that were where `remote` now is: they restarted
+        under a new engine id (vLLM's default), so nothing of theirs comes back."""
+        for other in list(self._remotes.values()):
+            if other is remote or other.connecting is not None or other.waiting:
+                continue
+            if set(other.seen_at) & set(remote.seen_at):
+                del self._remotes[other.engine_id]
+                log.info(
+                    "kvxfer: engine %s replaced engine %s at %s",
+                    remote.engine_id,
+                    other.engine_id,
+                    ", ".join(remote.seen_at),
+                )
+                if other.consumer is not None:  # fails its fetches still running, if any
+                    self._in_background(other.consumer.close, "kvxfer-retire")
+
+    def _in_background(self, target: Any, name: str, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    # ---- reports ----
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._take_connects()
         # vLLM accepts a finished send only for a request it has told this worker is finished
         # (it always has, in the step that publishes; kept as a guard). Only published ids are
         # remembered, so the sets stay as small as the requests in flight.
@@ -517,11 +791,20 @@ class _WorkerSide:
         self._finished_seen -= sending
         self._published -= sending
         recving = set()
-        for request_id, future in list(self._loading.items()):
-            if not future.done():
+        now = time.monotonic()
+        for request_id, load in list(self._loading.items()):
+            if load.handle is None and load.result is None and now >= load.deadline:
+                self._remote(load.spec.remote_engine_id).waiting.remove(load)
+                load.result = self._failed(load.spec, "its prefill engine did not connect in time")
+            result = load.result
+            if result is None and load.handle is not None and load.handle.done():
+                result = load.handle.wait()
+            if result is None:
                 continue
             del self._loading[request_id]
-            result = future.result()
+            recving.add(request_id)
+            if load.aborted:
+                continue  # vLLM finished the request: its blocks are freed, not recomputed
             self._stats.record(result)
             if not result.ok:
                 log.warning(
@@ -531,7 +814,6 @@ class _WorkerSide:
                     "; ".join(result.errors),
                 )
                 self._load_errors.update(result.failed_block_ids)
-            recving.add(request_id)
         return sending or None, recving or None
 
     def take_load_errors(self) -> set[int]:
@@ -545,14 +827,27 @@ class _WorkerSide:
         return stats
 
     def close(self) -> None:
-        if self._loads is not None:
-            self._loads.shutdown(wait=True, cancel_futures=True)
-        for consumer in self._consumers.values():
-            consumer.close()
-        self._consumers.clear()
+        for thread in self._threads:  # connects end within handshake_timeout_s
+            thread.join(self._settings.handshake_timeout_s + 5.0)
+        consumers = [self._spare, *(r.consumer for r in self._remotes.values())]
+        self._spare = None
+        while True:
+            try:
+                consumers.append(self._connected.get_nowait()[2])
+            except queue.Empty:
+                break
+        for consumer in consumers:
+            if consumer is not None:
+                consumer.close()
+        self._remotes.clear()
         if self._producer is not None:
             self._producer.close()
             self._producer = None
+
+
+def _addresses(host: str, port: int, tp_size: int) -> tuple[str, ...]:
+    """The side channels of a prefill engine's ranks: rank `r` at `port + r`."""
+    return tuple(f"tcp://{host}:{port + rank}" for rank in range(tp_size))
 
 
 def _engine_geometry(
@@ -589,9 +884,29 @@ def _tp_rank(vllm_config: VllmConfig) -> int:
 
 @dataclass
 class KvxferECConnectorMetadata(ECConnectorMetadata):
-    """Encoder outputs (by multimodal hash) a consumer worker loads this step."""
+    """Encoder outputs (by multimodal identifier) a consumer worker loads this step, and the
+    scheduler's relay directory they wait in."""
 
     mm_hashes: list[str] = field(default_factory=list)
+    relay_dir: str = ""
+
+
+class _Prefetch:
+    """One item the scheduler fetches before any request that needs it is scheduled."""
+
+    LOADING, READY, ABSENT, FAILED = "loading", "ready", "absent", "failed"
+
+    def __init__(self, future: Future[str]) -> None:
+        self.future = future
+        self.requests: set[str] = set()
+        self.forgotten = False
+
+    def state(self) -> str:
+        if not self.future.done():
+            return self.LOADING
+        if self.future.cancelled() or self.future.exception() is not None:
+            return self.FAILED
+        return self.future.result()
 
 
 class KvxferECConnector(ECConnectorBase):
@@ -603,10 +918,36 @@ class KvxferECConnector(ECConnectorBase):
 
     `backend` names a `kvxfer.ec.ECConnectorFactory` connector ("MooncakeECConnector", the
     default, or "SharedStorageECConnector"; with `backend_module_path`, a class of one's own);
-    every other extra-config key is that connector's config (README). The
-    encoder instance (`ec_producer`) stores each item's output from TP rank 0 (outputs are
-    replicated across ranks); a prefill instance (`ec_consumer`) asks for items in its
-    scheduler (`has_cache_item`) and loads them on every rank before the forward pass.
+    `relay_dir` (default /dev/shm, else the temporary directory) and `prefetch_workers` (4) are
+    this class's; every other extra-config key is the backend's config (README). The encoder
+    instance (`ec_producer`) stores each item's output from TP rank 0 (outputs are replicated
+    across ranks); a save that fails is logged, never raised (the prefill instance then
+    encodes the item itself).
+
+    A prefill instance (`ec_consumer`) never lets a missing or vanishing item reach a forward
+    pass. vLLM 0.33 reports a per-request failure only from the scheduler
+    (`take_unavailable_requests`), and a worker that lacks an encoder output its step needs
+    can neither encode it (the scheduler did not schedule its encoder input) nor drop the
+    request (the model runner raises "Encoder cache miss", which ends the engine). So the
+    item is fetched before its request is scheduled:
+
+    1. `ensure_cache_available` (scheduler) starts, for each item a request still needs, a
+       background fetch from the backend into a relay directory local to the instance
+       (checksummed files, `relay_dir`); the request is deferred until every fetch settled.
+    2. An item no producer holds (or whose producers are all unreachable: each is given
+       about half a second, then skipped for a few seconds) is encoded locally, as without
+       a connector. An item a producer announced but that could not be loaded (evicted or
+       gone between the check and the load, corrupt, producer died) fails that request only:
+       it is returned by `take_unavailable_requests`, vLLM finishes it with a retryable error
+       (re-issuing it re-runs the encode); other requests are untouched.
+    3. `has_cache_item` is True exactly for fetched items (no network call, never raises);
+       the worker loads them from the relay (from the backend if the relay is not reachable,
+       as with workers on another host).
+
+    A fetched item stays in the relay until every request that needed it finished. The one
+    failure left to a worker is a relay file lost between the fetch and the load *and* the
+    backend losing the item too; the worker then raises `ECLoadError` naming the item,
+    since vLLM 0.33 gives a worker no way to fail one request.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
@@ -616,6 +957,9 @@ class KvxferECConnector(ECConnectorBase):
         extra = dict(config.ec_connector_extra_config or {})
         self._backend = str(extra.pop("backend", "MooncakeECConnector"))
         self._backend_module = extra.pop("backend_module_path", None)
+        relay_parent = extra.pop("relay_dir", None)
+        self._relay_parent = str(relay_parent) if relay_parent else _default_relay_parent()
+        self._prefetch_workers = int(extra.pop("prefetch_workers", 4))
         self._backend_config = extra
         if self.is_producer and self.is_consumer:
             raise ValueError(
@@ -626,6 +970,14 @@ class KvxferECConnector(ECConnectorBase):
         self._loads: list[str] = []
         self._ec: Any = None
         self._ec_lock = threading.Lock()
+        # scheduler side (consumer)
+        self._items: dict[str, _Prefetch] = {}
+        self._unavailable: set[str] = set()
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._relay: Any = None
+        self._relay_dir = ""
+        # worker side (consumer)
+        self._relay_readers: dict[str, Any] = {}
         saves_here = role == ECConnectorRole.WORKER and _tp_rank(vllm_config) == 0
         if self.is_producer and saves_here:
             self._ec = self._connector("producer")
@@ -645,53 +997,222 @@ class KvxferECConnector(ECConnectorBase):
 
     # ---- scheduler side ----
 
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        """Consumer: start fetching the items the request still needs; True once all settled.
+
+        A request whose announced item could not be loaded is reported by
+        `take_unavailable_requests`. Never raises: on an internal error the items are left to
+        be encoded locally.
+        """
+        if not self.is_consumer:
+            return True
+        try:
+            ready = True
+            for feature in request.mm_features or []:
+                position = feature.mm_position
+                if position.offset + position.length <= num_computed_tokens:
+                    continue  # covered by cached KV
+                item = self._items.get(feature.identifier)
+                if item is None:
+                    item = self._start_prefetch(feature.identifier)
+                item.requests.add(request.request_id)
+                state = item.state()
+                if state == _Prefetch.LOADING:
+                    ready = False
+                elif state == _Prefetch.FAILED:
+                    self._unavailable.add(request.request_id)
+                    ready = False
+            return ready
+        except Exception:
+            log.exception("KvxferECConnector: encoder-cache check failed; encoding locally")
+            return True
+
+    def _start_prefetch(self, identifier: str) -> _Prefetch:
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(
+                self._prefetch_workers, thread_name_prefix="kvxfer-ec-prefetch"
+            )
+        future: Future[str] = Future()
+        item = _Prefetch(future)
+        self._items[identifier] = item
+        self._prefetcher.submit(self._prefetch, identifier, item)
+        return item
+
+    def _prefetch(self, identifier: str, item: _Prefetch) -> None:
+        """Background: backend -> relay file. Settles `item.future` with its state."""
+        key = item_key(identifier)
+        try:
+            backend = self._consumer()
+            if not backend.has(key):
+                item.future.set_result(_Prefetch.ABSENT)
+                return
+            tensor = backend.load(key)
+            try:
+                relay = self._relay_store()
+                relay.save(key, tensor)
+            except OSError as exc:  # relay full (a small /dev/shm): encode it here instead
+                log.warning(
+                    "KvxferECConnector: no room for %s in the relay %s (%s); it is encoded "
+                    "locally. Set relay_dir to a larger local directory.",
+                    identifier,
+                    self._relay_dir,
+                    exc,
+                )
+                item.future.set_result(_Prefetch.ABSENT)
+                return
+            with self._ec_lock:
+                if item.forgotten:  # every request that needed it finished meanwhile
+                    relay.file_of(key).unlink(missing_ok=True)
+            item.future.set_result(_Prefetch.READY)
+        except Exception as exc:
+            log.warning(
+                "KvxferECConnector: encoder output %s was announced but could not be loaded; "
+                "requests needing it fail (retryable): %s",
+                identifier,
+                exc,
+            )
+            item.future.set_exception(exc)
+
+    def _relay_store(self) -> Any:
+        from kvxfer.ec.shared_storage import SharedStorageECConnector
+
+        with self._ec_lock:
+            if self._relay is None:
+                os.makedirs(self._relay_parent, exist_ok=True)
+                self._relay_dir = tempfile.mkdtemp(
+                    prefix="kvxfer-ec-relay-", dir=self._relay_parent
+                )
+                self._relay = SharedStorageECConnector(
+                    "producer", {"path": self._relay_dir, "fsync": False}
+                )
+            return self._relay
+
     def has_cache_item(self, identifier: str) -> bool:
-        """Consumer: whether a producer holds the item. Producer: False (it encodes)."""
-        return self.is_consumer and bool(self._consumer().has(identifier))
+        """Consumer: whether the item was fetched for this instance (no network call; never
+        raises). Producer: False (it encodes)."""
+        if not self.is_consumer:
+            return False
+        item = self._items.get(identifier)
+        return item is not None and item.state() == _Prefetch.READY
+
+    def take_unavailable_requests(self) -> set[str]:
+        """Requests whose announced encoder output could not be loaded: vLLM fails them."""
+        unavailable, self._unavailable = self._unavailable, set()
+        return unavailable
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
-        """Consumer: load the item into the slot just allocated if a producer holds it."""
+        """Consumer: load the item into the slot just allocated if it was fetched."""
         identifier = request.mm_features[index].identifier
         if self.has_cache_item(identifier):
             self._loads.append(identifier)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         """This step's loads."""
-        metadata = KvxferECConnectorMetadata(mm_hashes=self._loads)
+        metadata = KvxferECConnectorMetadata(mm_hashes=self._loads, relay_dir=self._relay_dir)
         self._loads = []
         return metadata
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Consumer: forget the items no unfinished request needs (relay file, producer)."""
+        if self.is_consumer:
+            self._unavailable.discard(request.request_id)
+            for feature in request.mm_features or []:
+                item = self._items.get(feature.identifier)
+                if item is None:
+                    continue
+                item.requests.discard(request.request_id)
+                if not item.requests:
+                    self._forget(feature.identifier, item)
+        return False, None
+
+    def _forget(self, identifier: str, item: _Prefetch) -> None:
+        del self._items[identifier]
+        key = item_key(identifier)
+        with self._ec_lock:
+            item.forgotten = True
+            relay, backend = self._relay, self._ec
+        try:
+            if relay is not None and item.state() == _Prefetch.READY:
+                relay.file_of(key).unlink(missing_ok=True)
+            if backend is not None and item.state() != _Prefetch.ABSENT:
+                backend.release(key)
+        except Exception:
+            log.warning("KvxferECConnector: could not release %s", identifier, exc_info=True)
 
     # ---- worker side ----
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        """Load this step's items that the worker's encoder cache lacks.
+        """Load this step's items that the worker's encoder cache lacks, from the relay (or
+        from the backend when the relay is not reachable from this worker).
 
         Raises:
-            kvxfer.ec.ECLoadError: an item the scheduler saw is gone (evicted, producer down).
+            kvxfer.ec.ECLoadError: an item is in neither (see the class docstring).
         """
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KvxferECConnectorMetadata)
-        missing = [h for h in metadata.mm_hashes if h not in encoder_cache]
+        missing = {item_key(h): h for h in metadata.mm_hashes if h not in encoder_cache}
         if not missing:
             return
-        encoder_cache.update(self._consumer().start_load(missing, self._device).wait())
+        loaded: dict[str, torch.Tensor] = {}
+        failed: dict[str, str] = {}
+        reader = self._relay_reader(metadata.relay_dir)
+        if reader is not None:
+            loaded, failed = reader.start_load(list(missing), self._device).results()
+        else:
+            failed = dict.fromkeys(missing, "no relay directory here")
+        if failed:
+            direct, still = self._consumer().start_load(list(failed), self._device).results()
+            loaded.update(direct)
+            if still:
+                raise ECLoadError(
+                    "KvxferECConnector: encoder outputs lost after the scheduler fetched them: "
+                    + "; ".join(
+                        f"{missing[k]}: relay: {failed[k]}; backend: {still[k]}" for k in still
+                    )
+                )
+        encoder_cache.update({missing[k]: tensor for k, tensor in loaded.items()})
+
+    def _relay_reader(self, relay_dir: str) -> Any:
+        from kvxfer.ec.shared_storage import SharedStorageECConnector
+
+        if not relay_dir or not os.path.isdir(relay_dir):
+            return None
+        reader = self._relay_readers.get(relay_dir)
+        if reader is None:
+            reader = SharedStorageECConnector("consumer", {"path": relay_dir})
+            self._relay_readers[relay_dir] = reader
+        return reader
 
     def save_caches(
         self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
     ) -> None:
-        """Producer, TP rank 0: store one item's encoder output."""
+        """Producer, TP rank 0: store one item's encoder output (a failure is logged: the
+        prefill instance then encodes the item itself)."""
         if self._ec is not None and self.is_producer:
-            self._ec.save(mm_hash, encoder_cache[mm_hash])
-
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Consumer: the request's items are no longer needed from the producer."""
-        if self.is_consumer and self._ec is not None:
-            for feature in request.mm_features or []:
-                self._ec.release(feature.identifier)
-        return False, None
+            try:
+                self._ec.save(item_key(mm_hash), encoder_cache[mm_hash])
+            except Exception:
+                log.warning("KvxferECConnector: could not store %s", mm_hash, exc_info=True)
 
     def shutdown(self) -> None:
-        """Close the kvxfer connector."""
+        """Close the kvxfer connectors and remove the relay directory."""
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+            self._prefetcher = None
+        for reader in self._relay_readers.values():
+            reader.close()
+        self._relay_readers.clear()
+        if self._relay is not None:
+            self._relay.close()
+            self._relay = None
+            shutil.rmtree(self._relay_dir, ignore_errors=True)
         if self._ec is not None:
             self._ec.close()
             self._ec = None
+
+
+def _default_relay_parent() -> str:
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK):
+        return shm
+    return tempfile.gettempdir()

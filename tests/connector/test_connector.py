@@ -339,7 +339,8 @@ def test_an_abort_before_the_publish_releases_the_request_at_its_publish(engines
 
 
 def test_a_producer_restarted_at_the_same_address_serves_the_next_fetch_at_once():
-    e = Engines()
+    # A slow heartbeat: the restart must be found by the new producer's answer alone.
+    e = Engines(consumer={"heartbeat_s": 5.0, "peer_timeout_s": 30.0})
     try:
         ports = [int(a.rsplit(":", 1)[1]) for a in e.addresses]
         for p in e.producers:

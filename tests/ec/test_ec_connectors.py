@@ -10,7 +10,7 @@ import pytest
 import torch
 from ec_cases import items, producer_process, same_bits
 
-from kvxfer.ec import ECConnectorBase, ECConnectorFactory, ECLoadError
+from kvxfer.ec import ECConnectorBase, ECConnectorFactory, ECLoadError, check_hash, item_key
 
 ITEMS = items()
 
@@ -191,6 +191,14 @@ def test_roles_and_hashes_are_checked(tmp_path):
         ECConnectorFactory.create("SharedStorageECConnector", "encoder", {"path": str(tmp_path)})
     with pytest.raises(ValueError, match="needs 'path'"):
         ECConnectorFactory.create("SharedStorageECConnector", "producer", {})
+
+
+def test_item_keys_map_any_identifier_to_a_valid_hash():
+    assert item_key("abc123_.-x") == "abc123_.-x"  # valid hashes are kept
+    for identifier in ["lora1:abc", "../etc/passwd", "", "x" * 300, "a b", "..", "ü"]:
+        key = item_key(identifier)
+        assert check_hash(key) == key and key == item_key(identifier)
+    assert item_key("lora1:abc") != item_key("lora2:abc")
 
 
 class MemoryECConnector(ECConnectorBase):

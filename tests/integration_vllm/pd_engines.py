@@ -13,7 +13,10 @@ report finished transfers and load errors). The "model" writes a KV value that i
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing as mp
+import os
+import signal
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,12 +238,20 @@ def mismatched_tokens(caches, spec, rank, token_ids, block_ids, num_tokens) -> l
     return [int(p) for p in torch.nonzero(bad).flatten()]
 
 
-def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int) -> None:
-    """One TP rank's model-runner stand-in; answers the driver's commands until "close"."""
+def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int, hold: bool) -> None:
+    """One TP rank's model-runner stand-in; answers the driver's commands until "close".
+    With `hold`, it imports vLLM and then waits for "start" before creating its connector (a
+    standby that comes up at once, e.g. to restart an engine)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+    logs = logging.StreamHandler()  # kvxfer's warnings, with the time and the rank
+    logs.setFormatter(logging.Formatter(f"%(asctime)s {spec.name}[{rank}] %(name)s: %(message)s"))
+    logging.getLogger("kvxfer").addHandler(logs)
     config = vllm_config(model_dir, spec, rank)
+    if hold and conn.recv()[0] != "start":
+        conn.send(("closed", rank))
+        return
     connector = KVConnectorFactory.create_connector(
         config, KVConnectorRole.WORKER, kv_cache_config(spec, config)
     )
@@ -273,7 +284,7 @@ def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int) -> None:
 class Engine:
     """A scheduler in this process and one worker process per TP rank."""
 
-    def __init__(self, model_dir: str, spec: EngineSpec) -> None:
+    def __init__(self, model_dir: str, spec: EngineSpec, hold: bool = False) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -301,7 +312,9 @@ class Engine:
         self.conns, self.procs = [], []
         for rank in range(spec.tp):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(child, model_dir, spec, rank), daemon=True)
+            proc = ctx.Process(
+                target=worker_main, args=(child, model_dir, spec, rank, hold), daemon=True
+            )
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -310,6 +323,31 @@ class Engine:
         self.invalid_block_ids: list[set[int]] = []
         self.stats: list[dict[str, Any]] = []
         self.last_scheduled: dict[str, int] = {}
+
+    def start(self) -> None:
+        """Let a standby engine's workers (`hold=True`) create their connectors."""
+        for conn in self.conns:
+            conn.send(("start",))
+
+    def kill(self) -> None:
+        """SIGKILL every worker (a crash: no connector shutdown) and reap them."""
+        for proc in self.procs:
+            proc.kill()
+        for proc in self.procs:
+            proc.join(10)
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+
+    def freeze(self) -> None:
+        """SIGSTOP every worker."""
+        for proc in self.procs:
+            os.kill(proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT every worker."""
+        for proc in self.procs:
+            os.kill(proc.pid, signal.SIGCONT)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Wait until every worker registered its caches (vLLM import and connector start)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass, field
 
 import pytest
 from pd_engines import (
@@ -22,25 +23,36 @@ from pd_engines import (
 
 PREFILL_TP, DECODE_TP = 2, 3
 DECODE_BLOCK = 32
+COMMON = {"cost_model": "tcp_loopback", "secret": "s3cret"}
+REQUEST_TIMEOUT_S = 120  # how long a prefill engine holds blocks no decode engine released
+FETCH_TIMEOUT_S = 5  # a decode load's limit: loads of requests never published fail then
+
+
+def _prefill_spec(port: int) -> EngineSpec:
+    extra = {**COMMON, "side_channel_port": port, "request_timeout_s": REQUEST_TIMEOUT_S}
+    return EngineSpec("prefill-engine", PREFILL_TP, 16, "kv_producer", 64, "LBNHC", extra)
+
+
+@dataclass
+class Cluster:
+    """The module's engines; a test that restarts the prefill engine replaces it here."""
+
+    model: str
+    prefill: Engine
+    decode: Engine
+    port: int
+    standby: list[Engine] = field(default_factory=list)  # closed at the end if never started
+
+    def __iter__(self):
+        return iter((self.prefill, self.decode, self.port))
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     model = write_model(tmp_path_factory.mktemp("model"))
     port = free_port_base(PREFILL_TP)
-    common = {"cost_model": "tcp_loopback", "secret": "s3cret"}
-    prefill = Engine(
-        model,
-        EngineSpec(
-            "prefill-engine",
-            PREFILL_TP,
-            16,
-            "kv_producer",
-            64,
-            "LBNHC",
-            {**common, "side_channel_port": port, "request_timeout_s": 120},
-        ),
-    )
+    common = COMMON
+    prefill = Engine(model, _prefill_spec(port))
     decode = Engine(
         model,
         EngineSpec(
@@ -50,16 +62,18 @@ def engines(tmp_path_factory):
             "kv_consumer",
             48,
             "LBHNC",
-            {**common, "fetch_timeout_s": 5, "handshake_timeout_s": 2},
+            {**common, "fetch_timeout_s": FETCH_TIMEOUT_S, "handshake_timeout_s": 2},
         ),
     )
+    cluster = Cluster(model, prefill, decode, port)
     try:
         prefill.wait_ready()
         decode.wait_ready()
-        yield prefill, decode, port
+        yield cluster
     finally:
-        decode.close()
-        prefill.close()
+        cluster.decode.close()
+        for engine in [cluster.prefill, *cluster.standby]:
+            engine.close()
 
 
 def _prompt(seed: int, length: int) -> list[int]:
@@ -82,11 +96,13 @@ def _remote_params(engine_id: str, request_id: str, port: int, num_tokens: int) 
     }
 
 
-def _run_until(condition, engines, timeout: float = 90.0, on_step=None) -> None:
+def _run_until(condition, engines, timeout: float = 90.0, on_step=None, what: str = "") -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError("the engines did not reach the expected state in time")
+            raise AssertionError(
+                f"the engines did not reach the expected state in {timeout} s {what}".strip()
+            )
         for engine in engines:
             outputs = engine.step()
             if on_step is not None:
@@ -223,4 +239,189 @@ def test_unreachable_prefill_engine_fails_every_block_of_the_load(engines):
             o.request_id for o in outs if o.finish_reason is not None
         ),
     )
+    assert decode.free_blocks() == decode.free_blocks_at_start
+
+
+# ---- faults: stalled neighbours, decode-side aborts, restarted prefill engines ----------------
+
+
+def _finished(outputs) -> set[str]:
+    return {o.request_id for o in outputs if o.finish_reason is not None}
+
+
+def _prefilled(prefill: Engine, request_id: str, prompt: list[int]) -> dict:
+    """Prefill a prompt for remote decode; its kv_transfer_params once every prefill rank has
+    published it."""
+    params: dict[str, dict] = {}
+
+    def collect(_, outputs):
+        params.update({o.request_id: o.kv_transfer_params for o in outputs if o.finish_reason})
+
+    prefill.add(request_id, prompt, max_tokens=1, params={"do_remote_decode": True})
+    _run_until(lambda: request_id in params, [prefill], on_step=collect)
+    prefill.step()  # the step whose metadata publishes it
+    return params[request_id]
+
+
+def _loaded_kv_mismatches(decode: Engine, request_id: str, prompt: list[int]) -> list[list[int]]:
+    block_ids = decode.scheduler.kv_cache_manager.get_block_ids(request_id)[0]
+    return decode.check(prompt, list(block_ids), len(prompt))
+
+
+def _round_trip(prefill: Engine, decode: Engine, request_id: str, prompt: list[int]) -> None:
+    """Prefill a prompt, load it on the decode engine (KV bit-exact on every decode rank, no
+    load error), finish it there; the prefill engine frees its blocks."""
+    params = _prefilled(prefill, request_id, prompt)
+    decode.add(request_id, prompt, max_tokens=2, params=params)
+    decode.step()
+    blocks = set(decode.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
+    errors = len(decode.invalid_block_ids)
+    _run_until(
+        lambda: request_id in decode.finished_recving,
+        [decode, prefill],
+        timeout=30,
+        what=f"({request_id}: the decode engine's load did not finish)",
+    )
+    assert _loaded_kv_mismatches(decode, request_id, prompt) == [[]] * DECODE_TP
+    assert not blocks & set().union(*decode.invalid_block_ids[errors:]), "its load failed"
+    finished: set[str] = set()
+    _run_until(
+        lambda: request_id in finished and request_id in prefill.finished_sending,
+        [decode, prefill],
+        timeout=30,
+        what=f"({request_id}: the prefill engine did not free its blocks)",
+        on_step=lambda engine, outs: finished.update(_finished(outs) if engine is decode else ()),
+    )
+    assert prefill.free_blocks() == prefill.free_blocks_at_start
+
+
+def test_loads_of_requests_never_published_do_not_delay_a_ready_load(engines):
+    from vllm.v1.request import RequestStatus
+
+    prefill, decode, port = engines
+    # Ten loads that wait for requests the prefill engine never publishes (lost, or a proxy bug).
+    ghosts = {f"ghost-{i}": _prompt(100 + i, 40) for i in range(10)}
+    for request_id, prompt in ghosts.items():
+        params = _remote_params("prefill-engine", f"never-{request_id}", port, len(prompt))
+        decode.add(request_id, prompt, max_tokens=1, params=params)
+    errors = len(decode.invalid_block_ids)
+    ghosts_began = time.monotonic()
+    decode.step()  # every decode rank starts the ten loads
+    ghost_blocks = {
+        b for g in ghosts for b in decode.scheduler.kv_cache_manager.get_block_ids(g)[0]
+    }
+    waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert all(decode.scheduler.requests[g].status == waiting for g in ghosts)
+
+    # A request the prefill engine did publish loads beside them, at its normal speed.
+    ready = _prompt(120, 100)
+    params = _prefilled(prefill, "req-ready", ready)
+    began = time.monotonic()
+    decode.add("req-ready", ready, max_tokens=1, params=params)
+    _run_until(lambda: "req-ready" in decode.finished_recving, [decode, prefill], timeout=30)
+    took = time.monotonic() - began
+    assert not decode.finished_recving & set(ghosts), "the ghosts' loads ended too soon"
+    assert took < FETCH_TIMEOUT_S / 2, f"the ready load took {took:.2f} s"
+    assert _loaded_kv_mismatches(decode, "req-ready", ready) == [[]] * DECODE_TP
+    assert not decode.invalid_block_ids[errors:], "a load failed"
+
+    # The ghosts fail at their timeout with exactly their blocks; vLLM computes them locally.
+    finished: set[str] = set()
+    _run_until(
+        lambda: finished >= {*ghosts, "req-ready"} and "req-ready" in prefill.finished_sending,
+        [decode, prefill],
+        timeout=FETCH_TIMEOUT_S * 6,
+        on_step=lambda engine, outs: finished.update(_finished(outs) if engine is decode else ()),
+    )
+    assert time.monotonic() - ghosts_began >= FETCH_TIMEOUT_S
+    assert set().union(*decode.invalid_block_ids[errors:]) == ghost_blocks
+    # Loads after ten timed-out ones still work.
+    _round_trip(prefill, decode, "req-after-ghosts", _prompt(121, 70))
+    assert decode.free_blocks() == decode.free_blocks_at_start
+
+
+def test_decode_abort_before_the_load_frees_the_prefill_blocks_at_once(engines):
+    from vllm.v1.request import RequestStatus
+
+    prefill, decode, _ = engines
+    prompt = _prompt(130, 90)
+    params = _prefilled(prefill, "req-abort-waiting", prompt)
+    assert prefill.free_blocks_at_start - prefill.free_blocks() == -(-len(prompt) // 16)
+    decode.add("req-abort-waiting", prompt, max_tokens=1, params=params)
+    # The client goes away before the decode engine scheduled it: no block, no load.
+    began = time.monotonic()
+    decode.scheduler.finish_requests("req-abort-waiting", RequestStatus.FINISHED_ABORTED)
+    _run_until(
+        lambda: "req-abort-waiting" in prefill.finished_sending,
+        [decode, prefill],
+        timeout=20,
+        what="(the prefill engine still holds the aborted request's blocks)",
+    )
+    took = time.monotonic() - began
+    assert took < 5, f"the prefill engine freed the blocks after {took:.1f} s"
+    assert prefill.free_blocks() == prefill.free_blocks_at_start
+    assert decode.free_blocks() == decode.free_blocks_at_start
+
+
+def test_decode_abort_during_the_load_frees_both_sides(engines):
+    from vllm.v1.request import RequestStatus
+
+    prefill, decode, _ = engines
+    prompt = _prompt(131, 90)
+    params = _prefilled(prefill, "req-abort-loading", prompt)
+    errors = len(decode.invalid_block_ids)
+    decode.add("req-abort-loading", prompt, max_tokens=1, params=params)
+    prefill.freeze()  # the load starts and gets no answer (briefly: not taken for dead)
+    try:
+        decode.step()
+        request = decode.scheduler.requests["req-abort-loading"]
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        decode.scheduler.finish_requests("req-abort-loading", RequestStatus.FINISHED_ABORTED)
+        # Every decode worker gives the load up at once: vLLM frees the decode blocks while
+        # the prefill engine is still frozen.
+        _run_until(
+            lambda: "req-abort-loading" in decode.finished_recving,
+            [decode],
+            timeout=1.5,
+            what="(the aborted load did not end)",
+        )
+        assert decode.free_blocks() == decode.free_blocks_at_start
+    finally:
+        prefill.thaw()
+    thawed = time.monotonic()
+    _run_until(lambda: "req-abort-loading" in prefill.finished_sending, [decode, prefill])
+    took = time.monotonic() - thawed
+    assert took < FETCH_TIMEOUT_S / 2, f"the prefill engine freed the blocks after {took:.1f} s"
+    assert decode.invalid_block_ids[errors:] == [], "an aborted load has nothing to recompute"
+    assert prefill.free_blocks() == prefill.free_blocks_at_start
+
+
+def test_restarted_prefill_engine_is_found_again(engines):
+    cluster = engines
+    decode = cluster.decode
+    # The same prefill engine (same engine_id) twice more: on other ports, then back on those.
+    new_port = free_port_base(PREFILL_TP)
+    moved = Engine(cluster.model, _prefill_spec(new_port), hold=True)
+    same_ports = Engine(cluster.model, _prefill_spec(new_port), hold=True)
+    cluster.standby += [moved, same_ports]
+    _round_trip(cluster.prefill, decode, "req-before-restart", _prompt(140, 50))
+
+    # A crash; the engine comes back on other ports: the decode engine's next load connects
+    # to them (the kv_transfer_params name them).
+    cluster.prefill.kill()
+    moved.start()
+    moved.wait_ready()
+    cluster.standby.remove(moved)
+    cluster.prefill, cluster.port = moved, new_port
+    _round_trip(moved, decode, "req-new-ports", _prompt(141, 77))
+
+    # Another crash; this time it comes back on the same ports (after the 2 s in which decode
+    # ranks find a silent prefill rank dead: a real engine takes far longer to start).
+    moved.kill()
+    time.sleep(3.0)
+    same_ports.start()
+    same_ports.wait_ready()
+    cluster.standby.remove(same_ports)
+    cluster.prefill = same_ports
+    _round_trip(same_ports, decode, "req-same-ports", _prompt(142, 64))
     assert decode.free_blocks() == decode.free_blocks_at_start

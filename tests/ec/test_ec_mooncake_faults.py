@@ -1,0 +1,306 @@
+"""`MooncakeECConnector` under faults, with real processes on Mooncake TCP: frozen (SIGSTOP) and
+missing producers, a consumer frozen mid-read (others unaffected, its lease ends), a producer
+frozen mid-read and resumed after the load failed (its bytes land only in the quarantined
+range: the receive buffer is poisoned and compared byte for byte), items that vanish between
+the check and the load, expired sessions, 0-d tensors."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+from ec_cases import big, items, reader_process, same_bits, some_items_process, zero_dim_items
+
+from kvxfer.ec import ECConnectorFactory, ECLoadError
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+ITEMS = items()
+HASHES = list(ITEMS)
+BIG = 16 << 20  # float32 elements: a 64 MiB item, far more than a socket buffer holds
+POISON = 0xA5
+
+
+@pytest.fixture
+def processes():
+    """Start producer or consumer processes; yield a starter; stop them all afterwards."""
+    ctx = mp.get_context("spawn")
+    started = []
+
+    def start(target, *args):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+        proc.start()
+        assert parent.poll(120), "the process did not start"
+        started.append((proc, parent))
+        proc.conn = parent  # the test's end of the pipe
+        return proc, parent.recv()
+
+    yield start
+    for proc, parent in started:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGCONT)
+            parent.send("stop")
+            parent.poll(15)
+            proc.join(15)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _producer(start, picks=None, extra=None, **config):
+    config.setdefault("pool_bytes", 4 << 20)
+    return start(some_items_process, "MooncakeECConnector", config, picks, extra)
+
+
+def _consumer(addresses, **config):
+    config = {"producer_addresses": addresses, "recv_bytes": 1 << 20, **config}
+    return ECConnectorFactory.create("MooncakeECConnector", "consumer", config)
+
+
+def _free_address() -> str:
+    with socket.socket() as s:  # a port nothing listens on once this closes
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _timed(fn, *args):
+    t0 = time.monotonic()
+    result = fn(*args)
+    return result, time.monotonic() - t0
+
+
+def test_frozen_and_missing_producers_are_skipped_and_the_others_serve(processes):
+    """Producer A (first half of the items) is SIGSTOPped, another address has no process:
+    `has` answers within about a second, never raises, and B's items load bit for bit; A is
+    not asked again for `retry_after_s`; once resumed, its items are found again."""
+    proc_a, address_a = _producer(processes, picks=range(0, 6))
+    _, address_b = _producer(processes, picks=range(6, 12))
+    a_item, b_item = HASHES[0], HASHES[6]
+    with _consumer([_free_address(), address_a, address_b], retry_after_s=2.0) as consumer:
+        assert consumer.has(a_item) and consumer.has(b_item)
+        os.kill(proc_a.pid, signal.SIGSTOP)
+
+        found, seconds = _timed(consumer.has, b_item)
+        assert found is True and seconds < 1.0, seconds  # B answers at once: not held up by A
+        found, seconds = _timed(consumer.has, a_item)
+        assert found is False and seconds < 1.5, seconds
+        assert set(consumer.producers_down) >= {address_a}
+        for _ in range(5):  # A is skipped now: no more waiting for it
+            found, seconds = _timed(consumer.has, a_item)
+            assert found is False and seconds < 0.2, seconds
+        loaded, seconds = _timed(consumer.load, b_item)
+        assert same_bits(loaded, ITEMS[b_item]) and seconds < 1.0, seconds
+
+        got, failed = consumer.start_load([a_item, b_item, HASHES[7]]).results(timeout=30)
+        assert set(got) == {b_item, HASHES[7]} and set(failed) == {a_item}
+        assert a_item in failed[a_item] or "could serve" in failed[a_item]
+        assert all(same_bits(got[h], ITEMS[h]) for h in got)
+
+        os.kill(proc_a.pid, signal.SIGCONT)
+        time.sleep(2.2)  # retry_after_s
+        assert consumer.has(a_item) is True
+        assert same_bits(consumer.load(a_item), ITEMS[a_item])
+        assert address_a not in consumer.producers_down
+
+
+def test_an_item_held_by_a_later_producer_is_found_when_the_first_is_frozen(processes):
+    proc_a, address_a = _producer(processes, picks=range(0, 12))
+    _, address_b = _producer(processes, picks=range(0, 12))
+    with _consumer([address_a, address_b]) as consumer:
+        os.kill(proc_a.pid, signal.SIGSTOP)
+        for mm_hash in HASHES[:3]:
+            found, seconds = _timed(consumer.has, mm_hash)
+            assert found and seconds < 1.0, seconds
+            assert same_bits(consumer.load(mm_hash), ITEMS[mm_hash])
+
+
+def test_only_missing_producers_answer_false_fast_and_loads_fail_clearly():
+    with _consumer([_free_address(), _free_address()], query_timeout_s=0.3) as consumer:
+        found, seconds = _timed(consumer.has, HASHES[0])
+        assert found is False and seconds < 1.0
+        with pytest.raises(ECLoadError, match="no producer could serve"):
+            consumer.load(HASHES[0])
+    with pytest.raises(ValueError, match="tcp://host:port"):
+        _consumer(["127.0.0.1:5700"])
+    with pytest.raises(ValueError, match="needs producer_addresses"):
+        _consumer([])
+
+
+def test_a_consumer_frozen_mid_read_stalls_no_one_and_its_lease_ends(processes):
+    """Consumer A (another process) freezes itself while it reads a 64 MiB item: consumer B's
+    queries and loads run at their usual speed; A's pin holds the item only `lease_s`, after
+    which the pool may evict and overwrite it; when A resumes, its load fails (the producer
+    says the item did not stay in place) instead of returning torn bytes."""
+    producer = ECConnectorFactory.create(
+        "MooncakeECConnector", "producer", {"pool_bytes": BIG * 4 + (4 << 20), "lease_s": 3.0}
+    )
+    proc_a = None
+    try:
+        producer.save("big-item", big((BIG,), 9))
+        for mm_hash in HASHES[:10]:
+            producer.save(mm_hash, ITEMS[mm_hash])
+        config = {"producer_addresses": [producer.address], "recv_bytes": BIG * 4 + (1 << 20)}
+        proc_a, ready = processes(reader_process, config, HASHES[9], "big-item", (BIG,), 9)
+        assert ready == "ready"
+        proc_a.conn.send("go")
+        assert proc_a.conn.recv() == "reading"
+        _until(lambda: _stopped(proc_a.pid), 5)
+        assert producer.stats_snapshot()["leases"] == 1  # A's read pins the big item
+
+        with _consumer([producer.address], recv_bytes=4 << 20) as consumer_b:
+            for mm_hash in HASHES[:8]:
+                found, seconds = _timed(consumer_b.has, mm_hash)
+                assert found and seconds < 0.5, seconds
+                loaded, seconds = _timed(consumer_b.load, mm_hash)
+                assert same_bits(loaded, ITEMS[mm_hash]) and seconds < 1.0, seconds
+        assert _stopped(proc_a.pid)
+        with pytest.raises(RuntimeError, match="full of outputs being read"):
+            producer.save("big-two", big((BIG,), 10))  # A's item is pinned: no room
+        _until(lambda: producer.stats_snapshot()["leases"] == 0, 5)  # the lease ended
+        producer.save("big-two", big((BIG,), 10))  # evicts A's item, overwrites its bytes
+        assert "big-item" not in producer.stored
+        os.kill(proc_a.pid, signal.SIGCONT)
+        assert proc_a.conn.poll(60), "A never finished its load"
+        outcome, why = proc_a.conn.recv()
+        assert outcome == "failed", outcome
+        assert "evicted while being read" in why, why
+        assert producer.stats_snapshot()["pinned"] == 0
+    finally:
+        if proc_a is not None:
+            os.kill(proc_a.pid, signal.SIGCONT)
+        producer.close()
+
+
+def test_an_item_evicted_between_check_and_load_fails_only_that_item():
+    t = torch.arange(1024, dtype=torch.int16)  # 2 KiB each; the pool holds four
+    producer = ECConnectorFactory.create("MooncakeECConnector", "producer", {"pool_bytes": 8192})
+    backup = ECConnectorFactory.create("MooncakeECConnector", "producer", {"pool_bytes": 8192})
+    try:
+        for i in range(3):
+            producer.save(f"item-{i}", t + i)
+        with _consumer([producer.address]) as consumer:
+            assert consumer.has("item-0") and consumer.has("item-1")
+            for i in range(3, 7):  # evicts item-0 .. item-2
+                producer.save(f"item-{i}", t + i)
+            got, failed = consumer.start_load(["item-0", "item-5", "item-6"]).results(30)
+            assert list(failed) == ["item-0"] and "item-0" in failed["item-0"]
+            assert same_bits(got["item-5"], t + 5) and same_bits(got["item-6"], t + 6)
+            with pytest.raises(ECLoadError, match="item-1"):
+                consumer.load("item-1")
+        backup.save("item-1", t + 1)  # held by a second producer too: it is found there
+        with _consumer([producer.address, backup.address]) as consumer:
+            assert same_bits(consumer.load("item-1"), t + 1)
+    finally:
+        producer.close()
+        backup.close()
+
+
+def test_a_producer_frozen_mid_read_and_resumed_lands_nothing_after_the_failure(
+    processes, monkeypatch
+):
+    """Producer P freezes while the consumer reads a 64 MiB item from it: the load fails at its
+    timeout and its receive range stays out of use; loads from producer Q meanwhile are exact.
+    The whole receive buffer is then poisoned; P resumes and its bytes land, but only in the
+    quarantined range, which is given back once the read has settled, never on a timer."""
+    proc_p, address_p = _producer(
+        processes,
+        picks=range(0, 4),
+        extra={"big-item": ((BIG,), 9)},
+        pool_bytes=BIG * 4 + (4 << 20),
+    )
+    _, address_q = _producer(processes, picks=range(4, 12))
+    config = {"timeout_s": 1.5, "retry_after_s": 0.5, "recv_bytes": BIG * 4 + (4 << 20)}
+    with _consumer([address_p, address_q], **config) as consumer:
+        assert same_bits(consumer.load(HASHES[0]), ITEMS[HASHES[0]])  # P's session is open
+        recv = consumer._recv
+        recv.fill_(POISON)
+        read = consumer._read
+
+        def read_then_freeze(producer, endpoint, remote, offset, nbytes):
+            future = read(producer, endpoint, remote, offset, nbytes)
+            if producer.address == address_p:  # freeze P once its first bytes have landed
+                while bool((recv[offset : offset + 64] == POISON).all()) and not future.done():
+                    pass
+                os.kill(proc_p.pid, signal.SIGSTOP)
+            return future
+
+        monkeypatch.setattr(consumer, "_read", read_then_freeze)
+        try:
+            with pytest.raises(ECLoadError, match="did not deliver"):
+                consumer.load("big-item")
+            quarantined = _quarantined(consumer)
+            assert consumer.quarantined_bytes >= BIG * 4 and len(quarantined) == 1
+            for mm_hash in HASHES[4:12]:  # Q serves meanwhile, bit for bit
+                assert same_bits(consumer.load(mm_hash), ITEMS[mm_hash])
+            recv.fill_(POISON)  # every byte, the quarantined range too
+            time.sleep(0.5)
+            assert consumer.quarantined_bytes >= BIG * 4  # no timer frees it
+        finally:
+            os.kill(proc_p.pid, signal.SIGCONT)
+        _until(lambda: consumer.quarantined_bytes == 0, 40)  # the read settled
+        ((offset, nbytes),) = quarantined.items()
+        outside = torch.cat([recv[:offset], recv[offset + nbytes :]])
+        assert bool((outside == POISON).all()), "a byte landed outside the quarantined range"
+        inside = recv[offset : offset + nbytes]
+        landed = int((inside != POISON).sum())
+        assert landed > 0  # the late read did land: in the range kept out of use for it
+        time.sleep(0.6)  # retry_after_s: P is asked again
+        monkeypatch.setattr(consumer, "_read", read)
+        assert same_bits(consumer.load("big-item"), big((BIG,), 9))
+
+
+def test_zero_dim_and_empty_tensors_round_trip_exactly():
+    producer = ECConnectorFactory.create("MooncakeECConnector", "producer", {"pool_bytes": 1 << 20})
+    try:
+        for mm_hash, tensor in zero_dim_items().items():
+            producer.save(mm_hash, tensor)
+        with _consumer([producer.address]) as consumer:
+            for mm_hash, tensor in zero_dim_items().items():
+                assert consumer.has(mm_hash)
+                got = consumer.load(mm_hash)
+                assert got.shape == tensor.shape and got.dtype == tensor.dtype, mm_hash
+                assert same_bits(got, tensor), mm_hash
+    finally:
+        producer.close()
+
+
+def test_leases_end_with_their_reads_and_idle_sessions_are_shaken_again():
+    producer = ECConnectorFactory.create(
+        "MooncakeECConnector", "producer", {"pool_bytes": 1 << 20, "session_timeout_s": 0.3}
+    )
+    try:
+        producer.save("x", torch.ones(16))
+        consumers = [_consumer([producer.address]) for _ in range(2)]
+        for c in consumers:
+            assert same_bits(c.load("x"), torch.ones(16))
+        stats = producer.stats_snapshot()
+        assert stats["sessions"] == 2 and stats["leases"] == 0 and stats["pinned"] == 0
+        assert stats["threads"] == 2  # no thread per consumer
+        _until(lambda: producer.stats_snapshot()["sessions"] == 0, 5)  # idle: forgotten
+        for c in consumers:  # the consumer shakes hands again, transparently
+            assert c.has("x") and same_bits(c.load("x"), torch.ones(16))
+            assert c.stats_snapshot()["quarantined_bytes"] == 0
+            c.close()
+    finally:
+        producer.close()
+
+
+def _until(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _quarantined(consumer) -> dict[int, int]:
+    with consumer._lock:
+        return dict(consumer._quarantine)
