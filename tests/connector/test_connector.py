@@ -356,3 +356,29 @@ def test_a_producer_restarted_at_the_same_address_serves_the_next_fetch_at_once(
         e.scenario.assert_exact()
     finally:
         e.close()
+
+
+def test_bad_connector_input_gets_a_clear_error_and_leaves_nothing_half_open():
+    e = Engines(connect=False)
+    try:
+        producer, consumer = e.producers[0], e.consumers[0]
+        ids = e.scenario.src[0][2]
+        with pytest.raises(ValueError, match="num_tokens"):
+            producer.publish("zero", ids, 0)
+        with pytest.raises(ValueError, match="request_id"):
+            producer.publish(42, ids, 10)
+        port = e.addresses[0].rsplit(":", 1)[1]
+        with pytest.raises(ValueError, match=f"tcp://127.0.0.1:{port}"):
+            consumer.connect([f"127.0.0.1:{port}"])  # the scheme is missing: the fix is named
+        assert consumer.staging_free_slots() == {}  # nothing registered by the refusal
+        assert len(consumer.connect(e.addresses)) >= 1  # and a good connect works after it
+        assert consumer.stats_snapshot()["transport"] == "tcp"
+        assert producer.stats_snapshot()["transport"] == "tcp"
+        producer.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            producer.publish("late", ids, 10)
+        consumer.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            consumer.fetch("late", e.scenario.dst[0][2], 10)
+    finally:
+        e.close()
