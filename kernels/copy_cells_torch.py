@@ -97,7 +97,26 @@ def copy_cells_torch(
     itemsize = src_layers[0].element_size()
     word, dtype = _word_for([*src_layers, *dst_layers], head_dim * itemsize)
     unit_words, src_step_words = unit * itemsize // word, src_step * itemsize // word
+    # One pass where one side's rows are consecutive (a dense staging buffer: the wire layout
+    # of pack+unpack): gather straight into it, or scatter straight from it, instead of through
+    # a temporary (two passes and an allocation).
+    dst_run, src_run = _first_of_run(dst_rows), _first_of_run(src_rows)
+    n = dst_rows.numel()
     for s, d in zip(src_layers, dst_layers, strict=True):
         reads = _rows(_flat_words(s, dtype), unit_words, src_step_words)
         writes = _rows(_flat_words(d, dtype), unit_words, unit_words)
-        writes.index_copy_(0, dst_rows, reads.index_select(0, src_rows))
+        if dst_run is not None:
+            torch.index_select(reads, 0, src_rows, out=writes[dst_run : dst_run + n])
+        elif src_run is not None:
+            writes.index_copy_(0, dst_rows, reads[src_run : src_run + n])
+        else:
+            writes.index_copy_(0, dst_rows, reads.index_select(0, src_rows))
+
+
+def _first_of_run(rows: torch.Tensor) -> int | None:
+    """The first row if `rows` are consecutive (r, r + 1, ...), else None."""
+    if rows.numel() == 0:
+        return None
+    first = int(rows[0])
+    expected = torch.arange(first, first + rows.numel(), device=rows.device)
+    return first if torch.equal(rows, expected) else None
