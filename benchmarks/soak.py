@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "faults"))
 import faultkit as fk
@@ -434,11 +435,42 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     soak: Soak | None = None
     printed = threading.Event()
+    # Progress on a terminal only: stderr, never with --json or when either stream is redirected.
+    show = not args.json and sys.stdout.isatty() and sys.stderr.isatty()
+    bar = (
+        tqdm(
+            total=round(seconds),
+            desc="soak: starting the ranks",
+            unit="s",
+            file=sys.stderr,
+            leave=False,
+            dynamic_ncols=True,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total} s{postfix}",
+        )
+        if show
+        else None
+    )
+
+    def progress(what: str) -> None:
+        if bar is None:
+            return
+        bar.n = min(bar.total, round(time.monotonic() - began))
+        if soak is not None:
+            t = soak.tally
+            bar.set_postfix_str(
+                f"{t.rounds} rounds, {t.requests} requests, {sum(t.faults.values())} faults, "
+                f"{t.failed_requests} failed, {t.corrupted_bytes} corrupted bytes",
+                refresh=False,
+            )
+        bar.set_description_str(what, refresh=False)
+        bar.refresh()
 
     def report(summary: dict) -> None:
         if printed.is_set():
             return
         printed.set()
+        if bar is not None:
+            bar.close()
         if args.json:
             print(json.dumps(summary), flush=True)
         else:
@@ -460,11 +492,14 @@ def main(argv: list[str] | None = None) -> int:
     timer.daemon = True
     timer.start()
     try:
+        progress("soak: starting the ranks")
         soak = Soak(seconds, args.seed)
         n = 0
         while time.monotonic() + ROUND_BUDGET_S + TEARDOWN_S < soak.deadline or n == 0:
+            progress("soak")
             soak.run_round(n)
             n += 1
+        progress("soak: settling and closing")
         soak.finish()
         summary = soak.tally.summary(began)
     except Exception as exc:

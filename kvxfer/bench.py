@@ -13,14 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from kvxfer.connector import KVConsumer, KVProducer
 from kvxfer.plan import CostModel, Segments, route_heads
@@ -72,17 +74,35 @@ def _table(spec: KVCacheSpec, tokens: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).permutation(spec.num_blocks)[:needed].astype(np.int64)
 
 
-def _median_seconds(run: Callable[[], None], repeat: int) -> float:
+Progress = Callable[[str, int], None]
+"""`progress(now, steps)`: `steps` more steps of the row are done, and `now` is running."""
+
+
+def _no_progress(now: str, steps: int) -> None:
+    pass
+
+
+def _median_seconds(
+    run: Callable[[], None], repeat: int, progress: Progress = _no_progress, what: str = ""
+) -> float:
     times = []
+    progress(what, 0)
     for _ in range(repeat):
         began = time.perf_counter()
         run()
         times.append(time.perf_counter() - began)
+        progress(what, 1)
     return statistics.median(times)
 
 
-def bench_row(cfg: BenchConfig) -> dict[str, Any]:
-    """Measure kvxfer, contiguous and naive writes for one configuration."""
+def bench_row(cfg: BenchConfig, progress: Progress | None = None) -> dict[str, Any]:
+    """Measure kvxfer, contiguous and naive writes for one configuration.
+
+    `progress(now, steps)` follows the row's `row_steps(cfg)` steps: set-up, warm-up, every
+    timed kvxfer run, every timed contiguous write, the naive write (then "closing").
+    """
+    progress = progress or _no_progress
+    progress("set-up", 0)
     src_specs = _side(cfg, cfg.src_tp, cfg.block_size)
     dst_specs = _side(cfg, cfg.dst_tp, cfg.dst_block_size)
     src_caches = [allocate_kv_caches(s) for s in src_specs]
@@ -115,6 +135,7 @@ def bench_row(cfg: BenchConfig) -> dict[str, Any]:
     ]
     try:
         plans = [c.connect([p.address for p in producers]) for c in consumers]
+        progress("warm-up", 1)
         counter = iter(range(1 << 30))
         nbytes = 0
 
@@ -134,12 +155,14 @@ def bench_row(cfg: BenchConfig) -> dict[str, Any]:
             nbytes = sum(r.bytes for r in results)
 
         kvxfer_once()  # warm-up: connections, staging pools, page faults
-        kvxfer_s = _median_seconds(kvxfer_once, cfg.repeat)
+        progress("kvxfer", 1)
+        kvxfer_s = _median_seconds(kvxfer_once, cfg.repeat, progress, "kvxfer")
         strategies = sorted({p.strategy for ps in plans for p in ps})
         contiguous_s, naive_s, naive_ops = _baselines(
-            cfg, producers, consumers, src_specs, dst_specs
+            cfg, producers, consumers, src_specs, dst_specs, progress
         )
     finally:
+        progress("closing", 0)  # about a second per engine
         for c in consumers:
             c.close()
         for p in producers:
@@ -167,6 +190,7 @@ def _baselines(
     consumers: Sequence[KVConsumer],
     src_specs: Sequence[KVCacheSpec],
     dst_specs: Sequence[KVCacheSpec],
+    progress: Progress = _no_progress,
 ) -> tuple[float, float, int]:
     """(contiguous seconds, naive seconds, naive ops), through the connectors' own engines."""
     routes = route_heads(cfg.kv_heads, cfg.src_tp, cfg.dst_tp)
@@ -239,8 +263,8 @@ def _baselines(
         return go
 
     try:
-        contiguous_s = _median_seconds(run(contiguous), cfg.repeat)
-        naive_s = _median_seconds(run(naive), 1)  # slow by construction: once is enough
+        contiguous_s = _median_seconds(run(contiguous), cfg.repeat, progress, "contiguous")
+        naive_s = _median_seconds(run(naive), 1, progress, "naive")  # slow: once is enough
     finally:
         for r, reg in src_reg.items():
             producers[r].transport.unregister(reg)
@@ -249,36 +273,36 @@ def _baselines(
     return contiguous_s, naive_s, sum(len(segs) for _, _, segs in naive)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `kvxfer bench` options."""
-    parser.add_argument("--pairs", default="2:4,4:2,3:4", help="prefill:decode TP sizes")
-    parser.add_argument("--kv-heads", type=int, default=12)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--protocol", choices=["tcp", "rdma"], default="tcp")
-    parser.add_argument("--staging-bytes", type=int, default=64 << 20, help="per peer and side")
-    parser.add_argument("--staging-slots", type=int, default=4, help="chunks in flight per pair")
-    parser.add_argument("--strategy", choices=["direct", "pack", "unpack", "pack+unpack"])
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument(
-        "--torch-threads",
-        type=int,
-        default=1,
-        help="intra-op threads of this process (default 1: every rank of both engines shares it)",
-    )
-    parser.add_argument("--json", action="store_true", help='print {"rows": [...]}')
+def row_steps(cfg: BenchConfig) -> int:
+    """Progress steps of one row (see `bench_row`'s `progress`)."""
+    return 2 * cfg.repeat + 3
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark rows and print them."""
+    """Run the benchmark rows (`kvxfer bench`, parsed by kvxfer.cli) and print them.
+
+    Quiet by default: Mooncake logs errors only and its known-harmless lines are dropped
+    (`kvxfer.logs`); `--verbose` shows everything it says. On a terminal (stdout and stderr
+    both TTYs, no `--json`) a progress bar on stderr follows each row's steps; otherwise nothing
+    but the rows is printed.
+    """
+    from kvxfer.logs import filtered_stderr, set_mooncake_log_level
+
+    verbose = bool(getattr(args, "verbose", False))
+    set_mooncake_log_level(verbose)  # before the first engine starts
+    if verbose:
+        return _run(args, sys.stderr)
+    with filtered_stderr() as console:
+        return _run(args, console)
+
+
+def _run(args: argparse.Namespace, console: TextIO) -> int:
+    """The rows; `console` is the real stderr (the progress bar's stream)."""
     # All ranks share this process; several ops each spawning a full intra-op thread pool
     # oversubscribe the cores (kvxfer 0.33 -> 0.42-0.48 of contiguous on 2 cores with 1).
     torch.set_num_threads(args.torch_threads)
-    rows = []
-    for pair in args.pairs.split(","):
-        src_tp, dst_tp = (int(x) for x in pair.split(":"))
-        cfg = BenchConfig(
+    configs = [
+        BenchConfig(
             src_tp,
             dst_tp,
             kv_heads=args.kv_heads,
@@ -291,17 +315,53 @@ def run(args: argparse.Namespace) -> int:
             strategy=args.strategy,
             repeat=args.repeat,
         )
-        rows.append(bench_row(cfg))
-        if not args.json:
-            r = rows[-1]
-            print(
-                f"{r['pair']:>6}  {r['bytes'] / 1e6:8.1f} MB  kvxfer {r['kvxfer_gbps']:6.3f} GB/s "
-                f"({','.join(r['strategies'])})  contiguous {r['contiguous_gbps']:6.3f} GB/s  "
-                f"naive {r['naive_gbps']:6.3f} GB/s ({r['naive_ops']} ops)  "
-                f"x contiguous {r['ratio_to_contiguous']:.2f}  "
-                f"x naive {r['speedup_over_naive']:.1f}",
-                flush=True,
-            )
+        for src_tp, dst_tp in args.pairs
+    ]
+    show = not args.json and sys.stdout.isatty() and console.isatty()
+    bar = tqdm(
+        total=sum(row_steps(cfg) for cfg in configs),
+        desc="bench",
+        file=console,
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps "
+        "[{elapsed}{postfix}]",
+        disable=not show,
+        leave=False,
+        dynamic_ncols=True,
+    )
+
+    def step(now: str, steps: int) -> None:
+        bar.set_postfix_str(now, refresh=False)
+        bar.update(steps)
+        bar.refresh()
+
+    rows = []
+    try:
+        for cfg in configs:
+            bar.set_description(f"bench {cfg.pair}", refresh=False)
+            try:
+                rows.append(bench_row(cfg, progress=step))
+            except ValueError as exc:  # a configuration the connectors refuse
+                bar.close()
+                print(f"kvxfer bench: error: {' '.join(str(exc).split())}", file=sys.stderr)
+                return 2
+            if not args.json:
+                line = format_row(rows[-1])
+                bar.clear()  # the bar is on stderr, the row goes to stdout: same terminal
+                print(line, flush=True)
+                bar.refresh()
+    finally:
+        bar.close()
     if args.json:
         print(json.dumps({"rows": rows}, indent=2))
     return 0
+
+
+def format_row(r: dict[str, Any]) -> str:
+    """One row of `kvxfer bench`, as text."""
+    return (
+        f"{r['pair']:>6}  {r['bytes'] / 1e6:8.1f} MB  kvxfer {r['kvxfer_gbps']:6.3f} GB/s "
+        f"({','.join(r['strategies'])})  contiguous {r['contiguous_gbps']:6.3f} GB/s  "
+        f"naive {r['naive_gbps']:6.3f} GB/s ({r['naive_ops']} ops)  "
+        f"x contiguous {r['ratio_to_contiguous']:.2f}  "
+        f"x naive {r['speedup_over_naive']:.1f}"
+    )

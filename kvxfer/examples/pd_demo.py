@@ -6,6 +6,11 @@ into its paged caches and publishes the request with `KVProducer`; the decode gr
 per rank) fetches it with `KVConsumer` over Mooncake TCP on 127.0.0.1, then generates tokens
 from the moved KV. The demo matches only if every generated token and the last logits equal, bit
 for bit, those of the same model run unsharded in one process.
+
+Quiet by default: Mooncake logs errors only (`MC_LOG_LEVEL=ERROR` unless the user set it; INFO
+with `--verbose`), and its known-harmless lines are filtered out of every process's stderr
+(`kvxfer.logs`). On a terminal a progress bar shows the stages; `--json` and output that is not
+a terminal get none.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import torch
 
 from kvxfer.examples.model import ModelConfig, ShardedModel, init_weights
-from kvxfer.spec import KV_PLACEMENTS, KVCacheSpec, allocate_kv_caches
+from kvxfer.logs import filtered_stderr, set_mooncake_log_level
+from kvxfer.spec import KVCacheSpec, allocate_kv_caches
 
 REQUEST = "demo-request"
 
@@ -189,7 +195,10 @@ def decode_rank(options: dict, rank: int, port: int, addresses: list[str], first
                     {
                         "src_rank": p.src_rank,
                         "dst_rank": p.dst_rank,
-                        "heads": [p.route.head_start, p.route.head_start + p.route.num_heads],
+                        "heads": {
+                            "start": p.route.head_start,
+                            "stop": p.route.head_start + p.route.num_heads,
+                        },
                         "strategy": p.strategy,
                     }
                     for p in plans
@@ -215,20 +224,36 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class _Stages:
-    """Progress on stderr: one line per stage, with its duration."""
+class _Progress:
+    """The demo's stages as one tqdm bar on a terminal (`stream` a TTY); nothing otherwise."""
 
-    def __init__(self, total: int) -> None:
-        self.total, self.index, self.began = total, 0, 0.0
+    def __init__(self, total: int, stream: TextIO | None) -> None:
+        self.bar: Any = None
+        if stream is None or not stream.isatty():
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:  # progress is a courtesy: the demo runs without it
+            return
+        self.bar = tqdm(
+            total=total,
+            file=stream,
+            leave=False,
+            dynamic_ncols=True,
+            bar_format="{desc} {bar} {n_fmt}/{total_fmt} [{elapsed}]",
+        )
 
     def start(self, what: str) -> None:
-        self.index += 1
-        self.began = time.perf_counter()
-        print(f"[{self.index}/{self.total}] {what}", file=sys.stderr, flush=True)
+        if self.bar is not None:
+            self.bar.set_description_str(what)
 
     def done(self) -> None:
-        took = time.perf_counter() - self.began
-        print(f"[{self.index}/{self.total}] done in {took:.1f} s", file=sys.stderr, flush=True)
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _receive(conn, who: str, timeout: float = 300.0) -> dict:
@@ -240,9 +265,12 @@ def _receive(conn, who: str, timeout: float = 300.0) -> dict:
     return message
 
 
-def run_demo(options: DemoOptions) -> dict[str, Any]:
-    """Run the whole demo; return its report (`match` tells the outcome)."""
-    stages = _Stages(5)
+def run_demo(options: DemoOptions, progress: TextIO | None = None) -> dict[str, Any]:
+    """Run the whole demo; return its report (`match` tells the outcome).
+
+    `progress`: where to draw a progress bar of the stages, if it is a terminal.
+    """
+    stages = _Progress(5, progress)
     ctx = mp.get_context("spawn")
     opts = asdict(options)
     procs: list[Any] = []
@@ -298,6 +326,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         released = [_receive(c, f"prefill rank {r}")["released"] for r, c in enumerate(prefill)]
         stages.done()
     finally:
+        stages.close()
         for proc in procs:
             proc.join(10)
             if proc.is_alive():
@@ -356,7 +385,7 @@ def format_report(report: dict[str, Any]) -> str:
     for p in report["pairs"]:
         lines.append(
             f"  prefill {p['src_rank']} -> decode {p['dst_rank']}  "
-            f"kv heads [{p['heads'][0]},{p['heads'][1]})  {p['strategy']}"
+            f"kv heads [{p['heads']['start']},{p['heads']['stop']})  {p['strategy']}"
         )
     lines.append("transfer:")
     for r in report["per_rank"]:
@@ -378,29 +407,6 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The `kvxfer demo` options."""
-    d = DemoOptions()
-    for side in ("prefill", "decode"):
-        p.add_argument(f"--{side}-tp", type=int, default=getattr(d, f"{side}_tp"))
-        p.add_argument(f"--{side}-block-size", type=int, default=getattr(d, f"{side}_block_size"))
-        p.add_argument(
-            f"--{side}-layout", choices=["NHD", "HND"], default=getattr(d, f"{side}_layout")
-        )
-        p.add_argument(
-            f"--{side}-placement",
-            choices=list(KV_PLACEMENTS),
-            default=getattr(d, f"{side}_placement"),
-        )
-    p.add_argument("--model", choices=["gqa", "mla"], default=d.model)
-    p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
-    p.add_argument("--decode-tokens", type=int, default=d.decode_tokens)
-    p.add_argument("--kv-heads", type=int, default=d.kv_heads, help="GQA KV heads (q heads: 2x)")
-    p.add_argument("--strategy", choices=["direct", "pack", "unpack", "pack+unpack"])
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
 def run(args: argparse.Namespace) -> int:
     """`kvxfer demo`: exit 0 only on a match."""
     fields = DemoOptions.__dataclass_fields__
@@ -415,7 +421,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvxfer demo: {exc}", file=sys.stderr)
         return 2
-    report = run_demo(options)
+    verbose = bool(getattr(args, "verbose", False))
+    set_mooncake_log_level(verbose)  # before any engine starts; the ranks inherit it
+    if verbose:  # everything Mooncake says, unfiltered
+        report = run_demo(options, None if args.json else sys.stderr)
+    else:
+        with filtered_stderr() as console:
+            report = run_demo(options, None if args.json else console)
     if args.json:
         print(json.dumps({k: v for k, v in report.items()}, indent=2, default=str))
     else:

@@ -1,0 +1,628 @@
+"""`kvxfer doctor`: what this machine can do for kvxfer, and what to do about what is missing.
+
+One line per check: Python, torch and its device, Triton and whether the kernels compile here
+(a GPU) or run only under the interpreter (CPU), Mooncake's wheel, libibverbs, the RDMA devices,
+the transport and backend a transfer would use, vLLM and kvxfer's integration. Three checks run
+in subprocesses with a timeout, so a hang or a crash there costs only that check and Mooncake's
+native log lines stay out of the report: a real transfer over Mooncake on 127.0.0.1 (a
+`KVProducer` and a `KVConsumer`, bytes compared), the Triton kernels against the torch backend,
+and importing `kvxfer.integrations.vllm`.
+
+Exit code 0 when a transfer can run here (`ready`), 1 otherwise. Statuses: "ok"; "info" (an
+optional part is absent, nothing is wrong); "warn" (works, but something is off); "fail" (a
+transfer cannot run as things are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from kvxfer.spec import KVCacheSpec
+
+OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
+
+# The checks a transfer needs; the others (libibverbs, RDMA, vLLM) only inform, or fail with
+# one of these.
+REQUIRED = ("python", "torch", "triton", "mooncake", "transport", "backend")
+MOONCAKE_DISTRIBUTIONS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
+VLLM_TESTED = "0.33"  # pyproject: vllm>=0.33.0,<0.34
+INFINIBAND_SYSFS = "/sys/class/infiniband"
+DEFAULT_TIMEOUT_S = 120.0
+
+INSTALL_TORCH = (
+    "install torch: `make test` does (TORCH=torch for the CUDA build), or pip install torch"
+)
+INSTALL_MOONCAKE = (
+    "pip install 'kvxfer[mooncake-cpu]' (no CUDA) or 'kvxfer[mooncake]' (CUDA machines); "
+    "`make test` installs one (MOONCAKE_EXTRA=...)"
+)
+INSTALL_IBVERBS = (
+    "install libibverbs, which Mooncake links against: sudo apt-get install libibverbs1 "
+    "(or ./scripts/install-system-deps.sh)"
+)
+
+
+@dataclass
+class Check:
+    """One line of the report."""
+
+    name: str
+    status: str
+    summary: str
+    fix: str | None = None
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        """The check's JSON object: status, summary, fix, then its facts."""
+        return {"status": self.status, "summary": self.summary, "fix": self.fix, **self.facts}
+
+    def line(self) -> str:
+        """The check as one line of text."""
+        text = f"{self.status:<4}  {self.name:<10}  {self.summary}"
+        return f"{text} -> {self.fix}" if self.fix else text
+
+
+# ---- probes (run in a subprocess: `python -c "...; _probe_main('transfer')"`) -----------------
+
+
+def _tiny_specs() -> tuple[KVCacheSpec, KVCacheSpec]:
+    """A small prefill spec (TP 1, NHD blocks of 16) and decode spec (TP 2, HND blocks of 32)."""
+    from kvxfer.spec import KVCacheSpec
+
+    def spec(
+        tp: int, block_size: int, num_blocks: int, layout: Literal["NHD", "HND"]
+    ) -> KVCacheSpec:
+        return KVCacheSpec(
+            num_layers=2,
+            num_kv_heads=4,
+            head_dim=16,
+            dtype="bfloat16",
+            tp_size=tp,
+            tp_rank=0,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            layout=layout,
+        )
+
+    return spec(1, 16, 8, "NHD"), spec(2, 32, 4, "HND")
+
+
+def _probe_transfer() -> dict[str, Any]:
+    """A KVProducer and a KVConsumer in this process over Mooncake TCP on 127.0.0.1: TP 1 with
+    blocks of 16 to TP 2 with blocks of 32, compared with `reshard` (torch backend, CPU)."""
+    import numpy as np
+    import torch
+
+    from kvxfer import allocate_kv_caches, reshard
+    from kvxfer.connector import KVConsumer, KVProducer
+
+    tokens = 40
+    src, dst = _tiny_specs()
+    src_caches = allocate_kv_caches(src)
+    for t in src_caches:
+        t.view(torch.int16).random_()
+    src_ids = np.asarray([5, 2, 7], np.int64)
+    dst_ids = np.asarray([3, 1], np.int64)
+    ranks = dst.engine_ranks()
+    # Poisoned alike, so bytes the request does not cover compare equal too.
+    got = [[t.fill_(7) for t in allocate_kv_caches(s)] for s in ranks]
+    want = [[t.fill_(7) for t in allocate_kv_caches(s)] for s in ranks]
+    began = time.perf_counter()
+    producer = KVProducer(src, src_caches, "doctor-prefill", staging_bytes=1 << 20)
+    consumers = [
+        KVConsumer(s, c, "doctor-decode", staging_bytes=1 << 20)
+        for s, c in zip(ranks, got, strict=True)
+    ]
+    for c in consumers:
+        c.connect([producer.address])
+    producer.publish("doctor", src_ids, tokens)
+    handles = [c.fetch("doctor", dst_ids, tokens, timeout=30) for c in consumers]
+    results = [h.wait() for h in handles]
+    seconds = time.perf_counter() - began
+    errors = [e for r in results for e in r.errors]
+    if errors or not all(r.ok for r in results):
+        raise RuntimeError(f"the loopback fetch failed: {errors[:3]}")
+    reshard(
+        [(src, src_caches, src_ids)],
+        [(s, c, dst_ids) for s, c in zip(ranks, want, strict=True)],
+        tokens,
+        backend="torch",
+    )
+    if not _same(got, want):
+        raise RuntimeError("the loopback fetch landed different bytes than reshard")
+    # No close(): destroying the engines takes about a second each; the process exits now.
+    return {
+        "protocol": getattr(consumers[0].transport, "protocol", "tcp"),
+        "bytes": sum(r.bytes for r in results),
+        "seconds": round(seconds, 3),
+    }
+
+
+def _probe_device() -> dict[str, Any]:
+    """torch and its device, the RDMA devices (kvxfer.transport.mooncake.rdma_devices), and the
+    Triton kernels checked against the torch backend on that device."""
+    import torch
+
+    cuda = bool(torch.cuda.is_available())
+    out: dict[str, Any] = {
+        "torch": str(torch.__version__),
+        "cuda": cuda,
+        "cuda_version": torch.version.cuda,
+        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if cuda
+        else [],
+    }
+    # Compiled on a GPU; on CPU only the interpreter runs them, chosen before they are imported.
+    os.environ["TRITON_INTERPRET"] = "0" if cuda else "1"
+    try:
+        from kvxfer.transport.mooncake import rdma_devices as listed
+
+        out["rdma_devices"] = listed()
+    except Exception:  # a broken kvxfer install: the transfer probe says more
+        out["rdma_devices"] = sysfs_rdma_devices()
+    try:
+        out["kernels"] = {"ok": True, **_run_kernels("cuda" if cuda else "cpu")}
+    except Exception as exc:
+        out["kernels"] = {"ok": False, "error": _one_line(exc)}
+    return out
+
+
+def _run_kernels(device: str) -> dict[str, Any]:
+    """A pack+unpack reshard (TP 1 NHD blocks of 16 -> TP 2 HND blocks of 32) with the torch
+    backend and with the Triton kernels, on `device`; the bytes must be the same."""
+    import numpy as np
+    import torch
+
+    from kvxfer import allocate_kv_caches, reshard
+
+    tokens = 40
+    src, dst = _tiny_specs()
+    src_caches = allocate_kv_caches(src, device=device)
+    for t in src_caches:
+        t.view(torch.int16).random_()
+    src_ids = np.asarray([5, 2, 7], np.int64)
+    dst_ids = np.asarray([3, 1], np.int64)
+    out = {}
+    began = time.perf_counter()
+    for backend in ("torch", "triton"):
+        ranks = dst.engine_ranks()
+        caches = [[t.fill_(7) for t in allocate_kv_caches(s, device=device)] for s in ranks]
+        reshard(
+            [(src, src_caches, src_ids)],
+            [(s, c, dst_ids) for s, c in zip(ranks, caches, strict=True)],
+            tokens,
+            strategy="pack+unpack",
+            backend=backend,
+        )
+        out[backend] = caches
+    if not _same(out["triton"], out["torch"]):
+        raise RuntimeError("the Triton kernels moved different bytes than the torch backend")
+    return {"seconds": round(time.perf_counter() - began, 3)}
+
+
+def _same(got: list[list[Any]], want: list[list[Any]]) -> bool:
+    """Bit-equal caches (compared as integers: random bits hold NaNs)."""
+    import torch
+
+    return all(
+        torch.equal(a.view(torch.int16), b.view(torch.int16))
+        for g, w in zip(got, want, strict=True)
+        for a, b in zip(g, w, strict=True)
+    )
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+def _probe_vllm() -> dict[str, Any]:
+    import kvxfer.integrations.vllm  # noqa: F401
+
+    return {}
+
+
+_PROBES = {"transfer": _probe_transfer, "device": _probe_device, "vllm": _probe_vllm}
+
+
+def _probe_main(kind: str) -> None:
+    """Run one probe and print its outcome as the last line of stdout (JSON)."""
+    try:
+        out = {"ok": True, **_PROBES[kind]()}
+    except BaseException as exc:  # report anything, including SystemExit from an import
+        out = {"ok": False, "error": _one_line(exc)}
+    print(json.dumps(out), flush=True)
+    os._exit(0)  # skip the engines' slow teardown
+
+
+class _Probe:
+    """A probe running in a subprocess."""
+
+    def __init__(self, kind: str, env: dict[str, str] | None = None) -> None:
+        self.kind = kind
+        self.began = time.monotonic()
+        code = f"from kvxfer.doctor import _probe_main; _probe_main({kind!r})"
+        child_env = dict(os.environ)
+        child_env.setdefault("MC_LOG_LEVEL", "ERROR")
+        child_env.update(env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=child_env,
+        )
+
+    def result(self, timeout: float) -> dict[str, Any]:
+        """The probe's outcome: {"ok": bool, "error": ..., facts...}."""
+        left = max(1.0, timeout - (time.monotonic() - self.began))
+        try:
+            out, err = self.proc.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            return {"ok": False, "error": f"did not finish within {timeout:g} s", "timeout": True}
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        if lines:
+            try:
+                return dict(json.loads(lines[-1]))
+            except ValueError:
+                pass
+        tail = [line.strip() for line in err.splitlines() if line.strip()]
+        why = tail[-1] if tail else "no output"
+        return {"ok": False, "error": f"exit code {self.proc.returncode}: {why}"}
+
+
+# ---- checks -----------------------------------------------------------------------------------
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_python() -> Check:
+    """The interpreter (kvxfer installs only on Python >= 3.10)."""
+    version = platform.python_version()
+    facts = {"version": version, "executable": sys.executable}
+    return Check("python", OK, f"{version} ({sys.executable})", None, facts)
+
+
+def check_torch(probe: dict[str, Any] | None) -> tuple[Check, str | None]:
+    """torch and its device (from the device probe); also the device caches would live on
+    ("cuda", "cpu", or None without torch)."""
+    facts: dict[str, Any] = {
+        "version": None,
+        "cuda": False,
+        "cuda_version": None,
+        "devices": [],
+    }
+    if probe is None:
+        return Check("torch", FAIL, "not installed", INSTALL_TORCH, facts), None
+    if not probe.get("ok"):
+        why = f"fails to import: {probe.get('error')}"
+        return Check("torch", FAIL, why, INSTALL_TORCH, facts), None
+    version, cuda_version = probe["torch"], probe["cuda_version"]
+    facts.update(
+        version=version, cuda=probe["cuda"], cuda_version=cuda_version, devices=probe["devices"]
+    )
+    if probe["cuda"]:
+        names = ", ".join(sorted(set(probe["devices"])))
+        summary = f"{version}, CUDA {cuda_version}: {len(probe['devices'])} x {names}"
+        return Check("torch", OK, summary, None, facts), "cuda"
+    gpu_here = os.path.exists("/dev/nvidiactl")
+    if cuda_version is None:
+        summary = f"{version}, a CPU build: caches live on the CPU"
+        if gpu_here:
+            fix = "this machine has an NVIDIA GPU: install a CUDA build of torch (make TORCH=torch)"
+            return Check("torch", WARN, summary, fix, facts), "cpu"
+        return Check("torch", OK, summary, None, facts), "cpu"
+    summary = f"{version}, built for CUDA {cuda_version}, but no CUDA device: caches on the CPU"
+    if gpu_here:
+        fix = "check the NVIDIA driver (nvidia-smi) and CUDA_VISIBLE_DEVICES"
+        return Check("torch", WARN, summary, fix, facts), "cpu"
+    return Check("torch", OK, summary, None, facts), "cpu"
+
+
+def check_triton(device: str | None, kernels: dict[str, Any] | None) -> Check:
+    """Triton, and whether the kernels compile here (GPU) or run under the interpreter (CPU)."""
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    version = _version("triton") or _version("pytorch-triton")
+    facts: dict[str, Any] = {
+        "version": version,
+        "kernels": "unavailable",
+        "interpreter_env": interpret,
+        "error": None,
+    }
+    if not _has_module("triton"):
+        return Check(
+            "triton",
+            FAIL,
+            "not installed: kvxfer's kernels module imports it (connectors and reshard need it)",
+            "pip install 'kvxfer[triton]' (CUDA builds of torch bundle it)",
+            facts,
+        )
+    if device is None or kernels is None:
+        facts["kernels"] = "not checked"
+        summary = f"{version}; kernels not checked (no torch)"
+        return Check(
+            "triton", WARN, summary, f"{INSTALL_TORCH}, then run kvxfer doctor again", facts
+        )
+    if not kernels.get("ok"):
+        facts["kernels"] = "failed"
+        facts["error"] = kernels.get("error")
+        where = "on the GPU" if device == "cuda" else "under the interpreter (TRITON_INTERPRET=1)"
+        fix = (
+            "pass backend='torch' to the connectors and reshard (slower), or repair the "
+            "Triton/CUDA install (a CUDA build of torch ships a matching Triton)"
+            if device == "cuda"
+            else "the torch backend, which CPU transfers use, does not need Triton's kernels; "
+            "for tests of the kernels reinstall 'kvxfer[triton]'"
+        )
+        summary = f"{version}; the kernels failed {where}: {kernels.get('error')}"
+        return Check("triton", FAIL if device == "cuda" else WARN, summary, fix, facts)
+    if device == "cuda":
+        facts["kernels"] = "compiled"
+        if interpret:
+            fix = "unset TRITON_INTERPRET: it makes every kernel run in the slow interpreter"
+            summary = f"{version}; kernels ran on the GPU, but TRITON_INTERPRET=1 is set"
+            return Check("triton", WARN, summary, fix, facts)
+        summary = f"{version}; kernels compiled and ran on the GPU, same bytes as torch"
+        return Check("triton", OK, summary, None, facts)
+    facts["kernels"] = "interpreter"
+    summary = (
+        f"{version}; no GPU: the kernels run on CPU only under the interpreter (checked: same "
+        "bytes as torch), with TRITON_INTERPRET=1 set before kvxfer is imported"
+    )
+    return Check("triton", OK, summary, None, facts)
+
+
+def _mooncake_distributions() -> dict[str, str]:
+    found = {name: _version(name) for name in MOONCAKE_DISTRIBUTIONS}
+    return {name: v for name, v in found.items() if v is not None}
+
+
+def check_mooncake(transfer: dict[str, Any] | None, device: str | None) -> Check:
+    """Mooncake's wheel, and the loopback transfer through it (the transfer probe's result)."""
+    wheels = _mooncake_distributions()
+    name = next(iter(wheels), None)
+    facts: dict[str, Any] = {
+        "distribution": name,
+        "version": wheels.get(name) if name else None,
+        "loopback_transfer": False,
+        "error": None,
+    }
+    if not wheels and not _has_module("mooncake"):
+        summary = "Mooncake Transfer Engine is not installed"
+        return Check("mooncake", FAIL, summary, INSTALL_MOONCAKE, facts)
+    wheel = f"{name} {wheels[name]}" if name else "an unknown Mooncake build"
+    if transfer is None:
+        fix = f"{INSTALL_TORCH}, then run kvxfer doctor again"
+        return Check("mooncake", WARN, f"{wheel}; no transfer tried (no torch)", fix, facts)
+    if not transfer.get("ok"):
+        error = str(transfer.get("error"))
+        facts["error"] = error
+        if "ibverbs" in error:
+            fix = INSTALL_IBVERBS
+        elif "cuda" in error.lower() and name == "mooncake-transfer-engine":
+            fix = (
+                "this CUDA wheel needs the CUDA runtime; on a machine without CUDA install "
+                "mooncake-transfer-engine-non-cuda instead (pip install 'kvxfer[mooncake-cpu]')"
+            )
+        else:
+            fix = (
+                f"reinstall the wheel ({INSTALL_MOONCAKE}), and check that 127.0.0.1 is "
+                "reachable (no firewall on loopback)"
+            )
+        summary = f"{wheel}; a loopback transfer failed: {error}"
+        return Check("mooncake", FAIL, summary, fix, facts)
+    facts["loopback_transfer"] = True
+    summary = (
+        f"{wheel}; a KVProducer -> KVConsumer fetch over Mooncake {transfer.get('protocol')} on "
+        f"127.0.0.1 landed the right bytes"
+    )
+    if len(wheels) > 1:
+        keep = (
+            "mooncake-transfer-engine" if device == "cuda" else "mooncake-transfer-engine-non-cuda"
+        )
+        listing = " and ".join(wheels)
+        fix = f"uninstall one: both install the `mooncake` package over each other; keep {keep}"
+        return Check("mooncake", WARN, f"{summary}, but {listing} are both installed", fix, facts)
+    return Check("mooncake", OK, summary, None, facts)
+
+
+def check_libibverbs(mooncake_ok: bool) -> Check:
+    """The verbs library Mooncake links against (needed even for TCP)."""
+    name = ctypes.util.find_library("ibverbs")
+    loads = False
+    if name:
+        try:
+            ctypes.CDLL(name)
+            loads = True
+        except OSError:
+            loads = False
+    facts = {"found": loads, "library": name}
+    if loads:
+        return Check("libibverbs", OK, f"{name} loads", None, facts)
+    status = WARN if mooncake_ok else FAIL
+    summary = f"{name} found but does not load" if name else "not found"
+    return Check("libibverbs", status, summary, INSTALL_IBVERBS, facts)
+
+
+def sysfs_rdma_devices() -> list[str]:
+    """The RDMA devices in sysfs, as kvxfer.transport.mooncake.rdma_devices lists them, without
+    importing torch (the device probe asks that function itself)."""
+    try:
+        return sorted(os.listdir(INFINIBAND_SYSFS))
+    except OSError:
+        return []
+
+
+def check_rdma(devices: list[str]) -> Check:
+    """RDMA devices (InfiniBand, RoCE, iWARP) Mooncake could use."""
+    facts = {"devices": devices}
+    if devices:
+        return Check("rdma", OK, f"{len(devices)} device(s): {', '.join(devices)}", None, facts)
+    return Check(
+        "rdma",
+        INFO,
+        f"no RDMA device ({INFINIBAND_SYSFS} lists none): transfers run over TCP",
+        "for RDMA, a NIC with its driver (rdma-core or MLNX_OFED) must show in `ibv_devices`",
+        facts,
+    )
+
+
+def check_transport(mooncake_ok: bool, devices: list[str]) -> Check:
+    """The Mooncake protocol transfers would run."""
+    rdma = bool(devices) and mooncake_ok
+    facts = {
+        "protocol": ("rdma" if rdma else "tcp") if mooncake_ok else None,
+        "default_protocol": "tcp",
+        "rdma_available": rdma,
+    }
+    if not mooncake_ok:
+        fix = "make the mooncake line ok first"
+        return Check("transport", FAIL, "none: Mooncake cannot transfer here", fix, facts)
+    if rdma:
+        summary = (
+            "rdma with protocol='rdma' (kv_connector_extra_config protocol: rdma); tcp is the "
+            "default"
+        )
+        return Check("transport", OK, summary, None, facts)
+    summary = "tcp (the default); protocol='rdma' is refused here: no RDMA device"
+    return Check("transport", OK, summary, None, facts)
+
+
+def check_backend(device: str | None, triton: Check) -> Check:
+    """The pack/unpack backend backend='auto' picks for caches on this machine's device."""
+    facts: dict[str, Any] = {"device": device, "backend": None}
+    if device is None:
+        return Check("backend", FAIL, "none: torch is missing", INSTALL_TORCH, facts)
+    if device == "cuda":
+        facts["backend"] = "triton"
+        if triton.facts.get("kernels") != "compiled":
+            summary = "triton (backend='auto' with CUDA caches), but the kernels failed"
+            fix = "pass backend='torch' until Triton works (see triton)"
+            return Check("backend", FAIL, summary, fix, facts)
+        return Check("backend", OK, "triton (backend='auto' with CUDA caches)", None, facts)
+    facts["backend"] = "torch"
+    summary = "torch (backend='auto' with CPU caches; backend='triton' needs TRITON_INTERPRET=1)"
+    return Check("backend", OK, summary, None, facts)
+
+
+def check_vllm(probe: _Probe | None, timeout: float) -> Check:
+    """vLLM's version and whether kvxfer's integration imports."""
+    version = _version("vllm")
+    facts: dict[str, Any] = {"version": version, "integration": "not installed", "error": None}
+    install = (
+        f"optional: pip install 'kvxfer[vllm]' (vLLM {VLLM_TESTED}) in its own environment; "
+        "`make test-vllm` builds .venv-vllm"
+    )
+    if probe is None:
+        return Check(
+            "vllm", INFO, "not installed (the vLLM integration is optional)", install, facts
+        )
+    result = probe.result(timeout)
+    tested = version is not None and version.split(".")[:2] == VLLM_TESTED.split(".")
+    if not result.get("ok"):
+        facts["integration"] = "timed out" if result.get("timeout") else "fails"
+        facts["error"] = result.get("error")
+        fix = (
+            f"kvxfer's integration is tested with vLLM {VLLM_TESTED}: pip install 'kvxfer[vllm]'"
+            if not tested
+            else "see the error (the integration's own tests: make test-vllm)"
+        )
+        summary = f"{version}; kvxfer.integrations.vllm does not import: {result.get('error')}"
+        return Check("vllm", WARN, summary, fix, facts)
+    facts["integration"] = "imports"
+    if not tested:
+        summary = (
+            f"{version}; kvxfer.integrations.vllm imports, but it is tested with {VLLM_TESTED}"
+        )
+        fix = f"use vLLM {VLLM_TESTED}.x: its connector API changes between minor versions"
+        return Check("vllm", WARN, summary, fix, facts)
+    return Check("vllm", OK, f"{version}; kvxfer.integrations.vllm imports", None, facts)
+
+
+def diagnose(timeout: float = DEFAULT_TIMEOUT_S) -> tuple[bool, list[Check]]:
+    """Every check; `ready` is True when a transfer can run here."""
+    has_torch = _has_module("torch")
+    # Side by side: vLLM's import is the slowest; this process never imports torch.
+    vllm = _Probe("vllm") if _has_module("vllm") else None
+    transfer = _Probe("transfer") if has_torch else None
+    device_probe = _Probe("device") if has_torch else None
+    found = device_probe.result(timeout) if device_probe is not None else None
+    torch_check, device = check_torch(found)
+    kernels = found.get("kernels") if found and found.get("ok") else None
+    triton = check_triton(device, kernels)
+    moved = transfer.result(timeout) if transfer is not None else None
+    mooncake = check_mooncake(moved, device)
+    mooncake_ok = bool(mooncake.facts["loopback_transfer"])
+    devices = list(found["rdma_devices"]) if found and found.get("ok") else sysfs_rdma_devices()
+    checks = [
+        check_python(),
+        torch_check,
+        triton,
+        mooncake,
+        check_libibverbs(mooncake_ok),
+        check_rdma(devices),
+        check_transport(mooncake_ok, devices),
+        check_backend(device, triton),
+        check_vllm(vllm, timeout),
+    ]
+    ready = all(c.status != FAIL for c in checks if c.name in REQUIRED)
+    return ready, checks
+
+
+def report(ready: bool, checks: list[Check]) -> dict[str, Any]:
+    """The `--json` object."""
+    return {"ready": ready, "checks": {c.name: c.as_json() for c in checks}}
+
+
+def format_report(ready: bool, checks: list[Check]) -> str:
+    """The text report: one line per check, then the verdict."""
+    lines = [c.line() for c in checks]
+    by_name = {c.name: c for c in checks}
+    if ready:
+        transport = by_name["transport"].facts["protocol"]
+        backend = by_name["backend"].facts["backend"]
+        device = by_name["backend"].facts["device"]
+        lines.append(
+            f"ready: a transfer can run here ({transport}, {backend} backend, {device} caches)"
+        )
+    else:
+        failed = ", ".join(c.name for c in checks if c.status == FAIL and c.name in REQUIRED)
+        lines.append(f"not ready: a transfer cannot run here ({failed}); see the lines above")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`kvxfer doctor`: print the report; exit code 0 when a transfer can run here, else 1."""
+    ready, checks = diagnose(float(args.timeout))
+    if args.json:
+        print(json.dumps(report(ready, checks), indent=2))
+    else:
+        print(format_report(ready, checks))
+    return 0 if ready else 1
