@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import time
+from collections import OrderedDict
 
 NONCE_BYTES = 16
 MAC_BYTES = 16  # truncated HMAC-SHA256: 128 bits are plenty against forgery
@@ -55,3 +57,37 @@ def sign(key: bytes, frame: bytes) -> bytes:
 def verify(key: bytes, frame: bytes, mac: bytes) -> bool:
     """Whether `mac` signs `frame` under `key`."""
     return hmac.compare_digest(sign(key, frame), mac)
+
+
+class Challenges:
+    """The nonces a producer handed out in challenges, each redeemable once by the peer it
+    was given to, until it expires. Bounded: the oldest go first.
+
+    Args:
+        ttl_s: how long a handshake may take after its hello.
+        max_pending: the most challenges outstanding at once.
+    """
+
+    def __init__(self, ttl_s: float = 10.0, max_pending: int = 1024) -> None:
+        self._pending: OrderedDict[tuple[bytes, str], tuple[str, float]] = OrderedDict()
+        self._ttl_s, self._max_pending = ttl_s, max_pending
+
+    def issue(self, identity: bytes, client_nonce: str) -> str:
+        """A fresh server nonce for the peer `identity` that sent `client_nonce`."""
+        server_nonce = new_nonce()
+        self._pending[(identity, client_nonce)] = (server_nonce, time.monotonic() + self._ttl_s)
+        while len(self._pending) > self._max_pending:
+            self._pending.popitem(last=False)
+        return server_nonce
+
+    def redeem(self, identity: bytes, client_nonce: str, server_nonce: str) -> bool:
+        """Whether the pair of nonces was issued to `identity` and is still valid; a
+        challenge is redeemed once (a replayed handshake finds none)."""
+        pending = self._pending.pop((identity, client_nonce), None)
+        return pending is not None and pending[0] == server_nonce and pending[1] >= time.monotonic()
+
+    def expire(self) -> None:
+        """Forget challenges whose time ran out."""
+        now = time.monotonic()
+        for key in [k for k, (_, expires) in self._pending.items() if expires < now]:
+            del self._pending[key]

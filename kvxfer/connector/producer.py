@@ -65,8 +65,6 @@ from kvxfer.validation import check_block_ids, check_caches, check_num_tokens, c
 
 log = logging.getLogger(__name__)
 
-_HELLO_TTL_S = 10.0  # a handshake must complete within this long after its Hello
-_MAX_PENDING_HELLOS = 1024
 _MAX_WAITING_PER_SESSION = 4096  # chunks waiting for their request to be published
 _MAX_FINISHED_PER_SESSION = 1024  # recent ids a session said it is done with
 
@@ -177,7 +175,7 @@ class KVProducer:
         self._requests = RequestTable(released_ttl_s)
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
-        self._hellos: OrderedDict[tuple[bytes, str], tuple[str, float]] = OrderedDict()
+        self._challenges = auth.Challenges()
         self._spare_pools: list[StagingPool] = []
         self._warmed: set[tuple[object, ...]] = set()
         self._closed = False
@@ -300,15 +298,11 @@ class KVProducer:
                 raise ProtocolError(
                     f"handshake refused: {self._max_sessions} sessions are open (max_sessions)"
                 )
-        server_nonce = auth.new_nonce()
-        self._hellos[(identity, hello.nonce)] = (server_nonce, time.monotonic() + _HELLO_TTL_S)
-        while len(self._hellos) > _MAX_PENDING_HELLOS:
-            self._hellos.popitem(last=False)
+        server_nonce = self._challenges.issue(identity, hello.nonce)
         self._server.send(identity, [encode(Challenge(nonce=server_nonce))])
 
     def _on_handshake(self, identity: bytes, hello: Handshake) -> None:
-        pending = self._hellos.pop((identity, hello.client_nonce), None)
-        if pending is None or pending[0] != hello.server_nonce or pending[1] < time.monotonic():
+        if not self._challenges.redeem(identity, hello.client_nonce, hello.server_nonce):
             raise ProtocolError("handshake refused: no matching Hello; start with Hello")
         expected = auth.proof(
             self._secret,
@@ -477,8 +471,7 @@ class KVProducer:
         now = time.monotonic()
         for request_id in self._requests.expired(now):
             self._release(request_id, "its deadline passed")
-        for key in [k for k, (_, expires) in self._hellos.items() if expires < now]:
-            del self._hellos[key]
+        self._challenges.expire()
         with self._lock:
             sessions = list(self._sessions.values())
         for session in sessions:

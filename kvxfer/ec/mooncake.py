@@ -91,8 +91,6 @@ _FRAME_LIMIT = 1 << 20
 _ADDRESS = re.compile(r"^tcp://[^\s/:]+:\d{1,5}$")
 _DESCRIPTOR_BYTES = 4 << 20  # a read is cut in Mooncake descriptors of at most this size
 _POLL_SLICE_S = 0.1  # waits are sliced so that close() is never held up
-_HELLO_TTL_S = 10.0  # a handshake must complete within this long after its hello
-_MAX_PENDING_HELLOS = 1024
 _ENDED_LEASE_MEMORY_S = 60.0  # an ended lease is remembered this long, to answer a late done
 
 T = TypeVar("T")
@@ -277,7 +275,7 @@ class MooncakeECConnector(ECConnectorBase):
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._sessions: dict[str, _Session] = {}
         self._leases: dict[str, _Lease] = {}
-        self._hellos: OrderedDict[tuple[bytes, str], tuple[str, float]] = OrderedDict()
+        self._challenges = auth.Challenges()
         self._pool_transport = self._transport()
         try:
             self._pool_region = self._pool_transport.register(self._pool)
@@ -400,16 +398,12 @@ class MooncakeECConnector(ECConnectorBase):
                 raise ProtocolError(
                     f"handshake refused: {self._max_sessions} sessions are open (max_sessions)"
                 )
-        server_nonce = auth.new_nonce()
-        self._hellos[(identity, hello.nonce)] = (server_nonce, time.monotonic() + _HELLO_TTL_S)
-        while len(self._hellos) > _MAX_PENDING_HELLOS:
-            self._hellos.popitem(last=False)
+        server_nonce = self._challenges.issue(identity, hello.nonce)
         self._server.send(identity, [encode(ECChallenge(nonce=server_nonce))])
 
     def _on_handshake(self, identity: bytes, shake: ECHandshake) -> None:
         # A hello is used once: a replayed handshake finds none.
-        pending = self._hellos.pop((identity, shake.client_nonce), None)
-        if pending is None or pending[0] != shake.server_nonce or pending[1] < time.monotonic():
+        if not self._challenges.redeem(identity, shake.client_nonce, shake.server_nonce):
             raise ProtocolError("handshake refused: no matching hello; start with ECHello")
         expected = auth.proof(
             self._secret, "consumer", shake.client_nonce, shake.server_nonce, "ec", shake.consumer
@@ -541,8 +535,7 @@ class MooncakeECConnector(ECConnectorBase):
 
     def _on_tick(self) -> None:
         now = time.monotonic()
-        for key in [k for k, (_, expires) in self._hellos.items() if expires < now]:
-            del self._hellos[key]
+        self._challenges.expire()
         with self._lock:
             for lease_id, lease in list(self._leases.items()):
                 if lease.pinned and lease.expires <= now:
