@@ -97,17 +97,21 @@ class RequestTable:
 
     def report_done(self, request_id: str, engine_id: str, rank: int, tp_size: int) -> bool:
         """A rank of a decode engine (TP `tp_size`) is done with the request. Returns whether
-        the request is now to be released: every rank of that engine reported. Reports of an
-        engine count only while no other engine fetches the request, so a stranger cannot free
-        a request another engine reads (a decode rank that read nothing from this producer,
-        as with MLA or replicated heads, still reports)."""
+        the request is now to be released: every rank of every engine that fetched it
+        reported (or, when no engine fetched it from this producer, as with MLA or replicated
+        heads, every rank of the reporting engine). An engine that did not fetch a request
+        others fetch cannot report it done: a stranger cannot free blocks another engine reads.
+        """
         with self._lock:
             request = self._live.get(request_id)
-            if request is None or set(request.fetchers) - {engine_id}:
+            if request is None or (request.fetchers and engine_id not in request.fetchers):
                 return False
             request.reported.add((engine_id, rank))
-            ranks = {r for engine, r in request.reported if engine == engine_id}
-            return len(ranks) >= tp_size
+            engines = request.fetchers or {engine_id: tp_size}
+            return all(
+                len({r for e, r in request.reported if e == engine}) >= size
+                for engine, size in engines.items()
+            )
 
     def abort(self, request_id: str, engine_id: str) -> bool:
         """`engine_id` will never load the request. Returns whether to release it now: it is

@@ -1,0 +1,57 @@
+"""The producer's request table: who may release a request, exactly once, in bounded memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvxfer.connector.requests import RequestTable
+
+IDS = np.arange(4, dtype=np.int64)
+
+
+def test_every_rank_of_every_fetching_engine_must_report():
+    table = RequestTable()
+    table.publish("r", IDS, 10, timeout=60)
+    table.report_done("r", "decode", 2, tp_size=4)  # a rank that reads nothing here, early
+    table.note_fetcher("r", "decode", 4)
+    table.note_fetcher("r", "other", 1)
+    assert not table.report_done("r", "decode", 0, 4)
+    assert not table.report_done("r", "decode", 1, 4)
+    assert not table.report_done("r", "decode", 3, 4)  # decode is complete, "other" is not
+    assert table.report_done("r", "other", 0, 1)
+    assert table.release("r") and not table.release("r")  # once
+
+
+def test_an_engine_that_did_not_fetch_cannot_report_or_abort_a_fetched_request():
+    table = RequestTable()
+    table.publish("r", IDS, 10, timeout=60)
+    table.note_fetcher("r", "decode", 1)
+    assert not table.report_done("r", "stranger", 0, 1)
+    assert not table.abort("r", "stranger")
+    assert table.abort("r", "decode")
+
+
+def test_a_request_nobody_fetched_here_is_released_by_the_reporting_engine():
+    table = RequestTable()  # as with MLA: this producer rank feeds no decode rank
+    table.publish("r", IDS, 10, timeout=60)
+    assert not table.report_done("r", "decode", 0, 2)
+    assert table.report_done("r", "decode", 1, 2)
+
+
+def test_an_abort_before_the_publish_is_kept_for_the_publish():
+    table = RequestTable()
+    assert not table.abort("early", "decode")
+    assert table.publish("early", IDS, 10, timeout=60)  # release it at once
+    assert not table.publish("later", IDS, 10, timeout=60)
+
+
+def test_released_ids_are_refused_then_forgotten_within_bounds():
+    table = RequestTable(released_ttl_s=60, max_released=100)
+    for i in range(1000):
+        table.publish(f"r{i}", IDS, 10, timeout=60)
+        assert table.release(f"r{i}")
+    assert table.released_kept == 100  # the oldest were forgotten
+    with pytest.raises(ValueError, match="already published"):
+        table.publish("r999", IDS, 10, timeout=60)
+    table.publish("r0", IDS, 10, timeout=60)  # forgotten: may be published again
