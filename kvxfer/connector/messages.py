@@ -6,15 +6,11 @@ raises `ProtocolError` with a message fit for the peer and the log. No pickle.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from kvxfer.spec import KVCacheSpec
-
-log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 2  # 2: pull transfers, authenticated sessions
 MAX_FRAME_BYTES = 8 << 20  # a 128k-token request's block ids take well under 1 MiB
@@ -343,27 +339,3 @@ def _raw(frame: bytes) -> Any:
         return msgspec.msgpack.decode(frame)
     except msgspec.DecodeError:
         return None
-
-
-def answer_frames(
-    frames: list[bytes], handle: Callable[[bytes, Message], Message | None], service: str
-) -> tuple[bytes, Message | None]:
-    """Decode one ROUTER message (identity, then one frame) and pass it to `handle`.
-
-    A frame that is refused (`ProtocolError`) or that `handle` fails on becomes an
-    `ErrorReply` and a log line, so that one bad peer never stops a service for the others.
-
-    Returns:
-        The sender's identity and the reply to send it, if any.
-    """
-    identity, payload = frames[0], frames[1:]
-    try:
-        if len(payload) != 1:
-            raise ProtocolError(f"expected one frame per message, got {len(payload)}")
-        return identity, handle(identity, decode(payload[0]))
-    except ProtocolError as exc:
-        log.warning("%s: refused a frame from %r: %s", service, identity, exc)
-        return identity, ErrorReply(reason=str(exc))
-    except Exception as exc:  # a bug must not stop the service for every other peer
-        log.exception("%s: internal error on a frame from %r", service, identity)
-        return identity, ErrorReply(reason=f"internal error: {type(exc).__name__}")

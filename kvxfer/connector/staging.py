@@ -1,7 +1,7 @@
 """`StagingPool`: a registered buffer cut into equal slots, one chunk of a transfer per slot.
 
-A full pool means waiting for a slot, never failing. Slots that a peer may still write into
-after a transfer was abandoned are quarantined for a grace period before reuse.
+A full pool means waiting for a slot, never failing. A slot that a transfer may still land in
+stays held by its holder until that transfer has settled (the consumer's quarantine).
 """
 
 from __future__ import annotations
@@ -85,12 +85,6 @@ class StagingPool:
                 raise ValueError(f"slot {slot} is not held")
             self._free.append(slot)
             self._cond.notify()
-
-    def release_later(self, slot: int, delay: float) -> None:
-        """Give a slot back after `delay` seconds (late writes may still land in it)."""
-        timer = threading.Timer(delay, self.release, args=(slot,))
-        timer.daemon = True
-        timer.start()
 
     def reset(self) -> None:
         """Make every slot free again (the pool changes hands between sessions)."""
