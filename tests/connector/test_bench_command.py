@@ -51,6 +51,8 @@ ROW_KEYS = {
     "naive_ops",
     "ratio_to_contiguous",
     "speedup_over_naive",
+    "kvxfer_cpu_s_per_gb",
+    "contiguous_cpu_s_per_gb",
 }
 
 
@@ -65,6 +67,8 @@ def test_bench_json_rows(capsys):
     assert row["naive_ops"] == 4 * 2 * 2 * 64  # pairs x layers x K/V x tokens
     for key in ("kvxfer_gbps", "contiguous_gbps", "naive_gbps"):
         assert row[key] > 0
+    for key in ("kvxfer_cpu_s_per_gb", "contiguous_cpu_s_per_gb"):
+        assert row[key] > 0  # a transfer costs CPU on this machine
     assert PROGRESS not in captured.err and "%|" not in captured.err
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("### Command-line reference (JSON keys)", 1)[1].split("\n## ", 1)[0]
