@@ -18,7 +18,7 @@ import numpy as np
 
 from kvxfer.plan.heads import HeadRoute
 from kvxfer.plan.layout import BlockGeometry, moved_bytes
-from kvxfer.plan.program import Strategy, count_program_segments, program_shape
+from kvxfer.plan.program import CellCopy, Strategy, count_program_segments, program_shape
 from kvxfer.spec import KVCacheSpec
 
 
@@ -37,6 +37,10 @@ class CostModel:
     seconds_per_kernel_launch: float = 5e-6
     reference_tokens: int = 4096
     contiguous_blocks: bool = False
+    # Passes one copy to or from a mirror of blocks costs. 1 for the Triton kernels; 2 for the
+    # CPU's torch copies, whose mirror side takes a temporary while a dense wire buffer takes
+    # one pass (benchmarks/cell_copy_passes.py: 37.1 ms against 8.6 ms, 65k rows of 768 B).
+    mirror_copy_passes: int = 1
 
     @classmethod
     def tcp_loopback(cls) -> CostModel:
@@ -48,6 +52,7 @@ class CostModel:
             link_bytes_per_second=1.4e9,
             memory_bytes_per_second=3e9,
             seconds_per_kernel_launch=20e-6,
+            mirror_copy_passes=2,
         )
 
     def seconds(self, num_ops: int, nbytes: int, kernel_passes: int) -> float:
@@ -96,5 +101,16 @@ def estimate_strategy(
     ops = count_program_segments(shape, route, 0, tokens, src_spec.num_layers)
     geometry = BlockGeometry.of_spec(src_spec)
     nbytes = src_spec.num_layers * moved_bytes(geometry, route.num_heads, tokens)
-    passes = (shape.pack is not None) + (shape.unpack is not None)
+    passes = sum(
+        model.mirror_copy_passes if _touches_mirror(copy) else 1
+        for copy in (shape.pack, shape.unpack)
+        if copy is not None
+    )
     return StrategyEstimate(strategy, ops, nbytes, passes, model.seconds(ops, nbytes, passes))
+
+
+def _touches_mirror(copy: CellCopy) -> bool:
+    """Whether a copy's staging side is a mirror of blocks (rather than the dense wire buffer,
+    whose rows are consecutive)."""
+    staging = copy.dst if copy.src.region == "cache" else copy.src
+    return staging.geometry.num_blocks > 1 or staging.geometry.layout != "NHD"
