@@ -346,6 +346,11 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="intra-op threads of this process (every rank of both engines shares it)",
     )
     p.add_argument("--json", action="store_true", help='print {"rows": [...]}')
+    _add_verbose(p)
+
+
+def _add_verbose(p: argparse.ArgumentParser) -> None:
+    """The `--verbose` flag of the commands that start Mooncake engines (`kvxfer.logs`)."""
     p.add_argument(
         "--verbose",
         action="store_true",
@@ -416,11 +421,7 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--seed", type=_non_negative, default=d["seed"], help="weights and prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument(
-        "--verbose",
-        action="store_true",
-        help="show Mooncake's own log lines (INFO level unless MC_LOG_LEVEL is set)",
-    )
+    _add_verbose(p)
 
 
 def _check_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
