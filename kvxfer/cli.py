@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 STRATEGIES: tuple[str, ...] = ("direct", "pack", "unpack", "pack+unpack")
 KV_PLACEMENTS: tuple[str, ...] = ("kv_first", "blocks_first", "kv_inner")
 LAYOUTS: tuple[str, ...] = ("NHD", "HND")
-DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
+DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
 PROTOCOLS: tuple[str, ...] = ("tcp", "rdma")
 PLAN_KV_HEADS = 8
 DEMO_DEFAULTS: dict[str, Any] = {

@@ -19,12 +19,19 @@ from kvxfer.spec import KVCacheSpec
 def random_global_kv(
     spec: KVCacheSpec, num_tokens: int, seed: int = 0, device: str | torch.device = "cpu"
 ) -> torch.Tensor:
-    """Random KV for a whole request (all heads), with distinct bit patterns everywhere."""
+    """Random KV for a whole request (all heads), with distinct bit patterns everywhere.
+
+    fp8 caches (one byte per element) get uniformly random bytes: every bit pattern, NaNs
+    included, since only data movement is tested, never fp8 arithmetic.
+    """
     gen = torch.Generator().manual_seed(seed)
     if spec.mla:
         shape: tuple[int, ...] = (spec.num_layers, num_tokens, spec.head_dim)
     else:
         shape = (spec.num_layers, 2, num_tokens, spec.num_kv_heads, spec.head_dim)
+    if spec.itemsize == 1:  # no randn for fp8 on CPU: random bytes, viewed as the dtype
+        noise = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+        return noise.view(spec.torch_dtype).to(device=device)
     return torch.randn(shape, generator=gen).to(dtype=spec.torch_dtype, device=device)
 
 

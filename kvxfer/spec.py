@@ -1,7 +1,8 @@
 """`KVCacheSpec`: the geometry of one rank's paged KV cache, and the handshake's payload.
 
 The layout contract (DESIGN.md) fixes the per-layer tensor shape for every combination of
-`layout`, `kv_placement` and `mla`; `layer_shape` below is its single source of truth.
+`layout`, `kv_placement` and `mla`; `kvxfer.layout` is its single source of truth, and
+`KVCacheSpec.layer_shape` reads it from there.
 """
 
 from __future__ import annotations
@@ -12,18 +13,27 @@ import msgspec
 import numpy as np
 import torch
 
-DType = Literal["float16", "bfloat16", "float32"]
-Layout = Literal["NHD", "HND"]
-KVPlacement = Literal["kv_first", "blocks_first", "kv_inner"]
+from kvxfer.layout import KV_PLACEMENTS, LAYOUTS, KVPlacement, Layout
+from kvxfer.layout import layer_shape as _layer_shape
+
+# fp8 caches (vLLM's kv_cache_dtype "fp8", "fp8_e4m3", "fp8_e5m2") are moved as bytes: every
+# path copies bits, none does fp8 arithmetic.
+DType = Literal["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
 }
-DTYPE_ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
-LAYOUTS: tuple[str, ...] = ("NHD", "HND")
-KV_PLACEMENTS: tuple[str, ...] = ("kv_first", "blocks_first", "kv_inner")
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
 
 
 INT_FIELDS: tuple[str, ...] = (
@@ -80,7 +90,8 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
         num_layers: attention layers, one cache tensor each.
         num_kv_heads: KV heads of the whole model (`H`), not of this rank. 1 when `mla`.
         head_dim: elements per head (the MLA latent width when `mla`).
-        dtype: "float16", "bfloat16" or "float32".
+        dtype: "float16", "bfloat16", "float32", or an fp8 cache: "float8_e4m3fn" or
+            "float8_e5m2" (moved bit for bit like the others).
         tp_size: tensor-parallel size of this engine (`T`).
         tp_rank: this rank, in `[0, tp_size)`.
         block_size: tokens per block (page).
@@ -180,11 +191,16 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def layer_shape(self) -> tuple[int, ...]:
-        """The per-layer tensor shape of the layout contract."""
-        b, s, h, d = self.num_blocks, self.block_size, self.heads_per_rank, self.head_dim
-        if self.mla:
-            return (b, s, d)
-        return kv_layer_shape(b, s, h, d, self.layout, self.kv_placement)
+        """The per-layer tensor shape of the layout contract (`kvxfer.layout`)."""
+        return _layer_shape(
+            self.num_blocks,
+            self.block_size,
+            self.heads_per_rank,
+            self.head_dim,
+            self.layout,
+            self.kv_placement,
+            self.mla,
+        )
 
     @property
     def layer_bytes(self) -> int:
@@ -211,17 +227,6 @@ def encode_spec(spec: KVCacheSpec) -> bytes:
 def decode_spec(data: bytes) -> KVCacheSpec:
     """Parse and validate a spec from msgpack; a bad field raises `msgspec.ValidationError`."""
     return msgspec.msgpack.decode(data, type=KVCacheSpec)
-
-
-def kv_layer_shape(
-    blocks: int, slots: int, heads: int, head_dim: int, layout: str, kv_placement: str
-) -> tuple[int, ...]:
-    """The per-layer shape of a K/V (non-MLA) cache: DESIGN.md's layout table."""
-    if kv_placement == "kv_inner":
-        cell = 2 * head_dim
-        return (blocks, slots, heads, cell) if layout == "NHD" else (blocks, heads, slots, cell)
-    block = (slots, heads, head_dim) if layout == "NHD" else (heads, slots, head_dim)
-    return (2, blocks, *block) if kv_placement == "kv_first" else (blocks, 2, *block)
 
 
 def allocate_kv_caches(spec: KVCacheSpec, device: str | torch.device = "cpu") -> list[torch.Tensor]:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvxfer import KVCacheSpec, allocate_kv_caches
+from kvxfer.layout import canonical_view
 from kvxfer.reference import random_global_kv, write_rank_cells
 
 POISON = 0xA5
@@ -77,8 +78,8 @@ def global_kv(side: Side, request: Request) -> torch.Tensor:
 
 
 def block_view(spec: KVCacheSpec, layer: torch.Tensor, block: int) -> torch.Tensor:
-    """One block's bytes of a layer tensor, whatever the layout."""
-    return layer[:, block] if spec.kv_placement == "kv_first" and not spec.mla else layer[block]
+    """One block of a layer tensor, whatever the layout: `[plane, slot, head, head_dim]`."""
+    return canonical_view(layer, spec.layout, spec.kv_placement, spec.mla)[:, block]
 
 
 # ---- processes ----------------------------------------------------------------------------

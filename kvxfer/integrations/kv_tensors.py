@@ -15,7 +15,15 @@ Logical shapes understood:
 Physical orders accepted: blocks (or K/V planes) outermost, then (slot, head) or (head, slot),
 then each head's elements: vLLM's layer-compact layouts LBNHC (NHD) and LBHNC (HND), and the
 four 5-D layouts of DESIGN.md's table. Block-outermost layouts (BLNHC, ...) interleave layers
-within a block and are refused with the setting that avoids them.
+within a block and are refused with the setting that avoids them. Which physical order is which
+(layout, kv_placement) comes from the layout contract's module, `kvxfer.layout`.
+
+Dtypes: float16, bfloat16, float32, and fp8 caches. A float8_e4m3fn or float8_e5m2 tensor names
+its format. vLLM allocates fp8 caches (`kv_cache_dtype` "fp8", "fp8_e4m3", "fp8_e5m2") as
+uint8 tensors, whose bytes do not say which format they hold; the format then comes from
+`EngineGeometry.kv_cache_dtype` (vLLM's `cache_config.cache_dtype`), and a uint8 cache without
+it is refused with an error that names that setting. kvxfer never converts: the format is part
+of the handshake, so that both sides agree on what the bytes mean.
 """
 
 from __future__ import annotations
@@ -25,23 +33,29 @@ from dataclasses import dataclass
 
 import torch
 
+from kvxfer.layout import BLOCK, CELL, DIM, HEAD, KV_PLACEMENTS, LAYOUTS, PLANE, SLOT, layer_axes
 from kvxfer.spec import KVCacheSpec
 
-# Axis roles of a cache tensor.
-_KV, _BLOCK, _SLOT, _HEAD, _DIM, _CELL = "kv", "block", "slot", "head", "dim", "cell"
+# The layout contract's K/V layouts by the axes of their tensors, outermost first (kv_inner:
+# vLLM's LBNHC and LBHNC).
 _PHYSICAL_ORDERS: dict[tuple[str, ...], tuple[str, str]] = {
-    (_KV, _BLOCK, _SLOT, _HEAD, _DIM): ("NHD", "kv_first"),
-    (_KV, _BLOCK, _HEAD, _SLOT, _DIM): ("HND", "kv_first"),
-    (_BLOCK, _KV, _SLOT, _HEAD, _DIM): ("NHD", "blocks_first"),
-    (_BLOCK, _KV, _HEAD, _SLOT, _DIM): ("HND", "blocks_first"),
-    (_BLOCK, _SLOT, _HEAD, _CELL): ("NHD", "kv_inner"),  # vLLM LBNHC
-    (_BLOCK, _HEAD, _SLOT, _CELL): ("HND", "kv_inner"),  # vLLM LBHNC
+    layer_axes(layout, placement, False): (layout, placement)
+    for layout in LAYOUTS
+    for placement in KV_PLACEMENTS
 }
 _LAYOUT_FIX = (
     "on vLLM start the engine with VLLM_KV_CACHE_LAYOUT=LBNHC (or LBHNC), the layer-compact "
     "layouts, in which each layer is one dense tensor"
 )
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_DTYPE_NAMES = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+}
+# vLLM's `cache_dtype` settings whose caches are uint8 tensors holding one fp8 format.
+_VLLM_FP8_BYTES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,10 @@ class EngineGeometry:
         block_size: tokens per block.
         tp_size, tp_rank: this rank's tensor-parallel place.
         mla: whether the model uses a latent (MLA) cache.
+        kv_cache_dtype: the engine's cache dtype setting (vLLM's `cache_config.cache_dtype`:
+            "auto", "fp8", "fp8_e4m3", "fp8_e5m2", ...), or None. Read only for uint8 cache
+            tensors, whose fp8 format it names ("fp8" and "fp8_e4m3": float8_e4m3fn;
+            "fp8_e5m2": float8_e5m2).
     """
 
     total_kv_heads: int
@@ -62,6 +80,7 @@ class EngineGeometry:
     tp_size: int
     tp_rank: int
     mla: bool = False
+    kv_cache_dtype: str | None = None
 
 
 def physical_layer(tensor: torch.Tensor, geometry: EngineGeometry) -> tuple[torch.Tensor, str, str]:
@@ -111,7 +130,7 @@ def _logical_roles(tensor: torch.Tensor, geometry: EngineGeometry) -> list[str]:
                 f"view needs {cell} after the blocks; check block_size and the "
                 "tensor-parallel size the connector was configured with"
             )
-        return [_BLOCK, _HEAD, _SLOT, _CELL]
+        return [BLOCK, HEAD, SLOT, CELL]
     if tensor.dim() != 5:
         raise ValueError(
             f"cache tensor has {tensor.dim()} dims (shape {shape}); expected [blocks, heads, "
@@ -126,9 +145,9 @@ def _logical_roles(tensor: torch.Tensor, geometry: EngineGeometry) -> list[str]:
             "tensor-parallel size the connector was configured with"
         )
     if shape[0] == 2:
-        return [_KV, _BLOCK, _SLOT, _HEAD, _DIM]
+        return [PLANE, BLOCK, SLOT, HEAD, DIM]
     if shape[1] == 2:
-        return [_BLOCK, _KV, _SLOT, _HEAD, _DIM]
+        return [BLOCK, PLANE, SLOT, HEAD, DIM]
     raise ValueError(f"cache tensor has shape {shape}; no K/V axis of size 2 among the first two")
 
 
@@ -165,17 +184,13 @@ def spec_from_layers(
             "kvxfer needs one geometry per rank (one KV cache group)"
         )
     layout, placement, dtype, _ = layouts[0]
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(
-            f"cache dtype {dtype} is not supported; use one of {sorted(_DTYPE_NAMES.values())}"
-        )
     first = views[0]
-    num_blocks = first.shape[1] if not geometry.mla and placement == "kv_first" else first.shape[0]
+    num_blocks = first.shape[layer_axes(layout, placement, geometry.mla).index(BLOCK)]
     spec = KVCacheSpec(
         num_layers=len(views),
         num_kv_heads=1 if geometry.mla else geometry.total_kv_heads,
         head_dim=geometry.head_dim,
-        dtype=_DTYPE_NAMES[dtype],  # type: ignore[arg-type]
+        dtype=_dtype_name(dtype, geometry),  # type: ignore[arg-type]
         tp_size=geometry.tp_size,
         tp_rank=geometry.tp_rank,
         block_size=geometry.block_size,
@@ -185,3 +200,31 @@ def spec_from_layers(
         mla=geometry.mla,
     )
     return spec, views
+
+
+def _dtype_name(dtype: torch.dtype, geometry: EngineGeometry) -> str:
+    """The spec's dtype name of a cache tensor's dtype (uint8: the fp8 format the engine's
+    `kv_cache_dtype` names; see the module's docstring)."""
+    if dtype == torch.uint8:
+        setting = geometry.kv_cache_dtype
+        if setting not in _VLLM_FP8_BYTES:
+            raise ValueError(
+                f"cache tensors are uint8 with kv_cache_dtype {setting!r}: kvxfer reads uint8 "
+                "caches as fp8 bytes, whose format the bytes do not tell; pass "
+                "EngineGeometry(kv_cache_dtype=...) with the engine's setting (vLLM's "
+                f"cache_config.cache_dtype: one of {sorted(_VLLM_FP8_BYTES)})"
+            )
+        return _VLLM_FP8_BYTES[setting]
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise ValueError(
+            f"cache dtype {dtype} is not supported; use one of {sorted(_DTYPE_NAMES.values())} "
+            "(or uint8 fp8 bytes with EngineGeometry.kv_cache_dtype)"
+        )
+    setting = _VLLM_FP8_BYTES.get(geometry.kv_cache_dtype or "")
+    if name.startswith("float8") and setting is not None and setting != name:
+        raise ValueError(
+            f"cache tensors are {name} but kv_cache_dtype {geometry.kv_cache_dtype!r} names "
+            f"{setting}; pass the engine's own cache dtype setting"
+        )
+    return name

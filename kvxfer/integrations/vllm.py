@@ -866,6 +866,7 @@ def _engine_geometry(
         tp_size=parallel.tensor_parallel_size,
         tp_rank=_tp_rank(vllm_config),
         mla=bool(model.use_mla),
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
     )
 
 

@@ -14,7 +14,8 @@ from typing import Literal
 
 import numpy as np
 
-from kvxfer.spec import KVCacheSpec, kv_layer_shape
+from kvxfer.layout import canonical_strides, layer_shape
+from kvxfer.spec import KVCacheSpec
 
 RegionKind = Literal["cache", "staging"]
 
@@ -53,11 +54,16 @@ class BlockGeometry:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The per-layer tensor shape (the layout contract)."""
-        b, s, h, d = self.num_blocks, self.block_size, self.num_heads, self.head_dim
-        if self.mla:
-            return (b, s, d)
-        return kv_layer_shape(b, s, h, d, self.layout, self.kv_placement)
+        """The per-layer tensor shape (the layout contract, `kvxfer.layout`)."""
+        return layer_shape(
+            self.num_blocks,
+            self.block_size,
+            self.num_heads,
+            self.head_dim,
+            self.layout,
+            self.kv_placement,
+            self.mla,
+        )
 
     @property
     def layer_elements(self) -> int:
@@ -71,19 +77,17 @@ class BlockGeometry:
 
     @property
     def strides(self) -> tuple[int, int, int, int]:
-        """Element strides of the canonical axes (plane, block, slot, head)."""
-        s, h, d = self.block_size, self.num_heads, self.head_dim
-        if self.mla:
-            return (0, s * d, d, 0)
-        block_elems = s * h * d
-        if self.kv_placement == "kv_inner":  # a (slot, head) row holds K then V
-            row = 2 * d
-            slot, head = (h * row, row) if self.layout == "NHD" else (row, s * row)
-            return (d, 2 * block_elems, slot, head)
-        slot, head = (h * d, d) if self.layout == "NHD" else (d, s * d)
-        if self.kv_placement == "kv_first":
-            return (self.num_blocks * block_elems, block_elems, slot, head)
-        return (block_elems, 2 * block_elems, slot, head)
+        """Element strides of the canonical axes (plane, block, slot, head); 0 for the axes an
+        MLA latent lacks (plane, head). See `kvxfer.layout.canonical_strides`."""
+        return canonical_strides(
+            self.num_blocks,
+            self.block_size,
+            self.num_heads,
+            self.head_dim,
+            self.layout,
+            self.kv_placement,
+            self.mla,
+        )
 
 
 def blocks_of_tokens(

@@ -55,6 +55,11 @@ PAIRS = [
         Side(2, mla=True, head_dim=16, block_size=32),
         id="MLA-P4-D2",
     ),
+    pytest.param(  # fp8 caches move as bytes; 5-byte heads leave no wider word
+        Side(2, heads=4, head_dim=5, dtype="float8_e4m3fn"),
+        Side(4, heads=4, head_dim=5, block_size=32, layout="HND", dtype="float8_e4m3fn"),
+        id="P2-D4-fp8-e4m3-d5",
+    ),
 ]
 
 
