@@ -1,14 +1,28 @@
 """kvxfer.kernels: gather, scatter and remap of paged KV caches, in Triton and in torch."""
 
-from kvxfer.kernels.copy_cells import check_launchable, copy_cells, tile_sizes
+from kvxfer.kernels.copy_cells import (
+    CellCopyLaunch,
+    check_launchable,
+    copy_cells,
+    prepare_cell_copy,
+    tile_tokens,
+)
 from kvxfer.kernels.copy_cells_torch import copy_cells_torch
 from kvxfer.kernels.gather_kv import gather_kv, gather_kv_torch
-from kvxfer.kernels.layout import KVBuffer, canonical_kv_view, check_cell_copy, wire_kv_buffer
+from kvxfer.kernels.layout import (
+    KVBuffer,
+    StackedLayers,
+    canonical_kv_view,
+    check_cell_copy,
+    wire_kv_buffer,
+)
 from kvxfer.kernels.remap_kv import remap_kv, remap_kv_torch
 from kvxfer.kernels.scatter_kv import scatter_kv, scatter_kv_torch
 
 __all__ = [
+    "CellCopyLaunch",
     "KVBuffer",
+    "StackedLayers",
     "canonical_kv_view",
     "check_cell_copy",
     "check_launchable",
@@ -16,10 +30,11 @@ __all__ = [
     "copy_cells_torch",
     "gather_kv",
     "gather_kv_torch",
+    "prepare_cell_copy",
     "remap_kv",
     "remap_kv_torch",
     "scatter_kv",
     "scatter_kv_torch",
-    "tile_sizes",
+    "tile_tokens",
     "wire_kv_buffer",
 ]

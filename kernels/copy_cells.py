@@ -1,10 +1,22 @@
 """Triton kernel: copy (layer, plane, token, head) cells between two paged KV buffers.
 
-One launch covers every layer of a request. Layers are reached through element offsets from a
-common base pointer (layer 0 of each side), never through pointers loaded from memory, so the
-Triton interpreter runs the same kernel on CPU tensors. Elements are moved as integers of their
-width: bit-exact for every dtype, with no float arithmetic (the interpreter has none for bf16).
-All index arithmetic is int64: a 30-layer cache passes 2^31 elements quickly.
+One launch covers every layer of a request. A program owns one tile of tokens of one (layer,
+plane) and moves every head the copy moves, as rows of contiguous words; its tile never
+straddles a block on either side, so each side costs it one block-id load and one scalar
+address computation (int64), and the per-element work is int32 offsets from that address.
+How the design follows the best paged-KV copy kernels is in DESIGN.md ("JIT and the kernels").
+
+Layers are reached through a per-layer address table (a device tensor built once per set of
+layer tensors, then cached) or, for a staging buffer (`StackedLayers`), a base pointer and a
+layer stride. Elements move as integer words: bit-exact for every dtype, fp8 included, with no
+float arithmetic (the interpreter has none for bf16). When the host has checked that every
+address, stride and row is 16-byte aligned, the kernel copies 4-byte words and says so to the
+compiler (`tl.multiple_of` on the final pointers), which then emits 16-byte loads and stores;
+otherwise a narrower variant copies the widest word that divides everything.
+
+Every runtime integer is excluded from Triton's specialization (`do_not_specialize`, and
+pointers from alignment specialization), so one compiled variant per geometry serves every
+request: the warm-up at handshake compiles exactly what requests use.
 
 gather_kv, scatter_kv and remap_kv are this kernel specialized on which side is paged.
 """
@@ -12,14 +24,25 @@ gather_kv, scatter_kv and remap_kv are this kernel specialized on which side is 
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import os
 import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from kvxfer.kernels.layout import KVBuffer, check_cell_copy
+from kvxfer.kernels.layout import (
+    KVBuffer,
+    StackedLayers,
+    canonical_kv_view,
+    check_copy_pair,
+    check_layers,
+)
 
 # The interpreter is chosen when `triton.jit` decorates, i.e. when this module is imported.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -27,154 +50,340 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # launches from different threads break each other ("_semantic argument must be provided");
 # compiled kernels have no such limit.
 _INTERPRETER_LOCK = threading.Lock()
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# CUDA limits grid axis 1 to 65535 programs; axis 1 walks (layer, plane, head).
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# 16-byte accesses: the widest a GPU thread issues (ld.global.v4.b32).
+_VECTOR_BYTES = 16
+# Bytes per program: 32 KiB keeps every configuration of benchmarks/kernel_codegen.py at or
+# under 96 registers without spills on sm_90 (16 tokens x 8 heads x 128 bf16 = 32 KiB).
+_TILE_BYTES = 32 * 1024
+_MAX_TILE_TOKENS = 64
+# CUDA limits grid axis 1 to 65535 programs; axis 1 walks (layer, plane).
 _MAX_GRID_Y = 65535
+_INT32_MAX = 2**31 - 1
+
+# Runtime integers that vary per request (or per staging slot, or per set of caches): none of
+# them may pick a compiled variant (see the module docstring). They are also typed `tl.int64`
+# in the signature, or Triton would type each by its value's range (i32 or i64).
+_RUNTIME_INTS = [
+    "tile_origin",
+    "token_start",
+    "token_end",
+    "src_layer_stride",
+    "src_token_shift",
+    "src_plane_stride",
+    "src_block_stride",
+    "src_slot_stride",
+    "src_head_stride",
+    "src_head_offset",
+    "dst_layer_stride",
+    "dst_token_shift",
+    "dst_plane_stride",
+    "dst_block_stride",
+    "dst_slot_stride",
+    "dst_head_stride",
+    "dst_head_offset",
+]
+_POINTERS = [
+    "src_ptr",
+    "src_layers_ptr",
+    "src_block_ids_ptr",
+    "dst_ptr",
+    "dst_layers_ptr",
+    "dst_block_ids_ptr",
+]
 
 
 @triton.jit
-def _cell_row_offsets(
-    tokens,  # [BLOCK_T] int64
-    token_mask,  # [BLOCK_T] bool
+def _tile_base(
+    ptr,  # words of layer 0 (table mode: only its element type is used)
+    layers_ptr,  # [layers] int64 byte addresses, read when TABLE
+    block_ids_ptr,  # [logical blocks] int64, read when PAGED
     layer,
     plane,
-    head,
-    layer_offsets_ptr,  # [layers] int64: element offset of each layer from the base pointer
-    block_ids_ptr,  # [logical blocks] int64, read only when PAGED
+    tile_first,  # first token of the tile (int64)
+    layer_stride,
     token_shift,
-    block_size,
     plane_stride,
     block_stride,
     slot_stride,
     head_stride,
     head_offset,
+    BLOCK_SIZE: tl.constexpr,  # tokens per block; 0 when positions map linearly to slots
     PAGED: tl.constexpr,
+    TABLE: tl.constexpr,
 ):
-    """Element offset of the first element of each token's cell."""
-    pos = tokens - token_shift
-    logical = pos // block_size
-    slot = pos - logical * block_size
+    """Pointer to the first moved word of the tile's first token (scalar int64 math only)."""
+    pos = tile_first - token_shift
+    if BLOCK_SIZE > 0:
+        logical = pos // BLOCK_SIZE  # a constant divisor: shifts or a multiply, never div.s64
+        slot = pos - logical * BLOCK_SIZE
+    else:
+        logical = pos * 0
+        slot = pos
     if PAGED:  # noqa: SIM108 (a constexpr branch: the other side is never compiled)
-        block = tl.load(block_ids_ptr + logical, mask=token_mask, other=0)
+        block = tl.load(block_ids_ptr + logical)
     else:
         block = logical
-    base = tl.load(layer_offsets_ptr + layer)
-    return (
-        base
-        + plane * plane_stride
-        + block * block_stride
-        + slot * slot_stride
-        + (head_offset + head) * head_stride
-    )
+    offset = plane * plane_stride + block * block_stride + slot * slot_stride
+    offset += head_offset * head_stride
+    if TABLE:
+        base = tl.load(layers_ptr + layer).to(tl.pointer_type(ptr.dtype.element_ty))
+    else:
+        base = ptr + layer * layer_stride
+    return base + offset
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS, do_not_specialize_on_alignment=_POINTERS)
 def _copy_cells_kernel(
-    src_ptr,  # layer 0 of the source, [planes, blocks, slots, heads, head_dim] as int words
-    src_layer_offsets_ptr,  # [layers] int64
-    src_block_ids_ptr,  # [logical blocks] int64
-    dst_ptr,  # layer 0 of the destination, as int words of the same width
-    dst_layer_offsets_ptr,  # [layers] int64
+    src_ptr,  # staging: [layers * layer_elements] words; table mode: layer 0's words
+    src_layers_ptr,  # [layers] int64 byte address of each source layer (table mode)
+    src_block_ids_ptr,  # [logical blocks] int64 (paged)
+    dst_ptr,  # as src_ptr, for the destination
+    dst_layers_ptr,  # [layers] int64
     dst_block_ids_ptr,  # [logical blocks] int64
-    token_start,
-    token_end,
-    src_token_shift,
-    src_block_size,
-    src_plane_stride,
-    src_block_stride,
-    src_slot_stride,
-    src_head_stride,
-    src_head_offset,
-    dst_token_shift,
-    dst_block_size,
-    dst_plane_stride,
-    dst_block_stride,
-    dst_slot_stride,
-    dst_head_stride,
-    dst_head_offset,
-    NUM_HEADS: tl.constexpr,  # heads moved
+    tile_origin: tl.int64,  # first token of tile 0: token_start rounded down to BLOCK_T
+    token_start: tl.int64,
+    token_end: tl.int64,
+    src_layer_stride: tl.int64,  # words between layers (stacked mode)
+    src_token_shift: tl.int64,
+    src_plane_stride: tl.int64,  # words
+    src_block_stride: tl.int64,
+    src_slot_stride: tl.int64,
+    src_head_stride: tl.int64,
+    src_head_offset: tl.int64,
+    dst_layer_stride: tl.int64,
+    dst_token_shift: tl.int64,
+    dst_plane_stride: tl.int64,
+    dst_block_stride: tl.int64,
+    dst_slot_stride: tl.int64,
+    dst_head_stride: tl.int64,
+    dst_head_offset: tl.int64,
     NUM_PLANES: tl.constexpr,  # 2 (K, V) or 1 (MLA)
-    HEAD_DIM: tl.constexpr,
-    BLOCK_T: tl.constexpr,  # tokens per program
-    BLOCK_D: tl.constexpr,  # next power of two of HEAD_DIM
+    NUM_HEADS: tl.constexpr,  # heads moved
+    BLOCK_H: tl.constexpr,  # next power of two of NUM_HEADS
+    HEAD_WORDS: tl.constexpr,  # words per head
+    BLOCK_W: tl.constexpr,  # next power of two of HEAD_WORDS
+    BLOCK_T: tl.constexpr,  # tokens per program; divides every BLOCK_SIZE > 0
+    SRC_BLOCK_SIZE: tl.constexpr,
+    DST_BLOCK_SIZE: tl.constexpr,
     SRC_PAGED: tl.constexpr,
     DST_PAGED: tl.constexpr,
+    SRC_TABLE: tl.constexpr,
+    DST_TABLE: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every row start is 16-byte aligned (checked by the host)
 ):
     pid_t = tl.program_id(0).to(tl.int64)
-    pid_cell = tl.program_id(1).to(tl.int64)  # (layer, plane, head), head fastest
-    head = pid_cell % NUM_HEADS
-    plane = (pid_cell // NUM_HEADS) % NUM_PLANES
-    layer = pid_cell // (NUM_HEADS * NUM_PLANES)
+    pid_lp = tl.program_id(1).to(tl.int64)  # (layer, plane), plane fastest
+    layer = pid_lp // NUM_PLANES
+    plane = pid_lp % NUM_PLANES
+    tile_first = tile_origin + pid_t * BLOCK_T
 
-    tokens = token_start + pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-    token_mask = tokens < token_end
-    dims = tl.arange(0, BLOCK_D).to(tl.int64)
-    mask = token_mask[:, None] & (dims < HEAD_DIM)[None, :]
-
-    src_rows = _cell_row_offsets(
-        tokens,
-        token_mask,
+    src_base = _tile_base(
+        src_ptr,
+        src_layers_ptr,
+        src_block_ids_ptr,
         layer,
         plane,
-        head,
-        src_layer_offsets_ptr,
-        src_block_ids_ptr,
+        tile_first,
+        src_layer_stride,
         src_token_shift,
-        src_block_size,
         src_plane_stride,
         src_block_stride,
         src_slot_stride,
         src_head_stride,
         src_head_offset,
+        SRC_BLOCK_SIZE,
         SRC_PAGED,
+        SRC_TABLE,
     )
-    dst_rows = _cell_row_offsets(
-        tokens,
-        token_mask,
+    dst_base = _tile_base(
+        dst_ptr,
+        dst_layers_ptr,
+        dst_block_ids_ptr,
         layer,
         plane,
-        head,
-        dst_layer_offsets_ptr,
-        dst_block_ids_ptr,
+        tile_first,
+        dst_layer_stride,
         dst_token_shift,
-        dst_block_size,
         dst_plane_stride,
         dst_block_stride,
         dst_slot_stride,
         dst_head_stride,
         dst_head_offset,
+        DST_BLOCK_SIZE,
         DST_PAGED,
+        DST_TABLE,
     )
-    cells = tl.load(src_ptr + src_rows[:, None] + dims[None, :], mask=mask)
-    tl.store(dst_ptr + dst_rows[:, None] + dims[None, :], cells, mask=mask)
+
+    # Offsets inside the tile fit int32 (checked by the host): the only per-element math.
+    t = tl.arange(0, BLOCK_T)[:, None, None]
+    h = tl.arange(0, BLOCK_H)[None, :, None]
+    w = tl.arange(0, BLOCK_W)[None, None, :]
+    src_off = t * src_slot_stride.to(tl.int32) + h * src_head_stride.to(tl.int32) + w
+    dst_off = t * dst_slot_stride.to(tl.int32) + h * dst_head_stride.to(tl.int32) + w
+    first = tl.maximum(token_start - tile_first, 0).to(tl.int32)  # the tile's moved tokens
+    last = tl.minimum(token_end - tile_first, BLOCK_T).to(tl.int32)
+    mask = (t >= first) & (t < last) & (h < NUM_HEADS) & (w < HEAD_WORDS)
+    src_words = src_base + src_off
+    dst_words = dst_base + dst_off
+    if ALIGNED:
+        # Rows start on 16-byte boundaries: 4 words of 4 bytes per access.
+        src_words = tl.multiple_of(src_words, [1, 1, 16])
+        dst_words = tl.multiple_of(dst_words, [1, 1, 16])
+    cells = tl.load(src_words, mask=mask)
+    tl.store(dst_words, cells, mask=mask)
 
 
-def tile_sizes(head_dim: int, itemsize: int) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_D): the whole head in one row, and about 4 KiB per program.
+@dataclass(frozen=True)
+class _LayerSet:
+    """One side's layers as the kernel reaches them, validated once."""
 
-    Measured on one H200 (benchmarks/RESULTS.md, gather of 32 layers x 16k tokens, 128-wide
-    bf16 heads): 16 tokens per program (4 KiB) moved 2,275 GB/s, against 2,003 at 8, 1,864 at
-    32, 1,322 at 64 (the former 16 KiB default) and 526 at 128. The tile depends on the head
-    and dtype only, never on the request's length, so one compiled variant serves every
-    request of a rank pair.
+    word_view: torch.Tensor  # layer 0 (table mode) or the flat staging, as words
+    table: torch.Tensor | None  # [layers] int64 byte addresses on the device, or None (stacked)
+    layer_stride_bytes: int  # stacked mode
+    alignment: int  # the largest power of two (up to 16) dividing every layer's address
+
+
+# Tables of layer addresses, per set of layer tensors: a serving engine has a few (its caches),
+# so they are built once and reused by every launch. Keyed by the addresses themselves.
+_TABLES: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, int]] = OrderedDict()
+_TABLES_MAX = 64
+_TABLES_LOCK = threading.Lock()
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()  # triton.next_power_of_2 costs 2 us per call
+
+
+def _alignment(value: int) -> int:
+    """The largest power of two up to 16 that divides `value`."""
+    return math.gcd(value, _VECTOR_BYTES) if value else _VECTOR_BYTES
+
+
+def layer_table(name: str, buf: KVBuffer) -> tuple[torch.Tensor, int]:
+    """The device tensor of `buf`'s layer addresses and their common alignment (the largest
+    power of two up to 16 dividing all), built (and the layers validated) once per set of
+    layer tensors and cached; a staging buffer (`StackedLayers`) needs none.
+
+    Raises:
+        ValueError: layers of different shapes, dtypes or devices.
     """
-    block_d = triton.next_power_of_2(head_dim)
-    block_t = max(1, min(128, 4096 // (block_d * itemsize)))
-    return block_t, block_d
-
-
-def _bits_and_offsets(buf: KVBuffer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer 0 as integer words, and every layer's element offset from it."""
+    addresses = tuple(map(torch.Tensor.data_ptr, buf.layers))
     first = buf.layers[0]
-    itemsize = first.element_size()
-    offsets = []
-    for i, layer in enumerate(buf.layers):
-        delta = layer.data_ptr() - first.data_ptr()
-        if delta % itemsize:
-            raise ValueError(f"layers[{i}]: address is not aligned to its {itemsize}-byte dtype")
-        offsets.append(delta // itemsize)
-    bits = first.view(_BITS[itemsize])
-    return bits, torch.tensor(offsets, dtype=torch.int64, device=first.device)
+    key = (first.device, first.dtype, first.shape, first.stride(), addresses)
+    with _TABLES_LOCK:
+        entry = _TABLES.get(key)
+        if entry is not None:
+            _TABLES.move_to_end(key)
+            return entry
+    check_layers(name, buf)
+    host = torch.tensor(addresses, dtype=torch.int64)
+    if first.device.type == "cuda":  # once per cache set; asynchronous all the same
+        table = host.pin_memory().to(first.device, non_blocking=True)
+    else:
+        table = host
+    entry = (table, functools.reduce(math.gcd, addresses, _VECTOR_BYTES))
+    with _TABLES_LOCK:
+        _TABLES[key] = entry
+        while len(_TABLES) > _TABLES_MAX:
+            _TABLES.popitem(last=False)
+    return entry
+
+
+_TYPE_TOKENS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _type_token(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor that only gives a pointer argument its element type (table mode)."""
+    token = _TYPE_TOKENS.get((device, dtype))
+    if token is None:
+        token = _TYPE_TOKENS.setdefault((device, dtype), torch.empty(0, dtype=dtype, device=device))
+    return token
+
+
+def _layer_set(name: str, buf: KVBuffer) -> _LayerSet:
+    layers = buf.layers
+    if isinstance(layers, StackedLayers):
+        used = layers.flat[: layers.num_layers * layers.layer_elements]
+        layer_bytes = layers.layer_elements * used.element_size()
+        return _LayerSet(used.view(torch.uint8), None, layer_bytes, _alignment(used.data_ptr()))
+    table, align = layer_table(name, buf)
+    return _LayerSet(_type_token(layers[0].device, torch.uint8), table, 0, align)
+
+
+def _with_words(layer_set: _LayerSet, word: torch.dtype) -> _LayerSet:
+    """The same layers, with the pointer argument retyped to `word`."""
+    view = layer_set.word_view
+    retyped = view.view(word) if layer_set.table is None else _type_token(view.device, word)
+    return _LayerSet(retyped, layer_set.table, layer_set.layer_stride_bytes, layer_set.alignment)
+
+
+@dataclass(frozen=True)
+class _SideGeometry:
+    """One side's canonical strides (elements), block size and how positions map to slots."""
+
+    shape: tuple[int, int, int, int, int]  # plane, block, slot, head, head_dim
+    strides: tuple[int, int, int, int]  # plane, block, slot, head
+    itemsize: int
+    linear: bool  # position p sits at p * slot stride: no block arithmetic needed
+
+    @classmethod
+    def of(cls, buf: KVBuffer) -> _SideGeometry:
+        first = buf.layers[0]
+        view = canonical_kv_view(first, buf.layout, buf.kv_placement, buf.mla)
+        planes, blocks, block_size, heads, head_dim = view.shape
+        if view.stride(4) != 1:
+            raise ValueError("layers: head_dim must be the contiguous axis (stride 1)")
+        sp, sb, ss, sh, _ = view.stride()
+        linear = buf.block_ids is None and sb == block_size * ss
+        shape = (planes, blocks, block_size, heads, head_dim)
+        return cls(shape, (sp, sb, ss, sh), first.element_size(), linear)
+
+    @property
+    def planes(self) -> int:
+        return self.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.shape[4]
+
+
+def _word_bytes(itemsize: int, head_dim: int, sides: list[tuple[_SideGeometry, _LayerSet]]) -> int:
+    """The widest word (up to 16 bytes) dividing every row start, stride and row length."""
+    granule = _VECTOR_BYTES
+    granule = math.gcd(granule, head_dim * itemsize)
+    for geometry, layers in sides:
+        granule = math.gcd(granule, layers.alignment, layers.layer_stride_bytes or granule)
+        for stride in geometry.strides:
+            granule = math.gcd(granule, stride * itemsize)
+    return granule
+
+
+def tile_tokens(block_sizes: list[int], row_bytes: int) -> int:
+    """Tokens per program: a power of two that divides every given block size (so a tile
+    never straddles a block on either side), with at most `_TILE_BYTES` per program.
+
+    Measured on one H200 with the previous kernel (benchmarks/RESULTS.md): 4 KiB tiles moved
+    2,275 GB/s and 16 KiB tiles 1,322, because each thread then walked a whole column; this
+    kernel spreads a tile over every thread (benchmarks/kernel_codegen.py: no spills), so the
+    tile is sized by the bytes a program should move, 32 KiB at most.
+    """
+    tokens = _MAX_TILE_TOKENS
+    for bs in block_sizes:
+        tokens = math.gcd(tokens, bs & -bs)  # the largest power of two dividing bs
+    while tokens > 1 and tokens * row_bytes > _TILE_BYTES:
+        tokens //= 2
+    return tokens
+
+
+def warps_for(tile_bytes: int) -> int:
+    """Warps per program: one per 4 KiB of tile, 1 to 8 (16 words of 4 bytes per thread at
+    most in flight: the registers stay under 96 without spills on sm_90)."""
+    return max(1, min(8, tile_bytes // 4096))
 
 
 def check_launchable(device: torch.device) -> None:
@@ -184,6 +393,129 @@ def check_launchable(device: torch.device) -> None:
             f"the Triton kernels need CUDA tensors, got {device.type}; on CPU use the torch "
             "backend, or set TRITON_INTERPRET=1 before kvxfer is imported to run the interpreter"
         )
+
+
+@dataclass(frozen=True)
+class CellCopyLaunch:
+    """A prepared launch of the cell-copy kernel: `launch()` does nothing but launch.
+
+    Attributes:
+        grid: (token tiles, layers x planes).
+        arguments: the kernel's keyword arguments, constexprs included.
+        num_warps: warps per program.
+    """
+
+    grid: tuple[int, int]
+    arguments: dict[str, Any]
+    num_warps: int
+
+    def launch(self) -> None:
+        """Enqueue the kernel on the current CUDA stream (or run it in the interpreter)."""
+        with _INTERPRETER_LOCK if INTERPRETED else contextlib.nullcontext():
+            _copy_cells_kernel[self.grid](**self.arguments, num_warps=self.num_warps)
+
+    @property
+    def variant(self) -> dict[str, Any]:
+        """The compile-time part of the launch (constexprs and warps): equal variants share
+        one compiled kernel."""
+        keys = [k for k in self.arguments if k.isupper()]
+        return {**{k: self.arguments[k] for k in keys}, "num_warps": self.num_warps}
+
+
+def prepare_cell_copy(
+    src: KVBuffer,
+    dst: KVBuffer,
+    token_start: int,
+    token_end: int,
+    num_heads: int,
+    *,
+    block_t: int | None = None,
+) -> CellCopyLaunch:
+    """Validate a cell copy and compute its launch, without launching (see `copy_cells`).
+
+    Pure host work: it runs on any device (benchmarks/kernel_codegen.py compiles its variants
+    for a GPU on a CPU machine); only `launch()` needs CUDA or the interpreter.
+
+    Host work is O(1) per launch apart from reading each layer's address once: layer tables
+    are cached per set of layer tensors, staging buffers (`StackedLayers`) need none, and
+    nothing is copied to the device or synchronized.
+    """
+    src_geo, dst_geo = _SideGeometry.of(src), _SideGeometry.of(dst)
+    check_copy_pair(src, dst, src_geo.shape, dst_geo.shape, token_start, token_end, num_heads)
+    itemsize = src_geo.itemsize
+    head_dim = src_geo.head_dim
+    num_layers = len(src.layers)
+    if num_layers * src_geo.planes > _MAX_GRID_Y:
+        raise ValueError(
+            f"src.layers: {num_layers} layers x {src_geo.planes} planes exceed {_MAX_GRID_Y} "
+            "programs on grid axis 1; split the copy by layers"
+        )
+    # Word width first from the tensors' own alignment (uint8 words fit any), then the views.
+    src_set, dst_set = _layer_set("src", src), _layer_set("dst", dst)
+    word = _word_bytes(itemsize, head_dim, [(src_geo, src_set), (dst_geo, dst_set)])
+    aligned = word == _VECTOR_BYTES
+    word = 4 if aligned else word
+    word_dtype = _WORDS[word]
+    src_set = _with_words(src_set, word_dtype)
+    dst_set = _with_words(dst_set, word_dtype)
+    head_words = head_dim * itemsize // word
+    block_h, block_w = _next_power_of_2(num_heads), _next_power_of_2(head_words)
+    row_bytes = block_h * block_w * word
+    sizes = [g.block_size for g in (src_geo, dst_geo) if not g.linear]
+    block_t = block_t or tile_tokens(sizes, row_bytes)
+    if any(bs % block_t for bs in sizes):
+        raise ValueError(f"block_t: {block_t} must divide the block sizes {sizes}")
+
+    def to_words(elements: int) -> int:
+        return elements * itemsize // word  # exact: `word` divides every stride in bytes
+
+    for name, geo in (("src", src_geo), ("dst", dst_geo)):
+        _, _, slot, head = geo.strides
+        extent = block_t * abs(slot) + block_h * abs(head) + block_w
+        if to_words(extent) > _INT32_MAX:
+            raise ValueError(f"{name}: a tile spans more than 2^31 words; use smaller tiles")
+    tile_origin = token_start - token_start % block_t
+    grid = (triton.cdiv(token_end - tile_origin, block_t), num_layers * src_geo.planes)
+    arguments: dict[str, Any] = {
+        "tile_origin": tile_origin,
+        "token_start": token_start,
+        "token_end": token_end,
+    }
+    for name, buf, geo, layer_set in (
+        ("src", src, src_geo, src_set),
+        ("dst", dst, dst_geo, dst_set),
+    ):
+        sp, sb, ss, sh = geo.strides
+        table = layer_set.table
+        ids = buf.block_ids
+        arguments.update(
+            {
+                f"{name}_ptr": layer_set.word_view,
+                # An unused pointer argument still needs a tensor: the words stand in.
+                f"{name}_layers_ptr": table if table is not None else layer_set.word_view,
+                f"{name}_block_ids_ptr": ids if ids is not None else layer_set.word_view,
+                f"{name}_layer_stride": layer_set.layer_stride_bytes // word,
+                f"{name}_token_shift": buf.token_shift,
+                f"{name}_plane_stride": to_words(sp),
+                f"{name}_block_stride": to_words(sb),
+                f"{name}_slot_stride": to_words(ss),
+                f"{name}_head_stride": to_words(sh),
+                f"{name}_head_offset": buf.head_offset,
+                f"{name.upper()}_BLOCK_SIZE": 0 if geo.linear else geo.block_size,
+                f"{name.upper()}_PAGED": ids is not None,
+                f"{name.upper()}_TABLE": table is not None,
+            }
+        )
+    arguments.update(
+        NUM_PLANES=src_geo.planes,
+        NUM_HEADS=num_heads,
+        BLOCK_H=block_h,
+        HEAD_WORDS=head_words,
+        BLOCK_W=block_w,
+        BLOCK_T=block_t,
+        ALIGNED=aligned,
+    )
+    return CellCopyLaunch(grid, arguments, warps_for(block_t * row_bytes))
 
 
 def copy_cells(
@@ -202,61 +534,11 @@ def copy_cells(
         src, dst: the two buffers; either may be paged (block table) or dense.
         token_start, token_end: the tokens to move.
         num_heads: heads to move, from each side's `head_offset`.
-        block_t: tokens per program (default: `tile_sizes`); benchmarks sweep it.
+        block_t: tokens per program (default: `tile_tokens`); must divide both block sizes.
 
     Raises:
-        ValueError: inconsistent buffers (see `check_cell_copy`), or too many layers x heads.
+        ValueError: inconsistent buffers (see `check_cell_copy`), or too many layers.
         RuntimeError: CPU tensors without the Triton interpreter.
     """
-    check_cell_copy(src, dst, token_start, token_end, num_heads)
     check_launchable(src.layers[0].device)
-    src_view, dst_view = src.canonical_layers()[0], dst.canonical_layers()[0]
-    planes, _, _, _, head_dim = src_view.shape
-    cells_per_token = len(src.layers) * planes * num_heads
-    if cells_per_token > _MAX_GRID_Y:
-        raise ValueError(
-            f"num_heads: {len(src.layers)} layers x {planes} planes x {num_heads} heads exceeds "
-            f"{_MAX_GRID_Y} programs on grid axis 1; split the copy by layers"
-        )
-    default_t, block_d = tile_sizes(head_dim, src_view.element_size())
-    block_t = block_t or default_t
-    src_bits, src_offsets = _bits_and_offsets(src)
-    dst_bits, dst_offsets = _bits_and_offsets(dst)
-    # A dense side reads no block table; its layer offsets stand in as a valid pointer.
-    src_ids = src.block_ids if src.block_ids is not None else src_offsets
-    dst_ids = dst.block_ids if dst.block_ids is not None else dst_offsets
-    sp, sb, ss, sh, _ = src_view.stride()
-    dp, db, ds, dh, _ = dst_view.stride()
-    grid = (triton.cdiv(token_end - token_start, block_t), cells_per_token)
-    with _INTERPRETER_LOCK if INTERPRETED else contextlib.nullcontext():
-        _copy_cells_kernel[grid](
-            src_ptr=src_bits,
-            src_layer_offsets_ptr=src_offsets,
-            src_block_ids_ptr=src_ids,
-            dst_ptr=dst_bits,
-            dst_layer_offsets_ptr=dst_offsets,
-            dst_block_ids_ptr=dst_ids,
-            token_start=token_start,
-            token_end=token_end,
-            src_token_shift=src.token_shift,
-            src_block_size=src_view.shape[2],
-            src_plane_stride=sp,
-            src_block_stride=sb,
-            src_slot_stride=ss,
-            src_head_stride=sh,
-            src_head_offset=src.head_offset,
-            dst_token_shift=dst.token_shift,
-            dst_block_size=dst_view.shape[2],
-            dst_plane_stride=dp,
-            dst_block_stride=db,
-            dst_slot_stride=ds,
-            dst_head_stride=dh,
-            dst_head_offset=dst.head_offset,
-            NUM_HEADS=num_heads,
-            NUM_PLANES=planes,
-            HEAD_DIM=head_dim,
-            BLOCK_T=block_t,
-            BLOCK_D=block_d,
-            SRC_PAGED=src.paged,
-            DST_PAGED=dst.paged,
-        )
+    prepare_cell_copy(src, dst, token_start, token_end, num_heads, block_t=block_t).launch()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
+
+from kvxfer.layout import canonical_view
 
 
 def canonical_kv_view(
@@ -13,28 +16,19 @@ def canonical_kv_view(
 ) -> torch.Tensor:
     """View one layer's tensor as `[plane, block, slot, head, head_dim]`, without copying.
 
+    The layout contract's own view (`kvxfer.layout.canonical_view`), under the kernels' name.
+
     Args:
         tensor: a layer tensor in the layout contract's shape.
         layout: "NHD" or "HND" (ignored when `mla`).
         kv_placement: "kv_first", "blocks_first" or "kv_inner" (ignored when `mla`).
-        mla: `tensor` is `[block, slot, head_dim]`; it gets a plane and a head axis of size 1.
+        mla: `tensor` is `[block, slot, head_dim]`; it gets a plane and a head axis of size 1
+            (stride 0).
+
+    Raises:
+        ValueError: `tensor` does not have the layout's number of axes.
     """
-    if mla:
-        if tensor.dim() != 3:
-            raise ValueError(f"tensor: an MLA layer is 3-D, got shape {tuple(tensor.shape)}")
-        return tensor.unsqueeze(0).unsqueeze(3)
-    if kv_placement == "kv_inner":  # [block, slot|head, head|slot, 2 * head_dim]
-        if tensor.dim() != 4 or tensor.shape[3] % 2:
-            raise ValueError(
-                f"tensor: a kv_inner layer is 4-D with an even last axis, got {tuple(tensor.shape)}"
-            )
-        rows = tensor.unflatten(3, (2, tensor.shape[3] // 2))
-        return rows.permute(3, 0, 1, 2, 4) if layout == "NHD" else rows.permute(3, 0, 2, 1, 4)
-    if tensor.dim() != 5:
-        raise ValueError(f"tensor: a K/V layer is 5-D, got shape {tuple(tensor.shape)}")
-    plane, block = (0, 1) if kv_placement == "kv_first" else (1, 0)
-    slot, head = (2, 3) if layout == "NHD" else (3, 2)
-    return tensor.permute(plane, block, slot, head, 4)
+    return canonical_view(tensor, layout, kv_placement, mla)
 
 
 @dataclass(frozen=True)
@@ -92,17 +86,96 @@ class KVBuffer:
 def wire_kv_buffer(wire: torch.Tensor, token_start: int, mla: bool = False) -> KVBuffer:
     """The compact wire layout `[layers, 2, tokens, heads, head_dim]` (MLA:
     `[layers, tokens, head_dim]`) holding tokens from `token_start`, as a dense `KVBuffer`."""
-    if mla:
-        layers = [t.unsqueeze(0) for t in wire.unbind(0)]  # one block of `tokens` slots
-    else:
-        layers = [t.unsqueeze(1) for t in wire.unbind(0)]  # [2, 1, tokens, heads, head_dim]
+    # MLA: one block of `tokens` slots; K/V: [2, 1, tokens, heads, head_dim]
+    layer_shape = (1, *wire.shape[1:]) if mla else (wire.shape[1], 1, *wire.shape[2:])
+    layers = StackedLayers(wire.reshape(-1), wire.shape[0], layer_shape)
     return KVBuffer(layers, "NHD", "kv_first", mla, None, token_start, 0)
+
+
+class StackedLayers(Sequence[torch.Tensor]):
+    """Layers stored back to back in one flat tensor (a staging buffer), as a sequence of views.
+
+    Views are made only when asked for: the Triton launcher reads `flat` and `layer_elements`
+    instead, so a staging buffer of 64 layers costs no per-layer host work per launch.
+    """
+
+    def __init__(self, flat: torch.Tensor, num_layers: int, layer_shape: Sequence[int]) -> None:
+        elements = 1
+        for n in layer_shape:
+            elements *= n
+        if flat.dim() != 1 or not flat.is_contiguous():
+            raise ValueError(f"flat: must be a contiguous 1-D tensor, got {tuple(flat.shape)}")
+        if num_layers < 1 or flat.numel() < num_layers * elements:
+            raise ValueError(
+                f"flat: {flat.numel()} elements cannot hold {num_layers} layers of "
+                f"{tuple(layer_shape)}; pass a larger buffer or fewer layers"
+            )
+        self.flat = flat
+        self.num_layers = num_layers
+        self.layer_shape = tuple(layer_shape)
+        self.layer_elements = elements
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[torch.Tensor]: ...
+    def __getitem__(self, index: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self.num_layers))]
+        if not -self.num_layers <= index < self.num_layers:
+            raise IndexError(f"layer {index} out of range for {self.num_layers} layers")
+        i = index % self.num_layers
+        n = self.layer_elements
+        return self.flat[i * n : (i + 1) * n].view(self.layer_shape)
+
+
+def check_layers(name: str, buf: KVBuffer) -> None:
+    """Validate one side's layers: at least one, all of one shape, dtype and device (O(layers);
+    the Triton launcher runs it once per set of layer tensors, not per launch).
+
+    Raises:
+        ValueError: naming the argument at fault.
+    """
+    if not buf.layers:
+        raise ValueError(f"{name}.layers: empty; pass at least one layer")
+    if isinstance(buf.layers, StackedLayers):
+        return  # one flat tensor: uniform by construction
+    first = buf.layers[0]
+    for i, t in enumerate(buf.layers):
+        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+            raise ValueError(f"{name}.layers[{i}]: shape, dtype and device must match layer 0")
 
 
 def check_cell_copy(
     src: KVBuffer, dst: KVBuffer, token_start: int, token_end: int, num_heads: int
 ) -> None:
-    """Validate the two sides of a cell copy.
+    """Validate the two sides of a cell copy (every layer, then `check_copy_pair`).
+
+    Raises:
+        ValueError: naming the argument at fault.
+    """
+    check_layers("src", src)
+    check_layers("dst", dst)
+    check_copy_pair(
+        src, dst, src.canonical_shape, dst.canonical_shape, token_start, token_end, num_heads
+    )
+
+
+def check_copy_pair(
+    src: KVBuffer,
+    dst: KVBuffer,
+    src_shape: tuple[int, ...],
+    dst_shape: tuple[int, ...],
+    token_start: int,
+    token_end: int,
+    num_heads: int,
+) -> None:
+    """Validate what the two sides must agree on, from their first layers only (O(1)).
+
+    `src_shape` and `dst_shape` are the sides' `canonical_shape` (the caller has them).
 
     Raises:
         ValueError: naming the argument at fault.
@@ -112,18 +185,15 @@ def check_cell_copy(
             f"dst: {len(dst.layers)} layers, src: {len(src.layers)}; pass the same, at least one"
         )
     for name, buf in (("src", src), ("dst", dst)):
-        first = buf.layers[0]
-        for i, t in enumerate(buf.layers):
-            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
-                raise ValueError(f"{name}.layers[{i}]: shape, dtype and device must match layer 0")
         if buf.block_ids is not None and buf.block_ids.dtype != torch.int64:
             raise ValueError(f"{name}.block_ids: must be int64, got {buf.block_ids.dtype}")
-    if src.layers[0].dtype != dst.layers[0].dtype:
-        raise ValueError(f"dst: dtype {dst.layers[0].dtype} differs from src {src.layers[0].dtype}")
-    if src.layers[0].device != dst.layers[0].device:
+    first_src, first_dst = src.layers[0], dst.layers[0]
+    if first_src.dtype != first_dst.dtype:
+        raise ValueError(f"dst: dtype {first_dst.dtype} differs from src {first_src.dtype}")
+    if first_src.device != first_dst.device:
         raise ValueError("dst: must live on the same device as src")
-    sp, _, _, sh, sd = src.canonical_shape
-    dp, _, _, dh, dd = dst.canonical_shape
+    sp, _, _, sh, sd = src_shape
+    dp, _, _, dh, dd = dst_shape
     if (sp, sd) != (dp, dd):
         raise ValueError(
             f"dst: planes x head_dim {dp}x{dd} differ from src {sp}x{sd}; "

@@ -16,6 +16,7 @@ import torch
 
 from kvxfer.kernels import (
     KVBuffer,
+    StackedLayers,
     check_launchable,
     gather_kv,
     gather_kv_torch,
@@ -49,14 +50,25 @@ def kv_buffer(view: PagedView, tensors: Sequence[torch.Tensor]) -> KVBuffer:
         if not np.array_equal(view.block_ids, np.arange(len(view.block_ids))):
             raise ValueError("view: a staging buffer's blocks must be numbered in token order")
         (flat,) = tensors
-        n = g.layer_elements
-        layers = [flat[i * n : (i + 1) * n].view(g.shape) for i in range(flat.numel() // n)]
+        layers: Sequence[torch.Tensor] = StackedLayers(
+            flat, flat.numel() // g.layer_elements, g.shape
+        )
     else:
-        layers = list(tensors)
-        block_ids = torch.from_numpy(view.block_ids).to(layers[0].device)
+        layers = tensors
+        block_ids = device_block_ids(view.block_ids, layers[0].device)
     return KVBuffer(
         layers, g.layout, g.kv_placement, g.mla, block_ids, view.token_shift, view.head_offset
     )
+
+
+def device_block_ids(block_ids: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A block table on `device`: on CUDA through pinned memory and an asynchronous copy, so
+    a launch never waits for the host (the caching host allocator keeps the pinned buffer
+    alive until the copy has run)."""
+    host = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 _GATHER = {"torch": gather_kv_torch, "triton": gather_kv}
@@ -78,12 +90,25 @@ def run_cell_copy(
 def warm_up(copy: CellCopy, dtype: torch.dtype, device: torch.device, backend: Backend) -> None:
     """Compile the kernel variant of a pack or unpack ahead of the first request.
 
-    Runs the same copy for one token and one layer on scratch buffers of the same geometry, so
-    the caches are never touched. Triton specializes on layout flags, head_dim, tile and which
-    sides are paged, all of which the scratch copy shares; nothing to do for the torch backend.
+    Runs `scratch_copy(copy)` on scratch buffers, so the caches are never touched; nothing to
+    do for the torch backend.
     """
     if backend != "triton":
         return
+    one, src, dst = scratch_copy(copy, dtype, device)
+    run_cell_copy(one, src, dst, backend)
+
+
+def scratch_copy(
+    copy: CellCopy, dtype: torch.dtype, device: torch.device
+) -> tuple[CellCopy, list[torch.Tensor], list[torch.Tensor]]:
+    """The same copy for one token and one layer, on fresh buffers of the same geometry.
+
+    It compiles the variant every request of `copy`'s geometry uses: the kernel's variants
+    depend on the layouts, block sizes, head counts and widths and on alignment (fresh
+    buffers are aligned, as caches and staging are), never on token ranges, block ids,
+    strides or addresses (tests/test_kernel_variants.py compares Triton's keys).
+    """
     one = CellCopy(
         _scratch_view(copy.src),
         _scratch_view(copy.dst),
@@ -91,9 +116,7 @@ def warm_up(copy: CellCopy, dtype: torch.dtype, device: torch.device, backend: B
         copy.token_start,
         copy.token_start + 1,
     )
-    src = _scratch_tensors(one.src, dtype, device)
-    dst = _scratch_tensors(one.dst, dtype, device)
-    run_cell_copy(one, src, dst, backend)
+    return one, _scratch_tensors(one.src, dtype, device), _scratch_tensors(one.dst, dtype, device)
 
 
 def _scratch_view(view: PagedView) -> PagedView:

@@ -31,9 +31,11 @@ GEOMETRIES = [
     for layout, placement in itertools.product(["NHD", "HND"], KV_PLACEMENTS)
 ] + [pytest.param("NHD", "kv_first", True, id="MLA")]
 TOKENS, START = 13, 2  # odd sizes on purpose: partial first and last blocks
+# head_dim 5: rows of 10 or 20 bytes, the narrow variant; 8: 16-byte rows, the aligned variant
+HEAD_DIMS = [pytest.param(5, id="d5"), pytest.param(8, id="d8")]
 
 
-def _cache(layout, placement, mla, dtype, block_size=4, heads=3, seed=0, poison=False):
+def _cache(layout, placement, mla, dtype, block_size=4, heads=3, seed=0, poison=False, head_dim=5):
     """A one-rank cache holding a random request (or only poison), with a scattered table."""
     (spec,) = side_specs(
         1,
@@ -42,7 +44,7 @@ def _cache(layout, placement, mla, dtype, block_size=4, heads=3, seed=0, poison=
         layout=layout,
         placement=placement,
         mla=mla,
-        head_dim=5,
+        head_dim=head_dim,
         dtype=dtype,
         num_blocks=9,
     )
@@ -87,10 +89,11 @@ def _wire(kv, heads, mla):
     return wire
 
 
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout,placement,mla", GEOMETRIES)
-def test_gather_to_wire_matches_contract_and_torch(layout, placement, mla, dtype):
-    spec, caches, ids, kv = _cache(layout, placement, mla, dtype)
+def test_gather_to_wire_matches_contract_and_torch(layout, placement, mla, dtype, head_dim):
+    spec, caches, ids, kv = _cache(layout, placement, mla, dtype, head_dim=head_dim)
     n = 1 if mla else 2  # heads [1, 3) of 3
     offset = 0 if mla else 1
     outs = {}
@@ -103,10 +106,11 @@ def test_gather_to_wire_matches_contract_and_torch(layout, placement, mla, dtype
     assert torch.equal(bits(outs["torch"]), bits(want.contiguous()))
 
 
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout,placement,mla", GEOMETRIES)
-def test_scatter_from_wire_matches_contract_and_torch(layout, placement, mla, dtype):
-    spec, poisoned, ids, kv = _cache(layout, placement, mla, dtype, poison=True)
+def test_scatter_from_wire_matches_contract_and_torch(layout, placement, mla, dtype, head_dim):
+    spec, poisoned, ids, kv = _cache(layout, placement, mla, dtype, poison=True, head_dim=head_dim)
     heads = spec.heads_per_rank
     wire = (kv[:, START:TOKENS] if mla else kv[:, :, START:TOKENS]).contiguous()
     want = [t.clone() for t in poisoned]
@@ -127,9 +131,20 @@ def test_scatter_from_wire_matches_contract_and_torch(layout, placement, mla, dt
         if (a.id == "MLA") == (b.id == "MLA")
     ],
 )
-def test_remap_between_block_sizes_matches_contract_and_torch(src_geometry, dst_geometry, dtype):
-    src_spec, src_caches, src_ids, kv = _cache(*src_geometry, dtype, block_size=4)
-    dst_spec, poisoned, dst_ids, _ = _cache(*dst_geometry, dtype, block_size=3, seed=5, poison=True)
+@pytest.mark.parametrize(
+    "sizes", [pytest.param((4, 3), id="bs4-bs3"), pytest.param((4, 8), id="bs4-bs8")]
+)
+def test_remap_between_block_sizes_matches_contract_and_torch(
+    src_geometry, dst_geometry, dtype, sizes
+):
+    # bs 4 -> 3: one-token tiles and 10-byte rows; 4 -> 8: four-token tiles and 16-byte rows
+    head_dim = 5 if sizes == (4, 3) else 8
+    src_spec, src_caches, src_ids, kv = _cache(
+        *src_geometry, dtype, block_size=sizes[0], head_dim=head_dim
+    )
+    dst_spec, poisoned, dst_ids, _ = _cache(
+        *dst_geometry, dtype, block_size=sizes[1], seed=5, poison=True, head_dim=head_dim
+    )
     want = [t.clone() for t in poisoned]
     write_rank_cells(dst_spec, want, dst_ids, kv, START, TOKENS)
     heads = src_spec.heads_per_rank
@@ -171,7 +186,7 @@ def test_head_offsets_on_both_sides_match_torch(layout, placement, mla, dtype):
         assert (bits(a[:, :, 2].contiguous()) == POISON_BYTE).all()
 
 
-@pytest.mark.parametrize("block_t", [1, 2, 4, 16])
+@pytest.mark.parametrize("block_t", [1, 2, 4])
 def test_every_tile_size_gives_the_same_bits(block_t):
     spec, caches, ids, kv = _cache("HND", "kv_first", False, "bfloat16")
     wire = _wire(kv, 3, False)
@@ -179,6 +194,19 @@ def test_every_tile_size_gives_the_same_bits(block_t):
         _paged(spec, caches, ids), wire_kv_buffer(wire, START), START, TOKENS, 3, block_t=block_t
     )
     assert torch.equal(bits(wire), bits(kv[:, :, START:TOKENS].contiguous()))
+
+
+def test_a_tile_that_would_straddle_blocks_is_refused():
+    spec, caches, ids, kv = _cache("HND", "kv_first", False, "bfloat16")
+    with pytest.raises(ValueError, match=r"block_t: 8 must divide the block sizes \[4\]"):
+        copy_cells(
+            _paged(spec, caches, ids),
+            wire_kv_buffer(_wire(kv, 3, False), START),
+            START,
+            TOKENS,
+            3,
+            block_t=8,
+        )
 
 
 def test_gather_refuses_a_dense_cache():
