@@ -52,7 +52,8 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/mypy kvxfer/integrations
 	$(VLLM_VENV)/bin/pytest -q tests/integration_vllm
 
-# CPU benchmarks; on a CUDA machine also run: $(PY) benchmarks/gpu_kernels.py
+# CPU benchmarks; on a CUDA machine also run $(PY) benchmarks/gpu_kernels.py (the GPU checks and
+# kernel bandwidth, one command; README "Development").
 bench: $(STAMP)
 	$(VENV)/bin/pytest -q benchmarks --benchmark-enable --benchmark-columns=min,median,max,rounds \
 		--benchmark-sort=name

@@ -1,35 +1,101 @@
-"""GPU benchmark of the Triton cell-copy kernels: correctness first, then bandwidth.
+"""GPU benchmark of the cell-copy kernels, and the GPU end-to-end check of `kvxfer.reshard`.
 
-On a CUDA machine:
+One command on a CUDA machine with torch and Triton (Mooncake is not needed):
 
-    python benchmarks/gpu_kernels.py            # full table, about 3 minutes on one H200
-    python benchmarks/gpu_kernels.py --json     # the same as one JSON object
+    python benchmarks/gpu_kernels.py           # default subset, stops starting work at 480 s
+    python benchmarks/gpu_kernels.py --full    # the whole size grid, no deadline by default
+    python benchmarks/gpu_kernels.py --json    # one JSON object {"checks", "reshard", "rows"}
 
-Each kernel is first checked bit for bit against its torch implementation (outputs poisoned).
-Then, for 1k to 128k tokens, 32 and 64 layers, 8 KV heads, head_dim 128, bf16, with a
-scattered block table of 16-token blocks (NHD, kv_first), it reports the median time of
-`triton.testing.do_bench`, GB/s (bytes moved, read once and written once), and the ratios to a
-torch device-to-device `copy_` of the same bytes and to the torch implementation, all measured
-in the same run. The target is at least 85% of copy bandwidth for the wire layout.
+In this order (progress on stderr; the table, or the JSON, on stdout):
 
-`--tiny` runs everything at toy sizes; with TRITON_INTERPRET=1 it runs on CPU tensors, timed
-with perf_counter (meaningless numbers). The test suite runs it so that the script cannot rot
-unnoticed. `--check-only` stops after the correctness checks.
+1. Kernel checks, bit for bit, on poisoned outputs (0xA5 bytes). For each kernel variant that
+   is timed later (head_dim, dtype, heads moved, MLA), at 3 layers and 1,037 tokens from token
+   5, for each op (below, remaps between blocks of 16 and of 48), every implementation that is
+   timed must give the torch twin's bytes (`gather_kv_torch`...), cells not moved included:
+   the new kernel's public call (`gather_kv`...), its prepared launch
+   (`prepare_cell_copy(...).launch()`, when kvxfer.kernels has it), the previous kernel
+   (benchmarks/previous_kernel.py), the `index_select` baseline, the per-block baseline.
+2. `kvxfer.reshard` end to end on the device's tensors, Triton backend, each strategy forced
+   in turn: the demo's sharding (prefill TP 3, blocks of 16, NHD/kv_first -> decode TP 4,
+   blocks of 48, HND/blocks_first; 4 layers, 24 KV heads, head_dim 64) at the demo's 300
+   tokens (bf16, and fp8 e4m3) and at 32,768 tokens after a 1,024-token prefix, and an MLA
+   cache (576, TP 2 -> TP 4). Destinations are poisoned; every destination byte must equal
+   what `kvxfer.reference.write_rank_cells` writes. This is the GPU end-to-end check. The fp8
+   case is reported skipped only if `KVCacheSpec` rejects the dtype.
+3. Timing, only if every check passed. Caches: paged, NHD/kv_first, blocks of 16 tokens in a
+   scattered block table, 8 KV heads; the last `n` heads are moved (a rank pair's slice), all
+   tokens of the request. Ops: pack (`gather_kv`: cache -> wire buffer `[layers, 2, tokens,
+   n, head_dim]`), unpack (`scatter_kv`: wire -> cache), remap N>H and remap H>N (`remap_kv`:
+   NHD cache <-> HND cache, blocks of 16 on both sides). MLA caches (`[blocks, 16, 576]`):
+   pack and unpack. Sizes: 32 and 80 layers, 1k-128k tokens, 8/4/2/1 of 8 heads moved,
+   head_dim 64/128/256, bf16 and fp8, MLA 576 (`--full`; by default a subset, see
+   `default_grid`). Rows that do not fit in free device memory are reported as skipped.
+
+Device time: CUDA events around one launch, on the device only, `--reps` times (default 25),
+after a warm-up launch (compilation). Before each repetition, outside the events, a 256 MiB
+buffer is written (flushes the L2: 50 MB on H100, 60 MB on H200) and the stream is held busy
+for about 100 us, so the host's launch overhead stays hidden. Host preparation happens once,
+before: the new kernel is timed through `prepare_cell_copy(...).launch()`, or through
+`copy_cells` (host work included) while kvxfer.kernels has no `prepare_cell_copy` (the report's
+`new_device_timing` says which); the previous kernel gets the same help. End-to-end call time,
+separately: host wall time from the call to `torch.cuda.synchronize()` returning, L2 flushed
+before each call; of the public call (`gather_kv`, `scatter_kv`, `remap_kv`), the previous
+kernel's launcher and the torch twin.
+
+Columns (JSON: each row's `device` and `e2e` hold median_ms, p10_ms, p90_ms, reps; device
+times also gbps and vs_copy):
+- op, layers, tokens, heads (moved/of the layer), dim, dtype, MB: `bytes_moved` = layers x
+  planes x tokens x heads moved x head_dim x itemsize.
+- copy GB/s: `Tensor.copy_` of `bytes_moved` contiguous bytes (one cudaMemcpyAsync), measured
+  in the same run: the reference. "x copy" = copy's median / the op's median; GB/s counts
+  bytes read once plus bytes written once, 2 x bytes_moved / median, for every column.
+- new ms [p10-p90], GB/s, x copy: the new kernel's device time, median [10th-90th percentile].
+- prev: the previous kernel (commit c8c5817's, kept in benchmarks/previous_kernel.py), x copy.
+- index: torch, one pass per layer: `index_select(..., out=wire)` (pack) or `index_copy_` from
+  the wire (unpack), on rows of int64 words, indices built beforehand; a remap has no one-pass
+  form (neither side is dense): `index_select` into a temporary, then `index_copy_`. x copy.
+- block: one `copy_` per (layer, plane, block), as vLLM's `swap_blocks` issues one
+  cudaMemcpyAsync per block; here a Python loop of tensor copies over slices built beforehand,
+  a memcpy where the block's moved cells are contiguous on both sides (all heads, NHD), else
+  a strided copy kernel (head slices, NHD<->HND). "skip" above `--max-block-copies` copies per
+  call (the loop is launch-bound). x copy.
+- e2e new, prev, torch: end-to-end call time, median ms.
+- target (H100/H200): pack and unpack at least 0.85 x copy from 4k tokens, remaps at least
+  0.7; "ok" or "MISS" from 4k tokens on, blank below. A summary per op follows the table.
+
+`--deadline-s` (default 480, none with `--full`) counts from the start: past it no measurement
+starts and the partial table is printed. SIGTERM and Ctrl-C print the partial table too (exit
+status 130). Exit status 1 when any check failed (nothing is timed then), else 0.
+
+`--tiny` runs all of it at toy sizes. Without CUDA it needs TRITON_INTERPRET=1 (the Triton
+interpreter on CPU tensors; timed with perf_counter, the numbers mean nothing): the test suite
+runs it (tests/triton/test_gpu_benchmark_script.py) so the script cannot rot. `--check-only`
+stops after steps 1 and 2; `--no-reshard` skips step 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
 
+import numpy as np
 import torch
+import triton
 
+import kvxfer.kernels as kernels
+from kvxfer import STRATEGIES, KVCacheSpec, allocate_kv_caches, reshard
 from kvxfer.kernels import (
     KVBuffer,
-    copy_cells,
+    canonical_kv_view,
     gather_kv,
     gather_kv_torch,
     remap_kv,
@@ -38,260 +104,1080 @@ from kvxfer.kernels import (
     scatter_kv_torch,
     wire_kv_buffer,
 )
+from kvxfer.reference import random_global_kv, write_rank_cells
 
-HEADS, HEAD_DIM, BLOCK = 8, 128, 16
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import previous_kernel  # beside this script, which may run from any directory
+
+HEADS = 8  # KV heads per layer of every timed cache
+BLOCK = 16  # tokens per block of every timed cache
+CHECK_REMAP_BLOCK = 48  # the other side of a remap check: another block size too
+POISON = 0xA5
+FLUSH_BYTES = 256 << 20  # more than any L2 (H100: 50 MB, H200: 60 MB)
+SPIN_CYCLES = 200_000  # about 100 us at 2 GHz: the stream stays busy while the host launches
+TARGET_FROM_TOKENS = 4096
+TARGETS = {"pack": 0.85, "unpack": 0.85, "remap_nhd_to_hnd": 0.7, "remap_hnd_to_nhd": 0.7}
+KV_OPS = ("pack", "unpack", "remap_nhd_to_hnd", "remap_hnd_to_nhd")
+MLA_OPS = ("pack", "unpack")
+OP_LABELS = {
+    "pack": "pack",
+    "unpack": "unpack",
+    "remap_nhd_to_hnd": "remap N>H",
+    "remap_hnd_to_nhd": "remap H>N",
+}
+BF16, FP8 = "bfloat16", "float8_e4m3fn"
+DTYPES = {BF16: torch.bfloat16, FP8: torch.float8_e4m3fn}
+SHORT_DTYPE = {BF16: "bf16", FP8: "fp8"}
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_RANDOM_RANGE = {1: (0, 256), 2: (-(1 << 15), 1 << 15)}
 
 
-def _poison(t: torch.Tensor) -> torch.Tensor:
-    t.view(torch.uint8).fill_(0xA5)
-    return t
+Launch = Callable[[], object]
+_SEEDS = itertools.count(1)
 
 
-def _fill(t: torch.Tensor, seed: int) -> torch.Tensor:
-    # Random bit patterns, generated on the device (randn on 32 GB would dominate the run).
-    torch.manual_seed(seed)
-    t.view(torch.int16).random_()
-    return t
+class Skipped(Exception):
+    """A measurement or check that does not apply here, with the reason."""
+
+
+class Stopped(Exception):
+    """The deadline passed, or the run was interrupted."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+# ---------------------------------------------------------------------------------------------
+# Geometries and buffers
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One request's cells: every layer, `tokens` tokens, `heads_moved` of `HEADS` heads."""
+
+    layers: int
+    tokens: int
+    head_dim: int
+    dtype: str
+    heads_moved: int = HEADS
+    mla: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.heads_moved <= self.heads:
+            raise ValueError(f"heads_moved: {self.heads_moved} of {self.heads} heads")
+
+    @property
+    def heads(self) -> int:
+        return 1 if self.mla else HEADS
+
+    @property
+    def planes(self) -> int:
+        return 1 if self.mla else 2
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty(0, dtype=self.torch_dtype).element_size()
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return MLA_OPS if self.mla else KV_OPS
+
+    @property
+    def head_offset(self) -> int:
+        """The moved heads are the cache's last `heads_moved` (a rank pair's slice)."""
+        return self.heads - self.heads_moved
+
+    def moved_bytes(self) -> int:
+        cells = self.layers * self.planes * self.tokens * self.heads_moved
+        return cells * self.head_dim * self.itemsize
+
+    def cache_bytes(self, block: int = BLOCK) -> int:
+        blocks = -(-self.tokens // block)
+        cells = self.layers * self.planes * blocks * block * self.heads * self.head_dim
+        return cells * self.itemsize
+
+    def kernel_variant(self) -> tuple[int, str, int, bool]:
+        """What decides the compiled kernel: checked once per variant."""
+        return (self.head_dim, self.dtype, self.heads_moved, self.mla)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "layers": self.layers,
+            "tokens": self.tokens,
+            "heads_moved": self.heads_moved,
+            "heads": self.heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "mla": self.mla,
+        }
+
+
+def default_grid() -> list[Geometry]:
+    """The subset run by default: the main sweep first, so a deadline cuts the variants."""
+    grid = [Geometry(32, t, 128, BF16) for t in (1024, 4096, 16384, 65536, 131072)]
+    grid += [Geometry(32, 16384, 128, BF16, heads_moved=n) for n in (4, 2, 1)]
+    grid += [Geometry(32, 16384, d, BF16) for d in (64, 256)]
+    grid += [Geometry(32, t, 128, FP8) for t in (4096, 65536)]
+    grid += [Geometry(32, 16384, 128, FP8, heads_moved=1)]
+    grid += [Geometry(32, t, 576, BF16, heads_moved=1, mla=True) for t in (4096, 65536)]
+    grid += [Geometry(32, 16384, 576, FP8, heads_moved=1, mla=True)]
+    grid += [Geometry(80, t, 128, BF16) for t in (4096, 32768, 131072)]
+    return grid
+
+
+def full_grid() -> list[Geometry]:
+    """32 and 80 layers, 1k-128k tokens, 8/4/2/1 heads moved, head_dim 64/128/256, bf16 and
+    fp8, and MLA 576; by size, so that a deadline cuts the largest."""
+    grid = []
+    for tokens, layers in itertools.product((1024, 4096, 16384, 32768, 65536, 131072), (32, 80)):
+        for dtype in (BF16, FP8):
+            for head_dim, heads_moved in itertools.product((64, 128, 256), (8, 4, 2, 1)):
+                grid.append(Geometry(layers, tokens, head_dim, dtype, heads_moved))
+            grid.append(Geometry(layers, tokens, 576, dtype, heads_moved=1, mla=True))
+    return grid
+
+
+def tiny_grid() -> list[Geometry]:
+    """Toy sizes for the interpreter: every code path, one of each kind."""
+    return [
+        Geometry(2, 32, 16, BF16),
+        Geometry(2, 48, 16, FP8, heads_moved=2),
+        Geometry(2, 32, 576, BF16, heads_moved=1, mla=True),
+    ]
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as integers of the element's width (bits, no float semantics)."""
+    return t.view(_WORDS[t.element_size()])
+
+
+def poison(t: torch.Tensor) -> None:
+    t.view(torch.uint8).fill_(POISON)
+
+
+def fill_random(t: torch.Tensor, gen: torch.Generator) -> None:
+    """Random bit patterns (every sign and exponent), generated on the tensor's device."""
+    words = t.view(torch.int16) if t.element_size() % 2 == 0 else t.view(torch.uint8)
+    low, high = _RANDOM_RANGE[words.element_size()]
+    words.random_(low, high, generator=gen)
 
 
 def make_cache(
-    layers: int,
-    tokens: int,
-    device: str,
+    g: Geometry,
+    device: torch.device,
+    gen: torch.Generator,
+    *,
     layout: str = "NHD",
-    mla: bool = False,
-    seed: int = 0,
     block: int = BLOCK,
+    head_offset: int = 0,
+    spare_blocks: int = 0,
 ) -> KVBuffer:
-    """A paged cache that holds exactly `tokens` tokens in scattered blocks."""
-    num_blocks = -(-tokens // block)
-    heads = 1 if mla else HEADS
-    if mla:
-        shape: tuple[int, ...] = (num_blocks, block, HEAD_DIM)
+    """A paged kv_first cache whose scattered block table holds `g.tokens` tokens."""
+    needed = -(-g.tokens // block)
+    num_blocks = needed + spare_blocks
+    if g.mla:
+        shape: tuple[int, ...] = (num_blocks, block, g.head_dim)
     elif layout == "NHD":
-        shape = (2, num_blocks, block, heads, HEAD_DIM)
+        shape = (2, num_blocks, block, g.heads, g.head_dim)
     else:
-        shape = (2, num_blocks, heads, block, HEAD_DIM)
-    caches = [
-        _fill(torch.empty(shape, dtype=torch.bfloat16, device=device), seed + i)
-        for i in range(layers)
+        shape = (2, num_blocks, g.heads, block, g.head_dim)
+    layers = []
+    for _ in range(g.layers):
+        layers.append(torch.empty(shape, dtype=g.torch_dtype, device=device))
+        fill_random(layers[-1], gen)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(next(_SEEDS)))
+    ids = order[:needed].to(device)
+    return KVBuffer(layers, layout, "kv_first", g.mla, ids, 0, head_offset)
+
+
+def make_wire(g: Geometry, device: torch.device, token_start: int = 0) -> torch.Tensor:
+    """A poisoned wire buffer for tokens `[token_start, g.tokens)`."""
+    n = g.tokens - token_start
+    if g.mla:
+        shape: tuple[int, ...] = (g.layers, n, g.head_dim)
+    else:
+        shape = (g.layers, 2, n, g.heads_moved, g.head_dim)
+    wire = torch.empty(shape, dtype=g.torch_dtype, device=device)
+    poison(wire)
+    return wire
+
+
+@dataclass
+class CellCopyCase:
+    """One op of one geometry: the buffers, the range, and the calls that perform it."""
+
+    op: str
+    src: KVBuffer
+    dst: KVBuffer
+    token_start: int
+    token_end: int
+    num_heads: int
+    public: Callable[..., None]
+    torch_twin: Callable[..., None]
+
+    @property
+    def args(self) -> tuple[KVBuffer, KVBuffer, int, int, int]:
+        return self.src, self.dst, self.token_start, self.token_end, self.num_heads
+
+
+def _case(op: str, src: KVBuffer, dst: KVBuffer, start: int, end: int, n: int) -> CellCopyCase:
+    public, twin = {
+        "pack": (gather_kv, gather_kv_torch),
+        "unpack": (scatter_kv, scatter_kv_torch),
+    }.get(op, (remap_kv, remap_kv_torch))
+    return CellCopyCase(op, src, dst, start, end, n, public, twin)
+
+
+# ---------------------------------------------------------------------------------------------
+# The implementations compared: each returns a launch with its host preparation done.
+
+
+def prepare_new(case: CellCopyCase) -> Launch:
+    """The new kernel's launch alone when the API offers it, else its whole call."""
+    prepare = getattr(kernels, "prepare_cell_copy", None)
+    if prepare is not None:
+        return prepare(*case.args).launch
+    return lambda: kernels.copy_cells(*case.args)
+
+
+def new_timing_method() -> str:
+    if hasattr(kernels, "prepare_cell_copy"):
+        return "prepare_cell_copy(...).launch()"
+    return "copy_cells(...): host preparation included (no prepare_cell_copy in kvxfer.kernels)"
+
+
+def prepare_previous(case: CellCopyCase) -> Launch:
+    return previous_kernel.prepare_copy_cells(*case.args).launch
+
+
+def _canonical(buf: KVBuffer, t: torch.Tensor) -> torch.Tensor:
+    return canonical_kv_view(t, buf.layout, buf.kv_placement, buf.mla)
+
+
+def _cell_offsets(buf: KVBuffer, tokens: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Element offset, from the start of a layer tensor, of every moved cell: [planes,
+    tokens, heads]."""
+    view = _canonical(buf, buf.layers[0])
+    planes, _, block_size, _, _ = view.shape
+    s_plane, s_block, s_slot, s_head, _ = view.stride()
+    pos = tokens - buf.token_shift
+    logical = torch.div(pos, block_size, rounding_mode="floor")
+    block = logical if buf.block_ids is None else buf.block_ids[logical]
+    slot = pos - logical * block_size
+    heads = buf.head_offset + torch.arange(num_heads, device=tokens.device)
+    return (
+        (torch.arange(planes, device=tokens.device) * s_plane)[:, None, None]
+        + (block * s_block + slot * s_slot)[None, :, None]
+        + (heads * s_head)[None, None, :]
+    )
+
+
+def _rows(t: torch.Tensor, words: torch.dtype, length: int, step: int) -> torch.Tensor:
+    """Windows of `length` words every `step` words over a contiguous layer tensor."""
+    if not t.is_contiguous():
+        raise Skipped("index baseline: a layer tensor is not contiguous")
+    flat = t.reshape(-1).view(torch.uint8).view(words)
+    return flat.as_strided(((flat.numel() - length) // step + 1, length), (step, 1))
+
+
+def _first_of_run(rows: torch.Tensor) -> int | None:
+    first = int(rows[0])
+    expected = torch.arange(first, first + rows.numel(), device=rows.device)
+    return first if torch.equal(rows, expected) else None
+
+
+def prepare_index_copy(case: CellCopyCase) -> Launch:
+    """Per layer, one `index_select` into the dense side (pack), one `index_copy_` from it
+    (unpack), or both through a temporary (remap); rows of int64 where the cell allows."""
+    src, dst, start, end, n = case.args
+    device = src.layers[0].device
+    tokens = torch.arange(start, end, device=device)
+    src_off, dst_off = _cell_offsets(src, tokens, n), _cell_offsets(dst, tokens, n)
+    src_view, dst_view = _canonical(src, src.layers[0]), _canonical(dst, dst.layers[0])
+    head_dim, itemsize = src_view.shape[4], src_view.element_size()
+    unit = head_dim
+    # A token's moved heads side by side on both sides (NHD, the wire): one row per token.
+    if (
+        n > 1
+        and src_view.stride(3) == head_dim == dst_view.stride(3)
+        and bool((dst_off[..., 0] % (n * head_dim) == 0).all())
+    ):
+        unit, src_off, dst_off = n * head_dim, src_off[..., 0], dst_off[..., 0]
+    src_step = unit if bool((src_off % unit == 0).all()) else head_dim
+    # The widest word dividing a head's bytes divides every offset (all are whole heads).
+    word = next(w for w in (8, 4, 2, 1) if head_dim * itemsize % w == 0)
+    unit_w, step_w = unit * itemsize // word, src_step * itemsize // word
+    src_idx = (src_off // src_step).reshape(-1)
+    dst_idx = (dst_off // unit).reshape(-1)
+    dst_first, src_first = _first_of_run(dst_idx), _first_of_run(src_idx)
+    count = dst_idx.numel()
+    pairs = [
+        (_rows(s, _WORDS[word], unit_w, step_w), _rows(d, _WORDS[word], unit_w, unit_w))
+        for s, d in zip(src.layers, dst.layers, strict=True)
     ]
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randperm(num_blocks, generator=gen).to(device)
-    return KVBuffer(caches, layout, "kv_first", mla, ids, 0, 0)
+    if dst_first is not None:  # pack: straight into the dense wire buffer
+        outs = [(reads, writes[dst_first : dst_first + count]) for reads, writes in pairs]
+
+        def gather() -> None:
+            for reads, out in outs:
+                torch.index_select(reads, 0, src_idx, out=out)
+
+        return gather
+    if src_first is not None:  # unpack: straight from the dense wire buffer
+        ins = [(reads[src_first : src_first + count], writes) for reads, writes in pairs]
+
+        def scatter() -> None:
+            for rows, writes in ins:
+                writes.index_copy_(0, dst_idx, rows)
+
+        return scatter
+    temp = torch.empty((count, unit_w), dtype=_WORDS[word], device=device)
+
+    def two_pass() -> None:
+        for reads, writes in pairs:
+            torch.index_select(reads, 0, src_idx, out=temp)
+            writes.index_copy_(0, dst_idx, temp)
+
+    return two_pass
 
 
-def make_wire(layers: int, tokens: int, device: str, mla: bool = False) -> torch.Tensor:
-    """A poisoned wire buffer `[layers, 2, tokens, heads, head_dim]` (MLA: no plane axis)."""
-    shape = (layers, tokens, HEAD_DIM) if mla else (layers, 2, tokens, HEADS, HEAD_DIM)
-    return _poison(torch.empty(shape, dtype=torch.bfloat16, device=device))
+def _pieces(buf: KVBuffer, start: int, end: int) -> list[int]:
+    """Tokens where `buf` starts a new block within `[start, end)`."""
+    block_size = _canonical(buf, buf.layers[0]).shape[2]
+    first = start + (-(start - buf.token_shift)) % block_size
+    return list(range(first, end, block_size))
 
 
-def _same_bits(a: list[torch.Tensor] | torch.Tensor, b: list[torch.Tensor] | torch.Tensor) -> bool:
-    a_list = a if isinstance(a, list) else [a]
-    b_list = b if isinstance(b, list) else [b]
-    return all(
-        torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-        for x, y in zip(a_list, b_list, strict=True)
-    )
+def _locate(buf: KVBuffer, ids: list[int] | None, token: int) -> tuple[int, int]:
+    block_size = _canonical(buf, buf.layers[0]).shape[2]
+    logical, slot = divmod(token - buf.token_shift, block_size)
+    return (logical if ids is None else ids[logical]), slot
 
 
-def check_kernels(device: str, layers: int, tokens: int) -> list[str]:
-    """Check every kernel against its torch implementation; return the failures."""
-    failures = []
-    heads = HEADS
-    for mla in (False, True):
-        n = 1 if mla else heads
-        tag = "MLA " if mla else ""
-        cache = make_cache(layers, tokens, device, mla=mla)
-        wires = [make_wire(layers, tokens - 3, device, mla) for _ in range(2)]
-        gather_kv(cache, wire_kv_buffer(wires[0], 3, mla), 3, tokens, n)
-        gather_kv_torch(cache, wire_kv_buffer(wires[1], 3, mla), 3, tokens, n)
-        if not _same_bits(wires[0], wires[1]):
-            failures.append(f"{tag}gather_kv")
-        targets = [make_cache(layers, tokens, device, mla=mla, seed=9) for _ in range(2)]
-        for t in targets:
-            for layer in t.layers:
-                _poison(layer)
-        scatter_kv(wire_kv_buffer(wires[0], 3, mla), targets[0], 3, tokens, n)
-        scatter_kv_torch(wire_kv_buffer(wires[0], 3, mla), targets[1], 3, tokens, n)
-        if not _same_bits(list(targets[0].layers), list(targets[1].layers)):
-            failures.append(f"{tag}scatter_kv")
-        if not mla:
-            outs = []
-            for op in (remap_kv, remap_kv_torch):
-                dst = make_cache(layers, tokens, device, layout="HND", seed=5, block=48)
-                for layer in dst.layers:
-                    _poison(layer)
-                op(cache, dst, 3, tokens, n)
-                outs.append(list(dst.layers))
-            if not _same_bits(outs[0], outs[1]):
-                failures.append("remap_kv NHD/16 -> HND/48")
-    return failures
+def prepare_block_copies(case: CellCopyCase, max_copies: int) -> Launch:
+    """One `copy_` per (layer, plane, run of tokens within one block on both sides)."""
+    src, dst, start, end, n = case.args
+    bounds = sorted({start, end, *_pieces(src, start, end), *_pieces(dst, start, end)})
+    runs = list(itertools.pairwise(bounds))
+    planes = _canonical(src, src.layers[0]).shape[0]
+    copies = len(src.layers) * planes * len(runs)
+    if copies > max_copies:
+        raise Skipped(f"{copies:,} copies per call > --max-block-copies {max_copies:,}")
+    src_ids = None if src.block_ids is None else src.block_ids.tolist()
+    dst_ids = None if dst.block_ids is None else dst.block_ids.tolist()
+    located = [(_locate(src, src_ids, a), _locate(dst, dst_ids, a), b - a) for a, b in runs]
+    pairs = []
+    for s_layer, d_layer in zip(src.layers, dst.layers, strict=True):
+        s_view, d_view = _canonical(src, int_view(s_layer)), _canonical(dst, int_view(d_layer))
+        hs, hd = src.head_offset, dst.head_offset
+        for plane in range(planes):
+            for (sb, ss), (db, ds), length in located:
+                pairs.append(
+                    (
+                        d_view[plane, db, ds : ds + length, hd : hd + n],
+                        s_view[plane, sb, ss : ss + length, hs : hs + n],
+                    )
+                )
+
+    def run() -> None:
+        for d, s in pairs:
+            d.copy_(s)
+
+    return run
 
 
-def _median_ms(fn: Callable[[], object]) -> float:
-    if torch.cuda.is_available():
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, return_mode="median"))
-    # CPU (the interpreter, --tiny): exercises the script; the times mean nothing.
-    samples = []
-    for _ in range(3):
-        began = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - began) * 1e3)
-    return sorted(samples)[1]
+# ---------------------------------------------------------------------------------------------
+# Checks
 
 
-def bench_row(layers: int, tokens: int, device: str) -> dict[str, object]:
-    """Time gather, scatter, remap, their torch versions, and a plain copy of the same bytes."""
-    cache = make_cache(layers, tokens, device)
-    wire = make_wire(layers, tokens, device)
-    wire_buf = wire_kv_buffer(wire, 0)
-    nbytes = wire.numel() * wire.element_size()
-    # One buffer of the same bytes serves as the copy's destination and as the remap target
-    # (an HND cache of the same blocks): 3x the request's bytes in all, 96 GB at the largest row.
-    spare = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    blocks = -(-tokens // BLOCK)
-    target = KVBuffer(
-        list(spare.view(layers, 2, blocks, HEADS, BLOCK, HEAD_DIM).unbind(0)),
-        "HND",
-        "kv_first",
-        False,
-        torch.randperm(blocks, device=device),
-    )
-    flat_wire = wire.view(-1)
-    ops: dict[str, Callable[[], object]] = {
-        "copy": lambda: spare.copy_(flat_wire),
-        "gather": lambda: gather_kv(cache, wire_buf, 0, tokens, HEADS),
-        "gather_torch": lambda: gather_kv_torch(cache, wire_buf, 0, tokens, HEADS),
-        "scatter": lambda: scatter_kv(wire_buf, cache, 0, tokens, HEADS),
-        "scatter_torch": lambda: scatter_kv_torch(wire_buf, cache, 0, tokens, HEADS),
-        "remap": lambda: remap_kv(cache, target, 0, tokens, HEADS),
-    }
-    row: dict[str, object] = {"layers": layers, "tokens": tokens, "bytes": nbytes}
-    times = {name: _median_ms_or_none(fn) for name, fn in ops.items()}
-    for name, ms in times.items():
-        row[f"{name}_ms"] = ms
-        row[f"{name}_gbps"] = _ratio(2 * nbytes / 1e6, ms)  # read + write
-    for op in ("gather", "scatter", "remap"):
-        row[f"{op}_vs_copy"] = _ratio(times["copy"], times[op])
-    for op in ("gather", "scatter"):
-        row[f"{op}_vs_torch"] = _ratio(times[f"{op}_torch"], times[op])
-    return row
+class Recorder:
+    """Numbers every entry of the report in the order it was made (`seq`)."""
+
+    def __init__(self) -> None:
+        self._seq = itertools.count()
+
+    def stamp(self, entry: dict[str, Any]) -> dict[str, Any]:
+        return {"seq": next(self._seq), **entry}
 
 
-def _median_ms_or_none(fn: Callable[[], object]) -> float | None:
-    # The largest rows hold 3x a 34 GB request; a torch implementation's temporaries may not
-    # fit beside them. Such a cell is reported as missing instead of losing the whole run.
-    try:
-        return _median_ms(fn)
-    except torch.OutOfMemoryError:
-        torch.cuda.empty_cache()
-        return None
+def _snapshot(buf: KVBuffer) -> list[torch.Tensor]:
+    return [t.view(torch.uint8).clone() for t in buf.layers]
 
 
-def _ratio(num: float | None, den: float | None) -> float | None:
-    return None if num is None or den is None else num / den
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def _fmt(value: object, width: int, digits: int) -> str:
-    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
-def sweep_block_t(layers: int, tokens: int, device: str) -> dict[int, float]:
-    """Gather bandwidth (GB/s) for each tile height, to check the tile heuristic."""
-    cache = make_cache(layers, tokens, device)
-    wire = make_wire(layers, tokens, device)
-    nbytes = wire.numel() * wire.element_size()
-    out = {}
-    for block_t in (8, 16, 32, 64, 128):
-        ms = _median_ms(
-            lambda b=block_t: copy_cells(
-                cache, wire_kv_buffer(wire, 0), 0, tokens, HEADS, block_t=b
-            )
-        )
-        out[block_t] = 2 * nbytes / ms / 1e6
+def check_case(
+    case: CellCopyCase, g: Geometry, max_copies: int, recorder: Recorder
+) -> list[dict[str, Any]]:
+    """Run every implementation on the poisoned destination; compare with the torch twin."""
+    device = case.src.layers[0].device
+    for t in case.dst.layers:
+        poison(t)
+    case.torch_twin(*case.args)
+    want = _snapshot(case.dst)
+    impls: list[tuple[str, Callable[[], Launch]]] = [
+        ("new", lambda: lambda: case.public(*case.args)),
+        ("previous", lambda: prepare_previous(case)),
+        ("index_select", lambda: prepare_index_copy(case)),
+        ("per_block", lambda: prepare_block_copies(case, max_copies)),
+    ]
+    if hasattr(kernels, "prepare_cell_copy"):
+        impls.insert(1, ("new_prepared", lambda: prepare_new(case)))
+    out = []
+    for name, prepare in impls:
+        entry: dict[str, Any] = {
+            "op": case.op,
+            "impl": name,
+            **g.describe(),
+            "token_start": case.token_start,
+        }
+        try:
+            launch = prepare()
+            for t in case.dst.layers:
+                poison(t)
+            _sync(device)
+            launch()
+            _sync(device)
+            entry["passed"] = _same(_snapshot(case.dst), want)
+            if not entry["passed"]:
+                entry["error"] = "destination bytes differ from the torch twin's"
+        except Skipped as why:
+            entry.update(passed=None, skipped=str(why))
+        except Exception as exc:  # a broken implementation is a failed check, not a crash
+            entry.update(passed=False, error=f"{type(exc).__name__}: {exc}")
+        out.append(recorder.stamp(entry))
     return out
 
 
-def main() -> int:
-    """Check, then benchmark; exit 1 on any correctness failure."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check-only", action="store_true")
-    parser.add_argument("--tiny", action="store_true", help="small sizes (the interpreter)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    began = time.perf_counter()
-    layers, tokens = (2, 37) if args.tiny else (4, 4099)
-    failures = check_kernels(device, layers, tokens)
-    print(
-        f"correctness ({device}): "
-        + ("all kernels bit-exact" if not failures else f"FAILED {failures}"),
-        file=sys.stderr,
+def check_kernels(
+    grid: list[Geometry],
+    device: torch.device,
+    layers: int,
+    tokens: int,
+    start: int,
+    max_copies: int,
+    recorder: Recorder,
+) -> list[dict[str, Any]]:
+    """Check every kernel variant that `grid` times, at a small size."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    checks = []
+    variants = {g.kernel_variant(): g for g in grid}
+    for variant in variants.values():
+        g = replace(variant, layers=layers, tokens=tokens)
+        n, off = g.heads_moved, g.head_offset
+        nhd = make_cache(g, device, gen, head_offset=off, spare_blocks=3)
+        wire_src = make_wire(g, device, start)
+        fill_random(wire_src, gen)
+        wire_dst = wire_kv_buffer(make_wire(g, device, start), start, g.mla)
+        unpack_dst = make_cache(g, device, gen, head_offset=off, spare_blocks=3)
+        cases = [
+            _case("pack", nhd, wire_dst, start, tokens, n),
+            _case("unpack", wire_kv_buffer(wire_src, start, g.mla), unpack_dst, start, tokens, n),
+        ]
+        if not g.mla:
+            hnd = make_cache(g, device, gen, layout="HND", block=CHECK_REMAP_BLOCK, spare_blocks=2)
+            cases.append(_case("remap_nhd_to_hnd", nhd, hnd, start, tokens, n))
+            nhd_dst = make_cache(g, device, gen, head_offset=off, spare_blocks=3)
+            cases.append(_case("remap_hnd_to_nhd", hnd, nhd_dst, start, tokens, n))
+        done = [entry for case in cases for entry in check_case(case, g, max_copies, recorder)]
+        failed = [f"{c['op']} {c['impl']}" for c in done if c["passed"] is False]
+        state = f"FAILED {failed}" if failed else f"{len(done)} bit-exact or skipped"
+        print(f"check {_label(g)}: {state}", file=sys.stderr, flush=True)
+        checks += done
+    return checks
+
+
+# ---------------------------------------------------------------------------------------------
+# kvxfer.reshard end to end
+
+
+@dataclass(frozen=True)
+class Side:
+    tp: int
+    block_size: int
+    layout: str
+    placement: str
+
+    def describe(self) -> str:
+        return f"TP {self.tp}, blocks of {self.block_size}, {self.layout}/{self.placement}"
+
+
+@dataclass(frozen=True)
+class ReshardCase:
+    name: str
+    tokens: int
+    start_token: int
+    layers: int
+    heads: int
+    head_dim: int
+    dtype: str
+    src: Side
+    dst: Side
+    mla: bool = False
+
+
+DEMO_SRC, DEMO_DST = Side(3, 16, "NHD", "kv_first"), Side(4, 48, "HND", "blocks_first")
+
+
+def reshard_cases(tiny: bool) -> list[ReshardCase]:
+    """The demo's sharding at its size and at 32k tokens, fp8, and MLA (toys with --tiny)."""
+    layers, heads, dim, mla_dim = (2, 12, 8, 64) if tiny else (4, 24, 64, 576)
+    demo, long, prefix = (37, 70, 5) if tiny else (300, 32768, 1024)
+    kv = dict(layers=layers, heads=heads, head_dim=dim, src=DEMO_SRC, dst=DEMO_DST)
+    mla = dict(layers=layers, heads=1, head_dim=mla_dim, mla=True)
+    return [
+        ReshardCase("demo", demo, 0, dtype=BF16, **kv),
+        # Decode already holds a prefix: slots before `prefix` must keep their poison.
+        ReshardCase(f"{long} tokens", long, prefix, dtype=BF16, **kv),
+        ReshardCase("demo fp8", demo, 0, dtype=FP8, **kv),
+        ReshardCase(
+            "demo MLA",
+            demo,
+            5,
+            dtype=BF16,
+            src=Side(2, 16, "NHD", "kv_first"),
+            dst=Side(4, 48, "NHD", "kv_first"),
+            **mla,
+        ),
+    ]
+
+
+def _specs(case: ReshardCase, side: Side) -> list[KVCacheSpec]:
+    needed = -(-case.tokens // side.block_size)
+    return KVCacheSpec(
+        num_layers=case.layers,
+        num_kv_heads=case.heads,
+        head_dim=case.head_dim,
+        dtype=case.dtype,  # type: ignore[arg-type]
+        tp_size=side.tp,
+        tp_rank=0,
+        block_size=side.block_size,
+        num_blocks=needed + 3,
+        layout=side.layout,  # type: ignore[arg-type]
+        kv_placement=side.placement,  # type: ignore[arg-type]
+        mla=case.mla,
+    ).engine_ranks()
+
+
+def _global_kv(spec: KVCacheSpec, tokens: int, device: torch.device) -> torch.Tensor:
+    shape = (spec.num_layers, tokens, spec.head_dim)
+    if not spec.mla:
+        shape = (spec.num_layers, 2, tokens, spec.num_kv_heads, spec.head_dim)
+    if math.prod(shape) <= 1 << 24:
+        return random_global_kv(spec, tokens, seed=1, device=device)
+    # randn of hundreds of millions of elements on the host takes seconds: random bits on the
+    # device serve the same purpose (every cell distinct with near certainty).
+    kv = torch.empty(shape, dtype=spec.torch_dtype, device=device)
+    fill_random(kv, torch.Generator(device=device).manual_seed(1))
+    return kv
+
+
+RankCaches = list[tuple[KVCacheSpec, list[torch.Tensor], np.ndarray]]
+
+
+def _reshard_ranks(
+    case: ReshardCase, device: torch.device
+) -> tuple[RankCaches, RankCaches, list[list[torch.Tensor]]]:
+    """Sources holding the request amid noise, poisoned destinations, and the bytes each
+    destination layer must hold afterwards (from `kvxfer.reference`)."""
+    src_specs, dst_specs = _specs(case, case.src), _specs(case, case.dst)
+    gen = torch.Generator(device=device).manual_seed(2)
+    rng = np.random.default_rng(0)
+    kv = int_view(_global_kv(src_specs[0], case.tokens, device))
+    src, dst, expected = [], [], []
+    for spec in src_specs:
+        caches = allocate_kv_caches(spec, device)
+        for t in caches:
+            fill_random(t, gen)
+        ids = rng.permutation(spec.num_blocks)[: -(-case.tokens // spec.block_size)]
+        write_rank_cells(spec, [int_view(t) for t in caches], ids, kv, 0, case.tokens)
+        src.append((spec, caches, ids))
+    for spec in dst_specs:
+        caches = allocate_kv_caches(spec, device)
+        for t in caches:
+            poison(t)
+        ids = rng.permutation(spec.num_blocks)[: -(-case.tokens // spec.block_size)]
+        want = [t.clone() for t in caches]
+        write_rank_cells(spec, [int_view(t) for t in want], ids, kv, case.start_token, case.tokens)
+        dst.append((spec, caches, ids))
+        expected.append([t.view(torch.uint8) for t in want])
+    return src, dst, expected
+
+
+def check_reshard(
+    case: ReshardCase, device: torch.device, recorder: Recorder
+) -> list[dict[str, Any]]:
+    """Reshard `case` with every strategy forced, Triton backend; check every byte."""
+    base = {
+        "case": case.name,
+        "tokens": case.tokens,
+        "start_token": case.start_token,
+        "layers": case.layers,
+        "heads": case.heads,
+        "head_dim": case.head_dim,
+        "dtype": case.dtype,
+        "mla": case.mla,
+        "src": case.src.describe(),
+        "dst": case.dst.describe(),
+        "backend": "triton",
+    }
+    try:
+        src, dst, expected = _reshard_ranks(case, device)
+    except Exception as exc:
+        if case.dtype == FP8 and "KVCacheSpec.dtype" in str(exc):
+            outcome = {
+                "passed": None,
+                "skipped": f"KVCacheSpec rejects dtype {case.dtype!r}: {exc}",
+            }
+        else:
+            outcome = {"passed": False, "error": f"setting up: {type(exc).__name__}: {exc}"}
+        print(f"reshard {case.name}: {outcome}", file=sys.stderr, flush=True)
+        return [recorder.stamp({**base, "strategy": s, **outcome}) for s in STRATEGIES]
+    out = []
+    for strategy in STRATEGIES:
+        entry: dict[str, Any] = {**base, "strategy": strategy}
+        for _, caches, _ in dst:
+            for t in caches:
+                poison(t)
+        try:
+            _sync(device)
+            began = time.perf_counter()
+            result = reshard(
+                src, dst, case.tokens, case.start_token, strategy=strategy, backend="triton"
+            )
+            _sync(device)
+            entry["seconds"] = time.perf_counter() - began
+            entry["bytes"] = result.nbytes
+            entry["segments"] = result.num_segments
+            entry["pairs"] = len(result.pairs)
+            bad = [
+                f"rank {spec.tp_rank} layer {layer}"
+                for (spec, caches, _), want in zip(dst, expected, strict=True)
+                for layer, (got, exp) in enumerate(zip(caches, want, strict=True))
+                if not torch.equal(got.view(torch.uint8), exp)
+            ]
+            entry["passed"] = not bad
+            if bad:
+                entry["error"] = f"destination bytes differ from kvxfer.reference: {bad[:4]}"
+        except Exception as exc:  # a failed reshard is a failed check, not a crash
+            entry.update(passed=False, error=f"{type(exc).__name__}: {exc}")
+        out.append(recorder.stamp(entry))
+        state = "bit-exact" if entry["passed"] else f"FAILED ({entry.get('error')})"
+        print(f"reshard {case.name} {strategy}: {state}", file=sys.stderr, flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def _percentiles(samples: list[float]) -> dict[str, Any]:
+    p10, median, p90 = np.percentile(samples, [10, 50, 90]).tolist()
+    return {"median_ms": median, "p10_ms": p10, "p90_ms": p90, "reps": len(samples)}
+
+
+class Timer:
+    """Device time with CUDA events (L2 flushed), end-to-end call time, and the deadline."""
+
+    def __init__(self, device: torch.device, reps: int, deadline: float | None) -> None:
+        self.device = device
+        self.reps = reps
+        self.deadline = deadline
+        self.cuda = device.type == "cuda"
+        self.flush = (
+            torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if self.cuda else None
+        )
+        self._sleep = getattr(torch.cuda, "_sleep", None)
+
+    def check_deadline(self) -> None:
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise Stopped("deadline (--deadline-s) passed")
+
+    def _prepare_rep(self, rep: int) -> None:
+        assert self.flush is not None
+        self.flush.fill_(rep & 0xFF)
+
+    def device_time(self, launch: Launch) -> dict[str, Any]:
+        """`reps` launches, each alone between two events, after a warm-up launch."""
+        self.check_deadline()
+        launch()
+        _sync(self.device)
+        if not self.cuda:  # the interpreter: exercises the script, times mean nothing
+            return self._wall(launch)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        for rep in range(self.reps):
+            self._prepare_rep(rep)
+            if self._sleep is not None:
+                self._sleep(SPIN_CYCLES)
+            starts[rep].record()
+            launch()
+            ends[rep].record()
+        torch.cuda.synchronize()
+        return _percentiles([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)])
+
+    def call_time(self, call: Launch) -> dict[str, Any]:
+        """Host wall time from the call to its completion on the device, after a warm-up."""
+        self.check_deadline()
+        call()
+        _sync(self.device)
+        return self._wall(call)
+
+    def _wall(self, call: Launch) -> dict[str, Any]:
+        samples = []
+        for rep in range(self.reps):
+            if self.cuda:
+                self._prepare_rep(rep)
+                torch.cuda.synchronize()
+            began = time.perf_counter()
+            call()
+            _sync(self.device)
+            samples.append((time.perf_counter() - began) * 1e3)
+        return _percentiles(samples)
+
+
+def _measure(fn: Callable[[], dict[str, Any]], device: torch.device) -> dict[str, Any]:
+    """One measurement; a skip, an out-of-memory or an error becomes the cell's reason."""
+    try:
+        return fn()
+    except Skipped as why:
+        return {"skipped": str(why)}
+    except torch.OutOfMemoryError:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"skipped": "out of device memory"}
+    except (Stopped, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # reported in its cell; the table goes on
+        return {"skipped": f"error: {type(exc).__name__}: {exc}"}
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def _needs(device: torch.device, nbytes: int) -> None:
+    free = _free_bytes(device)
+    # Index tensors, block tables and the allocator's rounding: 5% and 1 GiB of headroom.
+    if free is not None and nbytes * 1.05 + (1 << 30) > free:
+        raise Skipped(f"needs {nbytes / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+
+
+def time_case(
+    case: CellCopyCase, g: Geometry, timer: Timer, copy: dict[str, Any], max_copies: int
+) -> dict[str, Any]:
+    """One row: the op's device time by implementation, and end-to-end call times."""
+    nbytes = g.moved_bytes()
+    dev = timer.device
+    device_times = {
+        "copy": copy,
+        "new": _measure(lambda: timer.device_time(prepare_new(case)), dev),
+        "previous": _measure(lambda: timer.device_time(prepare_previous(case)), dev),
+        "index_select": _measure(lambda: timer.device_time(prepare_index_copy(case)), dev),
+        "per_block": _measure(
+            lambda: timer.device_time(prepare_block_copies(case, max_copies)), dev
+        ),
+    }
+    copy_ms = copy.get("median_ms")
+    for stats in device_times.values():
+        if "median_ms" in stats:
+            stats["gbps"] = 2 * nbytes / stats["median_ms"] / 1e6
+            stats["vs_copy"] = None if copy_ms is None else copy_ms / stats["median_ms"]
+    e2e = {
+        "new": _measure(lambda: timer.call_time(lambda: case.public(*case.args)), dev),
+        "previous": _measure(
+            lambda: timer.call_time(lambda: previous_kernel.copy_cells(*case.args)), dev
+        ),
+        "torch": _measure(lambda: timer.call_time(lambda: case.torch_twin(*case.args)), dev),
+    }
+    target = TARGETS[case.op] if g.tokens >= TARGET_FROM_TOKENS else None
+    ratio = device_times["new"].get("vs_copy")
+    return {
+        "op": case.op,
+        **g.describe(),
+        "bytes_moved": nbytes,
+        "device": device_times,
+        "e2e": e2e,
+        "target_vs_copy": target,
+        "meets_target": None if target is None or ratio is None else ratio >= target,
+    }
+
+
+def time_geometry(
+    g: Geometry, timer: Timer, max_copies: int, emit: Callable[[dict[str, Any]], None]
+) -> None:
+    """Every op of `g`, allocating in phases so that the peak is two caches' worth (the
+    remaps), never more: the copy baseline (wire + a copy of it), pack and unpack (cache +
+    wire), the remaps (NHD cache + HND cache). What does not fit is reported as skipped."""
+    device, moved = timer.device, g.moved_bytes()
+    gen = torch.Generator(device=device).manual_seed(g.tokens)
+    done: set[str] = set()
+
+    def row(case: CellCopyCase, copy: dict[str, Any]) -> None:
+        emit(time_case(case, g, timer, copy, max_copies))
+        done.add(case.op)
+
+    try:
+        _needs(device, 2 * moved)
+        wire = make_wire(g, device)
+        copy = _time_copy(wire, timer)
+        _needs(device, g.cache_bytes())
+        nhd = make_cache(g, device, gen, head_offset=g.head_offset)
+        wire_buf = wire_kv_buffer(wire, 0, g.mla)
+        row(_case("pack", nhd, wire_buf, 0, g.tokens, g.heads_moved), copy)
+        row(_case("unpack", wire_buf, nhd, 0, g.tokens, g.heads_moved), copy)
+        del wire, wire_buf
+        if not g.mla:
+            _needs(device, g.cache_bytes())
+            hnd = make_cache(g, device, gen, layout="HND")
+            row(_case("remap_nhd_to_hnd", nhd, hnd, 0, g.tokens, g.heads_moved), copy)
+            row(_case("remap_hnd_to_nhd", hnd, nhd, 0, g.tokens, g.heads_moved), copy)
+    except (Skipped, torch.OutOfMemoryError) as why:
+        reason = str(why) if isinstance(why, Skipped) else "out of device memory"
+        for op in g.ops:
+            if op not in done:
+                emit({"op": op, **g.describe(), "bytes_moved": moved, "skipped": reason})
+
+
+def _time_copy(wire: torch.Tensor, timer: Timer) -> dict[str, Any]:
+    """`copy_` of the wire buffer's bytes into a buffer of the same size (freed after)."""
+    src = wire.view(-1).view(torch.uint8)
+    dst = torch.empty_like(src)
+    copy = _measure(lambda: timer.device_time(lambda: dst.copy_(src)), timer.device)
+    if "median_ms" in copy:
+        copy.update(gbps=2 * src.numel() / copy["median_ms"] / 1e6, vs_copy=1.0)
+    return copy
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def _label(g: Geometry) -> str:
+    heads = "MLA" if g.mla else f"{g.heads_moved}/{g.heads} heads"
+    return f"{g.layers}L {g.tokens}t {heads} d{g.head_dim} {SHORT_DTYPE[g.dtype]}"
+
+
+def _num(value: object, width: int, digits: int) -> str:
+    if value is None:
+        return f"{'-':>{width}}"
+    return f"{value:>{width},.{digits}f}"
+
+
+def _cell(stats: dict[str, Any] | None, key: str, width: int, digits: int) -> str:
+    if stats is None:
+        return f"{'-':>{width}}"
+    if "skipped" in stats:
+        return f"{'skip':>{width}}"
+    value = stats.get(key)
+    # Ratios of interpreted runs can be huge; keep the column's width.
+    return _num(value, width, digits if value is None or value < 10 ** (width - 3) else 0)
+
+
+_HEADER = (
+    f"{'op':<9} {'layers':>6} {'tokens':>7} {'heads':>5} {'dim':>4} {'dtype':>5} {'MB':>8} "
+    f"| {'copy GB/s':>9} | {'new ms':>8} {'[p10-p90]':>17} {'GB/s':>6} {'x copy':>6} "
+    f"| {'prev':>5} {'index':>5} {'block':>5} | {'e2e new':>8} {'prev':>8} {'torch':>8} "
+    f"| target"
+)
+
+
+def format_row(r: dict[str, Any]) -> str:
+    """One line of the table (the columns of `_HEADER`)."""
+    heads = "MLA" if r["mla"] else f"{r['heads_moved']}/{r['heads']}"
+    head = (
+        f"{OP_LABELS[r['op']]:<9} {r['layers']:>6} {r['tokens']:>7} {heads:>5} "
+        f"{r['head_dim']:>4} {SHORT_DTYPE[r['dtype']]:>5} {r['bytes_moved'] / 1e6:>8,.1f}"
     )
-    if failures:
-        return 1
-    if args.check_only:
-        return 0
-    if device != "cuda" and not args.tiny:
+    if "skipped" in r:
+        return head + f"| skipped: {r['skipped']}"
+    dev, e2e = r["device"], r["e2e"]
+    new = dev["new"]
+    spread = f"[{new['p10_ms']:.3f}-{new['p90_ms']:.3f}]" if "median_ms" in new else "skip"
+    target = r["target_vs_copy"]
+    verdict = "" if target is None else f">={target:.2f} {'ok' if r['meets_target'] else 'MISS'}"
+    cells = [
+        head,
+        "|",
+        _cell(dev["copy"], "gbps", 9, 0),
+        "|",
+        _cell(new, "median_ms", 8, 3),
+        f"{spread:>17}",
+        _cell(new, "gbps", 6, 0),
+        _cell(new, "vs_copy", 6, 2),
+        "|",
+        *(_cell(dev[k], "vs_copy", 5, 2) for k in ("previous", "index_select", "per_block")),
+        "|",
+        *(_cell(e2e[k], "median_ms", 8, 3) for k in ("new", "previous", "torch")),
+        "|",
+        verdict,
+    ]
+    return " ".join(cells)
+
+
+def target_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Per op: the new kernel's range of x copy from 4k tokens, against its target."""
+    lines = []
+    for op, target in TARGETS.items():
+        ratios = [
+            r["device"]["new"]["vs_copy"]
+            for r in rows
+            if r["op"] == op and r.get("target_vs_copy") and r["device"]["new"].get("vs_copy")
+        ]
+        if ratios:
+            met = "met" if min(ratios) >= target else "NOT met"
+            lines.append(
+                f"{OP_LABELS[op]}: {min(ratios):.2f}-{max(ratios):.2f} of copy over "
+                f"{len(ratios)} rows from {TARGET_FROM_TOKENS} tokens; target {target}: {met}"
+            )
+    return lines
+
+
+def print_table(report: dict[str, Any]) -> None:
+    checks, reshards, rows = report["checks"], report["reshard"], report["rows"]
+    flushed = "L2 flushed" if report["flush_bytes"] else "interpreted, times meaningless"
+    print(
+        f"{report['device']} · torch {report['torch']} · Triton {report['triton']} · "
+        f"{report['reps']} reps, {flushed} · GB/s = (bytes read + bytes written) / median"
+    )
+    print(f"new kernel device time: {report['new_device_timing']}")
+    passed = sum(c["passed"] is True for c in checks)
+    skipped = sum(c["passed"] is None for c in checks)
+    failed = len(checks) - passed - skipped
+    print(f"kernel checks: {passed} bit-exact, {skipped} skipped, {failed} failed")
+    for c in checks:
+        if c["passed"] is False:
+            geometry = Geometry(c["layers"], c["tokens"], c["head_dim"], c["dtype"],
+                                c["heads_moved"], c["mla"])  # fmt: skip
+            print(f"  FAILED {c['op']} {c['impl']} ({_label(geometry)}): {c.get('error')}")
+    for r in reshards:
+        state = (
+            f"skipped: {r['skipped']}"
+            if r["passed"] is None
+            else f"bit-exact in {r['seconds']:.2f} s, {r['segments']:,} segments"
+            if r["passed"]
+            else f"FAILED: {r.get('error')}"
+        )
+        print(f"reshard {r['case']} ({r['dtype']}) {r['strategy']}: {state}")
+    if rows:
+        print(_HEADER)
+        for r in rows:
+            print(format_row(r))
+        for line in target_summary(rows):
+            print(line)
+    if report["stopped"]:
+        print(f"stopped early: {report['stopped']}")
+    print(f"total {report['seconds']:.0f} s")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check, check reshard end to end, then time; exit 1 on any failed check."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tiny", action="store_true", help="toy sizes (the interpreter on CPU)")
+    parser.add_argument("--full", action="store_true", help="the whole size grid")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--check-only", action="store_true", help="checks only, no timing")
+    parser.add_argument("--no-reshard", action="store_true", help="skip the reshard e2e check")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (default 25)")
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="start no measurement after this many seconds from the start (default 480, "
+        "none with --full); 0: no deadline",
+    )
+    parser.add_argument(
+        "--max-block-copies",
+        type=int,
+        default=16384,
+        help="skip the per-block baseline above this many copies per call",
+    )
+    args = parser.parse_args(argv)
+    began = time.perf_counter()
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print(
+            "no CUDA device: run with --tiny and TRITON_INTERPRET=1 (the Triton interpreter)",
+            file=sys.stderr,
+        )
+        return 2
+    if device.type == "cpu" and not args.tiny:
         print("timing needs a CUDA device (or --tiny to exercise the script)", file=sys.stderr)
         return 2
-    sizes = (
-        [(2, 32), (2, 64)]
-        if args.tiny
-        else [
-            (layers, tokens) for layers in (32, 64) for tokens in (1024, 4096, 16384, 65536, 131072)
-        ]
-    )
-    rows = []
-    for layers, tokens in sizes:
-        rows.append(bench_row(layers, tokens, device))
-        # Progress on stderr, so that a run cut off by a time limit still shows its rows.
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    sweep = sweep_block_t(*((2, 32) if args.tiny else (32, 16384)), device)
-    report = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
-        "rows": rows,
-        "block_t_sweep_gbps": sweep,
-        "seconds": time.perf_counter() - began,
+    reps = args.reps or (3 if args.tiny else 25)
+    grid = tiny_grid() if args.tiny else full_grid() if args.full else default_grid()
+    recorder = Recorder()
+    interrupted = False
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "interpreted": os.environ.get("TRITON_INTERPRET") == "1",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "reps": reps,
+        "flush_bytes": FLUSH_BYTES if device.type == "cuda" else 0,
+        "gbps_counts": "bytes read + bytes written = 2 x bytes_moved",
+        "new_device_timing": new_timing_method(),
+        "checks": [],
+        "reshard": [],
+        "rows": [],
+        "stopped": None,
     }
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    print(f"{report['device']}, bf16, {HEADS} KV heads, head_dim {HEAD_DIM}, blocks of {BLOCK}")
-    print(
-        f"{'layers':>6} {'tokens':>7} {'GB':>6} {'copy GB/s':>10} {'gather':>8} {'x copy':>7} "
-        f"{'x torch':>7} {'scatter':>8} {'x copy':>7} {'x torch':>7} {'remap':>8} {'x copy':>7}"
-    )
-    for r in rows:
-        print(
-            f"{r['layers']:>6} {r['tokens']:>7} {r['bytes'] / 1e9:>6.2f} "  # type: ignore[operator]
-            + " ".join(
-                _fmt(r[key], width, digits)
-                for key, width, digits in (
-                    ("copy_gbps", 10, 0),
-                    ("gather_gbps", 8, 0),
-                    ("gather_vs_copy", 7, 2),
-                    ("gather_vs_torch", 7, 1),
-                    ("scatter_gbps", 8, 0),
-                    ("scatter_vs_copy", 7, 2),
-                    ("scatter_vs_torch", 7, 1),
-                    ("remap_gbps", 8, 0),
-                    ("remap_vs_copy", 7, 2),
-                )
-            )
+    try:
+        check_layers, check_tokens, check_start = (2, 37, 3) if args.tiny else (3, 1037, 5)
+        report["checks"] = check_kernels(
+            grid, device, check_layers, check_tokens, check_start, args.max_block_copies, recorder
         )
-    print(
-        "gather GB/s by BLOCK_T (32 layers, 16k tokens): "
-        + ", ".join(f"{k}: {v:.0f}" for k, v in sweep.items())
-    )
-    print(f"total {report['seconds']:.0f} s")
-    return 0
+        if not args.no_reshard:
+            for case in reshard_cases(args.tiny):
+                report["reshard"] += check_reshard(case, device, recorder)
+        failed = [e for e in (*report["checks"], *report["reshard"]) if e["passed"] is False]
+        if failed:
+            report["stopped"] = f"{len(failed)} checks failed: nothing timed"
+        elif not args.check_only:
+            limit = args.deadline_s if args.deadline_s is not None else 0 if args.full else 480
+            deadline = began + limit if limit > 0 else None
+            timer = Timer(device, reps, deadline)
+
+            def emit(row: dict[str, Any]) -> None:
+                report["rows"].append(recorder.stamp(row))
+                # Progress on stderr, so that a run cut off still shows its rows.
+                print(format_row(row), file=sys.stderr, flush=True)
+
+            for g in grid:
+                time_geometry(g, timer, args.max_block_copies, emit)
+    except Stopped as why:
+        report["stopped"] = str(why)
+    except KeyboardInterrupt:
+        report["stopped"] = "interrupted (SIGINT or SIGTERM)"
+        interrupted = True
+    report["seconds"] = time.perf_counter() - began
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print_table(report)
+    failed = [e for e in (*report["checks"], *report["reshard"]) if e["passed"] is False]
+    return 1 if failed else 130 if interrupted else 0
 
 
 if __name__ == "__main__":

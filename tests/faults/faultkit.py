@@ -39,6 +39,7 @@ import torch
 import zmq
 
 from kvxfer import KVCacheSpec, allocate_kv_caches
+from kvxfer.layout import BLOCK, layer_axes
 from kvxfer.reference import random_global_kv, write_rank_cells
 
 POISON = 0xA5  # consumer caches before anything lands
@@ -123,23 +124,23 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def by_block(spec: KVCacheSpec, layer: torch.Tensor) -> torch.Tensor:
+    """A layer tensor (or its bytes) with the block axis first: `by_block(...)[b]` is block b."""
+    return layer.movedim(layer_axes(spec.layout, spec.kv_placement, spec.mla).index(BLOCK), 0)
+
+
 def fill_blocks(spec: KVCacheSpec, caches: Sequence[torch.Tensor], blocks, byte: int) -> None:
     """Overwrite whole blocks of every layer with one byte value."""
     ids = torch.as_tensor(np.asarray(list(blocks), dtype=np.int64))
     if ids.numel() == 0:
         return
     for t in caches:
-        if spec.kv_placement == "kv_first" and not spec.mla:
-            bits(t)[:, ids] = byte
-        else:
-            bits(t)[ids] = byte
+        by_block(spec, bits(t))[ids] = byte
 
 
 def block_diff(spec: KVCacheSpec, got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     """Differing bytes per block of one layer (int64, `num_blocks` long)."""
-    diff = bits(got) != bits(want)
-    if spec.kv_placement == "kv_first" and not spec.mla:
-        return diff.reshape(2, spec.num_blocks, -1).sum((0, 2))
+    diff = by_block(spec, bits(got) != bits(want))
     return diff.reshape(spec.num_blocks, -1).sum(1)
 
 
@@ -149,7 +150,6 @@ class CacheModel:
     def __init__(self, spec: KVCacheSpec, caches: Sequence[torch.Tensor]) -> None:
         self.spec = spec
         self.caches = list(caches)
-        self._kv_first = spec.kv_placement == "kv_first" and not spec.mla
         self.model = [torch.empty_like(t) for t in caches]
         for t in self.model:
             bits(t).fill_(POISON)
@@ -175,10 +175,7 @@ class CacheModel:
         """Take the cache's current bytes of `blocks` as the model's (after reporting them)."""
         ids = torch.as_tensor(np.asarray([int(b) for b in blocks], dtype=np.int64))
         for got, want in zip(self.caches, self.model, strict=True):
-            if self._kv_first:
-                want[:, ids] = got[:, ids]
-            else:
-                want[ids] = got[ids]
+            by_block(self.spec, want)[ids] = by_block(self.spec, got)[ids]
 
     def mismatches(self, blocks=None) -> dict[int, int]:
         """Blocks (of `blocks`, default all) whose bytes differ from the model: block -> bytes."""
@@ -191,8 +188,7 @@ class CacheModel:
         for block in [int(b) for b in blocks]:
             n = 0
             for got, want in zip(self.caches, self.model, strict=True):
-                a = got[:, block] if self._kv_first else got[block]
-                b = want[:, block] if self._kv_first else want[block]
+                a, b = by_block(self.spec, got)[block], by_block(self.spec, want)[block]
                 n += int((bits(a.contiguous()) != bits(b.contiguous())).sum())
             if n:
                 found[block] = n
