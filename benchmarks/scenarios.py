@@ -6,6 +6,8 @@ import numpy as np
 import torch
 
 from kvxfer import KVCacheSpec, allocate_kv_caches
+from kvxfer.plan import build_program
+from kvxfer.plan.program import chunk_bounds, max_chunk_tokens, pack_copy
 from kvxfer.reference import random_global_kv, write_rank_cells
 
 
@@ -58,3 +60,55 @@ def filled_side(side: list[KVCacheSpec], num_tokens: int, kv: torch.Tensor | Non
 def request_kv(spec: KVCacheSpec, num_tokens: int) -> torch.Tensor:
     """Random KV of a whole request."""
     return random_global_kv(spec, num_tokens, seed=0)
+
+
+def plan_request(src, dst, pairs, num_tokens, src_ids, dst_ids, landing=False):
+    """Every pair's transfer program for tokens `[0, num_tokens)`."""
+    return [
+        build_program(
+            p.route,
+            p.strategy,
+            src[p.src_rank],
+            dst[p.dst_rank],
+            src_ids[p.src_rank],
+            dst_ids[p.dst_rank],
+            0,
+            num_tokens,
+            landing=landing,
+        )
+        for p in pairs
+    ]
+
+
+def connector_request(src, dst, pairs, num_tokens, src_ids, dst_ids):
+    """What the connectors plan for one request sent in one chunk: the producer's pack
+    (`pack_copy`) and the consumer's landing program, for every pair."""
+    return connector_chunks(src, dst, pairs, num_tokens, src_ids, dst_ids, None)
+
+
+def connector_chunks(src, dst, pairs, num_tokens, src_ids, dst_ids, slot_bytes):
+    """The connectors' planning of one request cut into the chunks that fit `slot_bytes` on
+    both sides (None: one chunk), as `KVConsumer` and `KVProducer` do it."""
+    programs = []
+    for p in pairs:
+        s, d = src[p.src_rank], dst[p.dst_rank]
+        chunk = num_tokens
+        if slot_bytes is not None:
+            fits = max_chunk_tokens(p.strategy, p.route, s, d, slot_bytes, slot_bytes, True)
+            chunk = fits or num_tokens
+        for lo, hi in chunk_bounds(0, num_tokens, chunk):
+            pack_copy(p.strategy, p.route, s, d, src_ids[p.src_rank], lo, hi)
+            programs.append(
+                build_program(
+                    p.route,
+                    p.strategy,
+                    s,
+                    d,
+                    src_ids[p.src_rank],
+                    dst_ids[p.dst_rank],
+                    lo,
+                    hi,
+                    landing=True,
+                )
+            )
+    return programs

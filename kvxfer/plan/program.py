@@ -125,16 +125,22 @@ def _staging_views(
     landing: bool = False,
 ) -> tuple[PagedView | None, PagedView | None]:
     """The (source-side, destination-side) staging buffers of a strategy, if any; with
-    `landing`, the destination side always has one."""
+    `landing`, the destination side always has one.
+
+    Where both sides stage in the same layout (pack+unpack's wire buffer, a landing pack's
+    mirror of the destination's blocks), both get the same view: the segments between them
+    are then planned without enumerating cells (`segments.staging_copy_template`).
+    """
     n, t0, t1 = num_heads, token_start, token_end
-    dst_mirror = staging_mirror(dst_geometry, n, t0, t1) if landing else None
     if strategy == "pack":
-        return staging_mirror(dst_geometry, n, t0, t1), dst_mirror
+        mirror = staging_mirror(dst_geometry, n, t0, t1)
+        return mirror, mirror if landing else None
     if strategy == "unpack":
         return None, staging_mirror(src_geometry, n, t0, t1)
     if strategy == "pack+unpack":
-        return wire_buffer(src_geometry, n, t0, t1), wire_buffer(src_geometry, n, t0, t1)
-    return None, dst_mirror
+        wire = wire_buffer(src_geometry, n, t0, t1)
+        return wire, wire
+    return None, staging_mirror(dst_geometry, n, t0, t1) if landing else None
 
 
 def program_shape(
