@@ -15,8 +15,14 @@ fetch lands in the cache (README, "No late bytes").
 
 One thread runs every session and every fetch as state machines (no thread per fetch, so
 abandoned fetches cannot exhaust anything); reads complete on the transport's completion thread;
-local copies run on a small pool. A producer silent for `peer_timeout_s` is declared dead: its
-chunks fail at once with their blocks, and the next fetch shakes hands with it again.
+local copies run on a small pool. Up to `staging_slots` chunks per producer rank are in flight
+at once, each in its own slot, so the producer packs chunk i+1 while chunk i is read and chunk
+i-1 is copied into the cache. On CUDA the copies run on the consumer's side stream
+(`kvxfer.connector.streams`) after the fetch's fence, and a chunk is done (its slot free, its
+blocks reported) once its copy's own event completed.
+
+A producer silent for `peer_timeout_s` is declared dead: its chunks fail at once with their
+blocks, and the next fetch shakes hands with it again.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ from kvxfer.connector.messages import (
 from kvxfer.connector.registration import CacheRegistration
 from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.stats import TransferRecord, TransferStats
+from kvxfer.connector.streams import Fence, copy_stream_for
 from kvxfer.execute import resolve_backend, run_cell_copy, warm_up
 from kvxfer.plan import CostModel, PairPlan, check_side, plan_pairs
 from kvxfer.plan.layout import STAGING_REGION, blocks_of_tokens
@@ -228,6 +235,7 @@ class _Fetch:
     deadline: float
     began: float
     pairs: list[_Pair]
+    fence: Fence = None  # CUDA: the engine's stream when the fetch began (see `fetch`)
     chunks: list[_Chunk] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -249,14 +257,19 @@ class KVConsumer:
             `protocol`, closed with this object; a shared one is left open).
         protocol: "tcp" or "rdma" for the default transport.
         staging_bytes: staging pool per producer rank, in bytes: every chunk lands there.
-        staging_slots: slots per pool: chunks in flight per producer rank.
+        staging_slots: slots per pool: chunks in flight per producer rank and fetch (asked,
+            read, confirmed or copied into the cache), so the pipeline's depth: with 1, each
+            chunk is asked for only once the previous one is in the cache (pack, read, copy,
+            next); with more, the producer packs the next chunks while earlier ones are read
+            and copied.
         cost_model: constants for choosing strategies at `connect`.
         strategy: force one strategy for every pair.
         backend: copy backend ("auto", "torch", "triton").
         timeout_s: default timeout of a fetch, in seconds.
         heartbeat_s: how often each producer is pinged.
         peer_timeout_s: a producer silent this long is dead: its chunks fail at once.
-        copy_workers: threads copying landed chunks into the cache.
+        copy_workers: threads copying landed chunks into the cache (on CUDA they launch the
+            copies on a side stream and wait for each one's event).
     """
 
     def __init__(
@@ -309,6 +322,7 @@ class KVConsumer:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._copies = ThreadPoolExecutor(copy_workers, thread_name_prefix="kvxfer-copy")
+        self._copy_stream = copy_stream_for(caches[0].device)
         self._closed = False
         self._polled_at = time.monotonic()
         self._stop = threading.Event()
@@ -377,6 +391,11 @@ class KVConsumer:
         Waits for the producers to publish the request, up to `timeout` (default `timeout_s`)
         for the whole fetch. Earlier tokens' slots are never written.
 
+        CUDA: call it on the engine's thread: the copies into `block_ids` run on a side stream
+        after the kernels enqueued on the caller's current stream before this call (one that
+        still reads those blocks for their previous owner), and after nothing enqueued later.
+        A chunk counts as done once its copy has finished on the device.
+
         Raises:
             ValueError: bad id, token range or block ids, or not connected (nothing starts).
             RuntimeError: the consumer is closed.
@@ -391,6 +410,7 @@ class KVConsumer:
         budget = self._timeout_s if timeout is None else timeout
         now = time.monotonic()
         fetch = _Fetch(handle, ids, num_tokens, start_token, now + budget, now, [])
+        fetch.fence = self._copy_stream.fence()
         self._post(lambda: self._start_fetch(fetch))
         return handle
 
@@ -709,7 +729,9 @@ class KVConsumer:
                 landing=True,
             )
             if unpack is not None:  # compile now, not on the first request
-                warm_up(unpack, self.caches[0].dtype, self.caches[0].device, self._backend)
+                dtype, device = self.caches[0].dtype, self.caches[0].device
+                compile_unpack = functools.partial(warm_up, unpack, dtype, device, self._backend)
+                self._copy_stream.launch(compile_unpack).wait()  # on the side stream's device
         return pairs
 
     def _fitting(self, plan: PairPlan, producer: KVCacheSpec, forced: bool) -> tuple[PairPlan, int]:
@@ -912,8 +934,14 @@ class KVConsumer:
         assert copy is not None and slot is not None
         elements = len(self.caches) * copy.src.geometry.layer_elements
         staging = pool.slot_tensor(slot, self.caches[0].dtype)[:elements]
-        future = self._copies.submit(run_cell_copy, copy, [staging], self.caches, self._backend)
+        run = functools.partial(run_cell_copy, copy, [staging], self.caches, self._backend)
+        future = self._copies.submit(self._copy_into_cache, run, chunk.fetch.fence)
         future.add_done_callback(lambda f: self._post(lambda: self._on_copied(chunk, f)))
+
+    def _copy_into_cache(self, run: Callable[[], None], fence: Fence) -> None:
+        """(a copy thread) Run one chunk's copy from staging into the cache and return once it
+        has finished: only then is its slot read into again and its blocks reported."""
+        self._copy_stream.launch(run, fence).wait()  # this copy's own event, on CUDA
 
     def _on_copied(self, chunk: _Chunk, future: Future[None]) -> None:
         error = future.exception()

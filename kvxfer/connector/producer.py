@@ -13,10 +13,16 @@ Three parts, each with one job:
 - the request table (`RequestTable`): publish, fetchers, reports, expiry, one release each;
 - a session per consumer rank: authentication, its staging pool, its pack leases and its own
   worker thread, so a slow, frozen or hostile peer costs only its own requests.
+
+A session's worker packs one chunk after another into its pool's slots (`staging_slots` of
+them), while its consumer reads earlier chunks: the pack of chunk i+1 runs during the read of
+chunk i. On CUDA the packs run on the producer's side stream (`kvxfer.connector.streams`),
+after the publish's fence, and the worker waits for each pack's own event before answering.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import threading
@@ -56,6 +62,7 @@ from kvxfer.connector.registration import CacheRegistration
 from kvxfer.connector.requests import RequestTable
 from kvxfer.connector.sidechannel import SideChannelServer
 from kvxfer.connector.staging import StagingPool
+from kvxfer.connector.streams import Fence, copy_stream_for
 from kvxfer.execute import resolve_backend, run_cell_copy, warm_up
 from kvxfer.plan import HeadRoute, check_pairable, route_heads
 from kvxfer.plan.program import CellCopy, check_strategy, pack_copy, program_shape
@@ -125,7 +132,9 @@ class KVProducer:
             `protocol`, closed with this object; a shared one is left open).
         protocol: "tcp" or "rdma" for the default transport.
         staging_bytes: staging pool per consumer rank that asks for packed chunks, in bytes.
-        staging_slots: slots in each pool (packed chunks awaiting their read per consumer).
+        staging_slots: slots in each pool: packed chunks awaiting their read per consumer, so
+            how far this rank's packs may run ahead of a consumer's reads (1: each chunk is
+            packed only once the previous one was read).
         request_timeout_s: default deadline of a published request.
         session_timeout_s: a consumer session silent this long is dropped (its pack leases
             end, its pool is reused); consumers ping every `heartbeat_s` (0.5 s by default).
@@ -167,6 +176,8 @@ class KVProducer:
         self._session_timeout_s = session_timeout_s
         self._max_sessions = max_sessions
         self._backend = resolve_backend(backend, caches[0].device)
+        self._copy_stream = copy_stream_for(caches[0].device)
+        self._fences: dict[str, Fence] = {}  # CUDA: by published request (see `publish`)
         self._registration = CacheRegistration(self.caches, transport, host, protocol)
         self.transport = self._registration.transport
         self._cache_regions = [
@@ -203,6 +214,12 @@ class KVProducer:
         decode rank that fetched it reported done, or `deadline_s` (default
         `request_timeout_s`) after now.
 
+        CUDA: call it on the thread, and with the current stream, that wrote the request's KV
+        (or after making that stream wait for the writer), as vLLM's model runner does: packs
+        run on a side stream after the kernels enqueued on the caller's current stream before
+        this call (the forward passes that wrote the KV may still be running), and after
+        nothing enqueued later.
+
         Raises:
             ValueError: a bad id, token count or block table, or an id already published.
             RuntimeError: the producer is closed.
@@ -214,7 +231,18 @@ class KVProducer:
         tokens = check_num_tokens(num_tokens, f"{where}: num_tokens")
         ids = check_block_ids(self.spec, block_ids, tokens, where)
         timeout = self._request_timeout_s if deadline_s is None else deadline_s
-        if self._requests.publish(request_id, ids, tokens, timeout):
+        fence = self._copy_stream.fence()  # before the table: a pack may start right after it
+        if fence is not None:
+            with self._lock:
+                self._fences[request_id] = fence
+        try:
+            aborted = self._requests.publish(request_id, ids, tokens, timeout)
+        except ValueError:
+            if fence is not None and self._requests.get(request_id) is None:
+                with self._lock:
+                    self._fences.pop(request_id, None)  # a live one keeps its later fence
+            raise
+        if aborted:
             self._release(request_id, "its decode engine aborted it before the publish")
 
     @property
@@ -551,6 +579,8 @@ class KVProducer:
     def _release(self, request_id: str, why: str) -> None:
         if not self._requests.release(request_id):
             return  # released already: the callback runs once
+        with self._lock:
+            self._fences.pop(request_id, None)
         log.debug("releasing request %s: %s", request_id, why)
         if self._release_cb is not None:
             try:
@@ -575,7 +605,9 @@ class KVProducer:
         for strategy in ("pack", "pack+unpack"):
             shape = program_shape(strategy, route, self.spec, consumer_spec, one, one, 0, 1)
             assert shape.pack is not None
-            warm_up(shape.pack, self.caches[0].dtype, self.caches[0].device, self._backend)
+            dtype, device = self.caches[0].dtype, self.caches[0].device
+            compile_pack = functools.partial(warm_up, shape.pack, dtype, device, self._backend)
+            self._copy_stream.launch(compile_pack).wait()  # on the side stream's device
         self._warmed.add(key)
 
     def _pack_chunk(
@@ -588,9 +620,12 @@ class KVProducer:
             try:
                 elements = self.spec.num_layers * pack.dst.geometry.layer_elements
                 staging = pool.slot_tensor(slot, self.caches[0].dtype)[:elements]
-                run_cell_copy(pack, self.caches, [staging], self._backend)
-                if self.caches[0].device.type == "cuda":
-                    torch.cuda.current_stream().synchronize()  # the NIC reads what we wrote
+                with self._lock:
+                    fence = self._fences.get(ask.request_id)
+                # After the publish's fence; then wait for this pack's own event only: the NIC
+                # reads finished bytes, and nothing waits for the engine's later work.
+                run = functools.partial(run_cell_copy, pack, self.caches, [staging], self._backend)
+                self._copy_stream.launch(run, fence).wait()
             except BaseException:
                 pool.release(slot)
                 raise
