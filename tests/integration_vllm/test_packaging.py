@@ -1,4 +1,5 @@
-"""kvxfer's core never imports vLLM: only `kvxfer.integrations.vllm` does (extra `kvxfer[vllm]`)."""
+"""kvxfer's core never imports vLLM: only the `kvxfer.integrations.vllm` package does (extra
+`kvxfer[vllm]`)."""
 
 from __future__ import annotations
 
@@ -6,20 +7,28 @@ import subprocess
 import sys
 
 SCRIPT = """
-import importlib, pkgutil, sys
+import importlib, os, pkgutil, sys
 import kvxfer, kvxfer.kernels
-names = [m.name for m in pkgutil.walk_packages(kvxfer.__path__, "kvxfer.")]
-names += [m.name for m in pkgutil.walk_packages(kvxfer.kernels.__path__, "kvxfer.kernels.")]
-assert "kvxfer.integrations.vllm" in names and "kvxfer.kernels.copy_cells" in names, names
+
+def walk(path, prefix):
+    # pkgutil.walk_packages imports every package to descend into it: vLLM's included.
+    for m in pkgutil.iter_modules([path]):
+        yield prefix + m.name
+        if m.ispkg:
+            yield from walk(os.path.join(path, m.name), prefix + m.name + ".")
+
+names = list(walk(kvxfer.__path__[0], "kvxfer."))
+names += list(walk(kvxfer.kernels.__path__[0], "kvxfer.kernels."))
+assert "kvxfer.integrations.vllm.worker" in names and "kvxfer.kernels.copy_cells" in names, names
 for name in names:
-    if name != "kvxfer.integrations.vllm":
+    if not name.startswith("kvxfer.integrations.vllm"):
         importlib.import_module(name)
 leaked = sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm."))
 print(len(names), leaked)
 """
 
 
-def test_only_the_integration_module_imports_vllm():
+def test_only_the_integration_package_imports_vllm():
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, check=True
     )

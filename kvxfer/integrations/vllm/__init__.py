@@ -1,0 +1,56 @@
+"""kvxfer inside vLLM: `KvxferConnector` (KV cache, P/D disaggregation) and
+`KvxferECConnector` (encoder cache). Needs `pip install 'kvxfer[vllm]'`; the rest of kvxfer never
+imports vLLM.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KvxferConnector",
+                           "kv_connector_module_path": "kvxfer.integrations.vllm",
+                           "kv_role": "kv_producer", "kv_connector_extra_config": {...}}'
+
+P/D flow (the conventions of vLLM's own P/D connectors):
+1. The proxy sends a request to the prefill engine with `kv_transfer_params =
+   {"do_remote_decode": true}` and `max_tokens = 1`.
+2. When it finishes, `request_finished` keeps its blocks (delayed free) and returns the
+   parameters the decode engine needs: `do_remote_prefill`, `remote_engine_id`,
+   `remote_request_id`, `remote_host`, `remote_port`, `remote_block_ids`, `remote_num_tokens`,
+   `tp_size`. The next step's metadata tells every prefill worker to publish the request on
+   its `KVProducer`.
+3. The proxy sends the request to the decode engine with those parameters. Its scheduler
+   reports the prompt as externally computed and loaded asynchronously; every decode worker
+   fetches its heads with a `KVConsumer` (one per remote engine, connected to every prefill
+   rank at `remote_port + rank` on first use, off the engine's step, strategies planned per
+   rank pair then; connected again when a load names other addresses: a restarted engine).
+4. A finished fetch is reported through `get_finished`; blocks that failed come back through
+   `get_block_ids_with_load_errors`, so vLLM recomputes exactly them. Once every decode rank
+   reported done (or `request_timeout_s` passed), each prefill worker reports the request as
+   finished sending and vLLM frees its blocks.
+5. A decode request that vLLM finishes before its KV was loaded (aborted while waiting or
+   loading, or a full local prefix hit) is aborted on the prefill engine through the next
+   step's metadata (`KVConsumer.abort`), which frees its blocks at once, as vLLM's NIXL
+   connector does.
+
+Any KV cache layout on either side works: the geometry is read from the registered tensors
+(`kvxfer.integrations.kv_tensors`), so `get_required_kvcache_layout` asks for none.
+"""
+
+from kvxfer.integrations.vllm.connector import KvxferConnector
+from kvxfer.integrations.vllm.ec_connector import KvxferECConnector, KvxferECConnectorMetadata
+from kvxfer.integrations.vllm.metadata import (
+    AbortSpec,
+    KvxferConnectorMetadata,
+    LoadSpec,
+    SendSpec,
+)
+from kvxfer.integrations.vllm.stats import KvxferConnectorStats
+
+__all__ = [
+    "AbortSpec",
+    "KvxferConnector",
+    "KvxferConnectorMetadata",
+    "KvxferConnectorStats",
+    "KvxferECConnector",
+    "KvxferECConnectorMetadata",
+    "LoadSpec",
+    "SendSpec",
+]
