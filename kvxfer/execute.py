@@ -41,24 +41,46 @@ def resolve_backend(backend: str, device: torch.device) -> Backend:
     return cast(Backend, backend)
 
 
-def kv_buffer(view: PagedView, tensors: Sequence[torch.Tensor]) -> KVBuffer:
+def kv_buffer(
+    view: PagedView, tensors: Sequence[torch.Tensor], num_layers: int | None = None
+) -> KVBuffer:
     """The kernels' view of a plan buffer: a cache passes its layer tensors (paged), a staging
-    buffer its one flat tensor (dense: staging blocks are numbered in token order)."""
+    buffer its one flat tensor (dense: staging blocks are numbered in token order).
+
+    `num_layers` layers are used (None: every layer given): a cache's from its view's
+    `layer_offset` on, a staging buffer's from its start.
+    """
     g = view.geometry
     block_ids = None
     if view.region == "staging":
         if not np.array_equal(view.block_ids, np.arange(len(view.block_ids))):
             raise ValueError("view: a staging buffer's blocks must be numbered in token order")
         (flat,) = tensors
-        layers: Sequence[torch.Tensor] = StackedLayers(
-            flat, flat.numel() // g.layer_elements, g.shape
-        )
+        count = flat.numel() // g.layer_elements if num_layers is None else num_layers
+        layers: Sequence[torch.Tensor] = StackedLayers(flat, count, g.shape)
     else:
-        layers = tensors
+        layers = _cache_layers(view, tensors, num_layers)
         block_ids = device_block_ids(view.block_ids, layers[0].device)
     return KVBuffer(
         layers, g.layout, g.kv_placement, g.mla, block_ids, view.token_shift, view.head_offset
     )
+
+
+def _cache_layers(
+    view: PagedView, tensors: Sequence[torch.Tensor], num_layers: int | None
+) -> Sequence[torch.Tensor]:
+    """The layer tensors a copy touches: `num_layers` from `view.layer_offset` (a route's
+    layers on a pipeline stage's rank); all of them, as given, when the copy takes them all."""
+    first = view.layer_offset
+    count = len(tensors) - first if num_layers is None else num_layers
+    if first == 0 and count == len(tensors):
+        return tensors
+    if first < 0 or count < 1 or first + count > len(tensors):
+        raise ValueError(
+            f"tensors: layers [{first}, {first + count}) of the copy are not among the "
+            f"{len(tensors)} layer tensors given; pass the rank's every layer tensor"
+        )
+    return tensors[first : first + count]
 
 
 def device_block_ids(block_ids: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -81,8 +103,10 @@ def run_cell_copy(
     dst_tensors: Sequence[torch.Tensor],
     backend: Backend,
 ) -> None:
-    """Execute one pack (cache -> staging) or unpack (staging -> cache)."""
-    src, dst = kv_buffer(copy.src, src_tensors), kv_buffer(copy.dst, dst_tensors)
+    """Execute one pack (cache -> staging) or unpack (staging -> cache), over the copy's
+    layers (`CellCopy.num_layers`; a cache's from its view's `layer_offset` on)."""
+    src = kv_buffer(copy.src, src_tensors, copy.num_layers)
+    dst = kv_buffer(copy.dst, dst_tensors, copy.num_layers)
     op = _GATHER[backend] if src.paged else _SCATTER[backend]
     op(src, dst, copy.token_start, copy.token_end, copy.num_heads)
 
@@ -102,7 +126,8 @@ def warm_up(copy: CellCopy, dtype: torch.dtype, device: torch.device, backend: B
 def scratch_copy(
     copy: CellCopy, dtype: torch.dtype, device: torch.device
 ) -> tuple[CellCopy, list[torch.Tensor], list[torch.Tensor]]:
-    """The same copy for one token and one layer, on fresh buffers of the same geometry.
+    """The same copy for one token and one layer (layer 0 of each buffer), on fresh buffers of
+    the same geometry.
 
     It compiles the variant every request of `copy`'s geometry uses: the kernel's variants
     depend on the layouts, block sizes, head counts and widths and on alignment (fresh
@@ -115,6 +140,7 @@ def scratch_copy(
         copy.num_heads,
         copy.token_start,
         copy.token_start + 1,
+        num_layers=1,
     )
     return one, _scratch_tensors(one.src, dtype, device), _scratch_tensors(one.dst, dtype, device)
 
@@ -125,7 +151,7 @@ def _scratch_view(view: PagedView) -> PagedView:
     blocks = max(1, len(view.block_ids)) if view.region == "staging" else 1
     geometry = replace(g, num_blocks=blocks)
     ids = np.arange(blocks) if view.region == "staging" else np.zeros_like(view.block_ids)
-    return replace(view, geometry=geometry, block_ids=ids)
+    return replace(view, geometry=geometry, block_ids=ids, layer_offset=0)
 
 
 def _scratch_tensors(

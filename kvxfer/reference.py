@@ -3,7 +3,9 @@
 It indexes each layout of DESIGN.md's table directly, with no planner involved, so tests, the
 demo and notebooks can build source caches and expected destination caches independently of
 the code under test. Global KV is `[layers, 2, tokens, heads, head_dim]` (MLA:
-`[layers, tokens, head_dim]`).
+`[layers, tokens, head_dim]`) over the model's every layer; a rank of pipeline stage `pp_rank`
+holds global layers `[layer_start, layer_start + num_layers)`, its cache tensor `i` being
+global layer `layer_start + i`.
 """
 
 from __future__ import annotations
@@ -19,20 +21,33 @@ from kvxfer.spec import KVCacheSpec
 def random_global_kv(
     spec: KVCacheSpec, num_tokens: int, seed: int = 0, device: str | torch.device = "cpu"
 ) -> torch.Tensor:
-    """Random KV for a whole request (all heads), with distinct bit patterns everywhere.
+    """Random KV for a whole request (all heads, the model's every layer: `total_layers`
+    with pipeline parallelism), with distinct bit patterns everywhere. Any rank's spec of
+    either engine gives the same tensor for the same seed.
 
     fp8 caches (one byte per element) get uniformly random bytes: every bit pattern, NaNs
     included, since only data movement is tested, never fp8 arithmetic.
     """
     gen = torch.Generator().manual_seed(seed)
+    layers = model_layers(spec)
     if spec.mla:
-        shape: tuple[int, ...] = (spec.num_layers, num_tokens, spec.head_dim)
+        shape: tuple[int, ...] = (layers, num_tokens, spec.head_dim)
     else:
-        shape = (spec.num_layers, 2, num_tokens, spec.num_kv_heads, spec.head_dim)
+        shape = (layers, 2, num_tokens, spec.num_kv_heads, spec.head_dim)
     if spec.itemsize == 1:  # no randn for fp8 on CPU: random bytes, viewed as the dtype
         noise = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
         return noise.view(spec.torch_dtype).to(device=device)
     return torch.randn(shape, generator=gen).to(dtype=spec.torch_dtype, device=device)
+
+
+def model_layers(spec: KVCacheSpec) -> int:
+    """The model's layers: `total_layers` with pipeline parallelism, else `num_layers`."""
+    return spec.total_layers if spec.total_layers else spec.num_layers
+
+
+def rank_layers(spec: KVCacheSpec) -> list[int]:
+    """Global layers of `spec`'s rank, in the order of its cache tensors."""
+    return list(range(spec.layer_start, spec.layer_start + spec.num_layers))
 
 
 def rank_heads(spec: KVCacheSpec) -> list[int]:
@@ -52,12 +67,19 @@ def write_rank_cells(
     token_end: int,
 ) -> None:
     """Write tokens `[token_start, token_end)` of `global_kv` into one rank's cache, for the
-    heads that rank holds."""
+    layers and heads that rank holds (`caches[i]` is global layer `spec.layer_start + i`)."""
     tokens = torch.arange(token_start, token_end)
     ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64))
     blocks, slots = ids[tokens // spec.block_size], tokens % spec.block_size
     heads = rank_heads(spec)
-    for layer, cache in enumerate(caches):
+    if global_kv.shape[0] < spec.layer_start + len(caches):
+        raise ValueError(
+            f"global_kv: {global_kv.shape[0]} layers, but the rank holds layers "
+            f"[{spec.layer_start}, {spec.layer_start + len(caches)}); pass the model's whole KV "
+            "(random_global_kv of any rank's spec)"
+        )
+    for index, cache in enumerate(caches):
+        layer = spec.layer_start + index  # global
         if spec.mla:
             cache[blocks, slots] = global_kv[layer, token_start:token_end].to(cache.device)
             continue

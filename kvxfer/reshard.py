@@ -3,6 +3,10 @@
 It plans every rank pair, then runs each pair's transfer program through a `LocalTransport`:
 pack on the source side, the byte segments, unpack on the destination side. The plan objects
 and segment lists are the ones a network transport executes.
+
+Either side may be pipeline parallel: its entries then list every (pp, tp) rank, each with its
+own stage's layers (`KVCacheSpec.layer_start`, `num_layers`), and each pair moves the layers
+both of its ranks hold.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ RankCache = tuple[KVCacheSpec, Sequence[torch.Tensor], Sequence[int] | np.ndarra
 
 @dataclass(frozen=True)
 class PairReport:
-    """What one rank pair did."""
+    """What one rank pair did. Ranks are engine ranks (`KVCacheSpec.engine_rank`: the TP
+    rank without pipeline parallelism)."""
 
     src_rank: int
     dst_rank: int
@@ -40,6 +45,7 @@ class PairReport:
     strategy: str
     num_segments: int
     nbytes: int
+    layers: range  # global layers moved
 
 
 @dataclass(frozen=True)
@@ -71,16 +77,16 @@ class _Rank:
 
 def _check_side(entries: Sequence[RankCache], side: str, num_tokens: int) -> list[_Rank]:
     if not entries:
-        raise ValueError(f"{side}: no ranks given; list (spec, caches, block_ids) per TP rank")
+        raise ValueError(f"{side}: no ranks given; list (spec, caches, block_ids) per rank")
     for entry in entries:
         if not isinstance(entry, tuple | list) or len(entry) != 3:
             raise ValueError(f"{side}: each entry must be a (spec, caches, block_ids) tuple")
     specs = check_side([spec for spec, _, _ in entries], side)
     ranks = []
-    by_rank = {spec.tp_rank: (caches, ids) for spec, caches, ids in entries}
+    by_rank = {spec.engine_rank: (caches, ids) for spec, caches, ids in entries}
     for spec in specs:
-        who = f"{side} rank {spec.tp_rank}"
-        caches, ids = by_rank[spec.tp_rank]
+        who = f"{side} {spec.rank_name}"
+        caches, ids = by_rank[spec.engine_rank]
         check_caches(spec, caches, who)
         ranks.append(_Rank(spec, caches, check_block_ids(spec, ids, num_tokens, who)))
     return ranks
@@ -98,7 +104,8 @@ def reshard(
     """Copy tokens `[start_token, num_tokens)` of a request from one sharding to another.
 
     Args:
-        src: `(KVCacheSpec, caches, block_ids)` for every source rank.
+        src: `(KVCacheSpec, caches, block_ids)` for every source rank: every (pp, tp) rank
+            with pipeline parallelism, its caches being its own stage's layers.
         dst: the same for every destination rank. Block ids cover tokens `[0, num_tokens)`.
         num_tokens: tokens in the request.
         start_token: first token to move; slots of earlier tokens are never written.
@@ -107,7 +114,8 @@ def reshard(
         cost_model: constants for choosing strategies (default `CostModel()`).
 
     Returns:
-        Per rank pair: the strategy, the segments written and the bytes moved.
+        Per rank pair: the layers and heads, the strategy, the segments written and the bytes
+        moved. Every destination rank ends up with exactly its layers and heads.
 
     Raises:
         ValueError: mismatched geometry between the sides, a missing or duplicated rank,
@@ -185,6 +193,7 @@ def _report(plan: PairPlan, program: TransferProgram) -> PairReport:
         strategy=plan.strategy,
         num_segments=len(program.segments),
         nbytes=program.nbytes,
+        layers=range(plan.route.layer_start, plan.route.layer_start + program.num_layers),
     )
 
 

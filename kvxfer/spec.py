@@ -3,10 +3,17 @@
 The layout contract (DESIGN.md) fixes the per-layer tensor shape for every combination of
 `layout`, `kv_placement` and `mla`; `kvxfer.layout` is its single source of truth, and
 `KVCacheSpec.layer_shape` reads it from there.
+
+Pipeline parallelism: a rank of pipeline stage `pp_rank` holds the contiguous global layers
+`[layer_start, layer_start + num_layers)` of a model with `total_layers` layers, and its cache
+tensors are those layers in order (local index = global index - `layer_start`). The range is
+explicit, never computed: vLLM splits layers unevenly (`vllm.distributed.utils.get_pp_indices`,
+or `VLLM_PP_LAYER_PARTITION`). `pp_layer_ranges` gives vLLM's default split.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, NoReturn
 
 import msgspec
@@ -44,6 +51,10 @@ INT_FIELDS: tuple[str, ...] = (
     "tp_rank",
     "block_size",
     "num_blocks",
+    "pp_size",
+    "pp_rank",
+    "layer_start",
+    "total_layers",
 )
 
 
@@ -101,9 +112,22 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
             "kv_inner" (K then V in each head's row: `[blocks, ..., 2 * head_dim]`, vLLM 0.33).
         mla: one latent plane `[num_blocks, block_size, head_dim]`, the same on every rank;
             `layout` and `kv_placement` are then ignored.
+        pp_size: pipeline-parallel size of this engine (1: no pipeline parallelism).
+        pp_rank: this rank's pipeline stage, in `[0, pp_size)`.
+        layer_start: global index of this rank's first layer: the rank holds global layers
+            `[layer_start, layer_start + num_layers)`, and `num_layers` counts only those.
+            0 without pipeline parallelism.
+        total_layers: the model's layers over every stage. Required with `pp_size > 1`; 0 (the
+            default) without pipeline parallelism, where it reads as `num_layers`
+            (`model_layers`).
 
     Head ownership (DESIGN.md): with `H >= T`, `T` divides `H` and rank `r` holds heads
     `[r*H/T, (r+1)*H/T)`; with `H < T`, `H` divides `T` and rank `r` holds head `r // (T/H)`.
+    Every pipeline stage shards its layers' heads the same way over its `tp_size` ranks.
+
+    The ranks of an engine are numbered pp-major, as vLLM numbers them inside a data-parallel
+    group: `engine_rank = pp_rank * tp_size + tp_rank`, in `[0, engine_size)`. Without
+    pipeline parallelism the engine rank is the TP rank.
     """
 
     num_layers: int
@@ -117,10 +141,16 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
     layout: Layout = "NHD"
     kv_placement: KVPlacement = "kv_first"
     mla: bool = False
+    pp_size: int = 1
+    pp_rank: int = 0
+    layer_start: int = 0
+    total_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in INT_FIELDS:
-            _normalize(self, name, _as_int(name, getattr(self, name)))
+            value = getattr(self, name)
+            if type(value) is not int:  # numpy integers become ints; bools and others fail
+                _normalize(self, name, _as_int(name, value))
         if isinstance(self.mla, np.bool_):
             _normalize(self, "mla", bool(self.mla))
         for name in ("num_layers", "num_kv_heads", "head_dim", "tp_size", "block_size"):
@@ -153,6 +183,8 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
                 f"an MLA cache has one latent head, got {self.num_kv_heads}",
                 "pass num_kv_heads=1 with mla=True",
             )
+        if self.pp_size != 1 or self.pp_rank or self.layer_start or self.total_layers:
+            self._check_pipeline()
         heads, tp = self.num_kv_heads, self.tp_size
         if heads >= tp and heads % tp != 0:
             _fail(
@@ -166,6 +198,97 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
                 f"{heads} KV heads cannot be replicated evenly over tp_size {tp}",
                 "use a tp_size that is a multiple of num_kv_heads",
             )
+
+    def _check_pipeline(self) -> None:
+        """The pipeline fields (skipped for the defaults: a spec without pipeline parallelism
+        validates as fast as before they existed)."""
+        if self.pp_size <= 0:
+            _fail("pp_size", f"must be a positive integer, got {self.pp_size}", "pass >= 1")
+        if not 0 <= self.pp_rank < self.pp_size:
+            _fail(
+                "pp_rank",
+                f"{self.pp_rank!r} is out of range for pp_size {self.pp_size}",
+                f"pass a stage in [0, {self.pp_size})",
+            )
+        if self.layer_start < 0:
+            _fail("layer_start", f"must be >= 0, got {self.layer_start}", "pass the first layer")
+        if self.total_layers < 0:
+            _fail(
+                "total_layers",
+                f"must be >= 0, got {self.total_layers}",
+                "pass the model's layer count (or 0 without pipeline parallelism)",
+            )
+        end = self.layer_start + self.num_layers
+        if self.pp_size == 1:
+            if self.layer_start:
+                _fail(
+                    "layer_start",
+                    f"is {self.layer_start} with pp_size 1, where one rank holds every layer",
+                    "pass layer_start=0, or the engine's pp_size",
+                )
+            if self.total_layers not in (0, self.num_layers):
+                _fail(
+                    "total_layers",
+                    f"is {self.total_layers} with pp_size 1, where the rank holds all "
+                    f"{self.num_layers} layers (num_layers)",
+                    "pass total_layers=0 (or equal to num_layers), or the engine's pp_size",
+                )
+            return
+        if self.total_layers == 0:
+            _fail(
+                "total_layers",
+                f"is required with pp_size {self.pp_size}",
+                "pass the model's layer count over every pipeline stage",
+            )
+        if end > self.total_layers:
+            _fail(
+                "num_layers",
+                f"layers [{self.layer_start}, {end}) run past total_layers {self.total_layers}",
+                "pass this stage's own layer count and first layer (layer_start)",
+            )
+        if self.pp_rank == 0 and self.layer_start != 0:
+            _fail(
+                "layer_start",
+                f"is {self.layer_start} on pipeline stage 0, which holds the first layers",
+                "pass layer_start=0 for pp_rank 0",
+            )
+        if self.pp_rank == self.pp_size - 1 and end != self.total_layers:
+            _fail(
+                "num_layers",
+                f"the last pipeline stage ends at layer {end}, not at total_layers "
+                f"{self.total_layers}",
+                "the last stage holds the model's last layers: check num_layers and layer_start",
+            )
+
+    @property
+    def model_layers(self) -> int:
+        """The model's layers over every pipeline stage (`total_layers`, or `num_layers`
+        without pipeline parallelism)."""
+        return self.total_layers or self.num_layers
+
+    @property
+    def layers(self) -> range:
+        """The global layers this rank holds, in the order of its cache tensors."""
+        return range(self.layer_start, self.layer_start + self.num_layers)
+
+    @property
+    def engine_rank(self) -> int:
+        """This rank among every rank of its engine, pp-major: `pp_rank * tp_size + tp_rank`
+        (the TP rank without pipeline parallelism)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def engine_size(self) -> int:
+        """Ranks in this engine: `pp_size * tp_size`."""
+        return self.pp_size * self.tp_size
+
+    @property
+    def rank_name(self) -> str:
+        """How messages name this rank: "rank 3", or "rank 3 (pp 1, tp 1)" with pipeline
+        parallelism."""
+        if self.pp_size == 1:
+            return f"rank {self.tp_rank}"
+        return f"rank {self.engine_rank} (pp {self.pp_rank}, tp {self.tp_rank})"
 
     @property
     def heads_per_rank(self) -> int:
@@ -211,12 +334,80 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
         return n
 
     def with_rank(self, tp_rank: int) -> KVCacheSpec:
-        """The same geometry as seen by another rank of the same engine."""
+        """The same geometry as seen by another TP rank of the same pipeline stage."""
         return msgspec.structs.replace(self, tp_rank=tp_rank)
 
-    def engine_ranks(self) -> list[KVCacheSpec]:
-        """The specs of every rank of this engine, in rank order (what `plan_pairs` takes)."""
-        return [self.with_rank(rank) for rank in range(self.tp_size)]
+    def engine_ranks(
+        self, layer_ranges: Sequence[tuple[int, int] | range] | None = None
+    ) -> list[KVCacheSpec]:
+        """The specs of every rank of this engine, by `engine_rank` (pp-major: stage 0's TP
+        ranks first), which is what `plan_pairs` and `reshard` take.
+
+        Without pipeline parallelism these are the `tp_size` TP ranks, as they always were.
+
+        Args:
+            layer_ranges: with `pp_size > 1`, each stage's global layers, `(start, stop)` or a
+                range, in stage order. Default: vLLM's default split (`pp_layer_ranges`), which
+                must then agree with this rank's own range.
+
+        Raises:
+            ValueError: `layer_ranges` do not tile `[0, total_layers)` in `pp_size` stages, or
+                disagree with this rank's own layers.
+        """
+        if self.pp_size == 1 and layer_ranges is None:
+            return [self.with_rank(rank) for rank in range(self.tp_size)]
+        given = layer_ranges is not None
+        if layer_ranges is None:
+            ranges = pp_layer_ranges(self.model_layers, self.pp_size)
+        else:
+            ranges = [range(r[0], r[1]) if isinstance(r, tuple) else r for r in layer_ranges]
+        where = "layer_ranges" if given else "layer_ranges (vLLM's default split)"
+        if len(ranges) != self.pp_size or any(
+            r.start != (ranges[i - 1].stop if i else 0) or len(r) < 1 for i, r in enumerate(ranges)
+        ):
+            raise ValueError(
+                f"{where}: {[(r.start, r.stop) for r in ranges]} must be {self.pp_size} "
+                f"non-empty consecutive (start, stop) ranges from layer 0; pass each stage's "
+                "layers"
+            )
+        if ranges[-1].stop != self.model_layers or ranges[self.pp_rank] != self.layers:
+            raise ValueError(
+                f"{where}: {[(r.start, r.stop) for r in ranges]} disagree with this rank's "
+                f"layers [{self.layer_start}, {self.layer_start + self.num_layers}) of "
+                f"{self.model_layers} (stage {self.pp_rank}); pass every stage's actual range"
+            )
+        return [
+            msgspec.structs.replace(
+                self,
+                pp_rank=stage,
+                tp_rank=rank,
+                layer_start=layers.start,
+                num_layers=len(layers),
+            )
+            for stage, layers in enumerate(ranges)
+            for rank in range(self.tp_size)
+        ]
+
+
+def pp_layer_ranges(total_layers: int, pp_size: int) -> list[range]:
+    """vLLM's default split of `total_layers` layers over `pp_size` pipeline stages
+    (`vllm.distributed.utils.get_pp_indices` without `VLLM_PP_LAYER_PARTITION`):
+    `total_layers // pp_size` each, and the remainder one each to the stages before the last,
+    from the second-to-last backwards (the last stage also runs the LM head).
+
+    Raises:
+        ValueError: fewer layers than stages, or a size below 1.
+    """
+    if pp_size < 1 or total_layers < pp_size:
+        raise ValueError(
+            f"pp_size: {total_layers} layers cannot be split over {pp_size} pipeline stages; "
+            "every stage needs at least one layer"
+        )
+    sizes = [total_layers // pp_size] * pp_size
+    for i in range(2, total_layers % pp_size + 2):
+        sizes[-i] += 1
+    starts = [sum(sizes[:stage]) for stage in range(pp_size)]
+    return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
 
 
 def encode_spec(spec: KVCacheSpec) -> bytes:

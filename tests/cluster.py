@@ -2,7 +2,8 @@
 
 A `Side` describes one engine; every process rebuilds the same requests from seeds (global KV,
 block tables), so producers fill their caches and consumers compute their expectations without
-shipping tensors between processes.
+shipping tensors between processes. Ranks are engine ranks (pp-major: `pp_rank * tp + tp_rank`),
+so a `Side` with `pp > 1` runs every rank of every pipeline stage.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from kvxfer import KVCacheSpec, allocate_kv_caches
 from kvxfer.layout import canonical_view
 from kvxfer.reference import random_global_kv, write_rank_cells
+from kvxfer.spec import pp_layer_ranges
 
 POISON = 0xA5
 
@@ -35,20 +37,38 @@ class Side:
     head_dim: int = 8
     dtype: str = "bfloat16"
     num_blocks: int = 64
+    pp: int = 1
+    # Each stage's global layers (start, stop); default: vLLM's default split of `layers`.
+    layer_ranges: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def ranks(self) -> int:
+        """Ranks of the engine, every stage's."""
+        return self.pp * self.tp
 
     def spec(self, rank: int) -> KVCacheSpec:
+        """The spec of engine rank `rank`."""
+        stage, tp_rank = divmod(rank, self.tp)
+        ranges = self.layer_ranges or [
+            (r.start, r.stop) for r in pp_layer_ranges(self.layers, self.pp)
+        ]
+        start, stop = ranges[stage]
         return KVCacheSpec(
-            num_layers=self.layers,
+            num_layers=stop - start,
             num_kv_heads=1 if self.mla else self.heads,
             head_dim=self.head_dim,
             dtype=self.dtype,  # type: ignore[arg-type]
             tp_size=self.tp,
-            tp_rank=rank,
+            tp_rank=tp_rank,
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             layout=self.layout,  # type: ignore[arg-type]
             kv_placement=self.placement,  # type: ignore[arg-type]
             mla=self.mla,
+            pp_size=self.pp,
+            pp_rank=stage,
+            layer_start=start,
+            total_layers=self.layers if self.pp > 1 else 0,
         )
 
 
@@ -64,7 +84,7 @@ class Request:
 def block_table(spec: KVCacheSpec, requests: list[Request], index: int, side: str) -> np.ndarray:
     """Request `index`'s blocks: scattered, disjoint from the other requests' blocks on the
     same rank, reproducible in every process."""
-    rng = np.random.default_rng([spec.tp_rank, 0 if side == "src" else 1])
+    rng = np.random.default_rng([spec.engine_rank, 0 if side == "src" else 1])
     order = rng.permutation(spec.num_blocks)
     needed = [-(-r.num_tokens // spec.block_size) for r in requests]
     start = sum(needed[:index])
@@ -111,14 +131,14 @@ def producer_main(side: dict, ranks: list[int], requests: list[dict], options: d
                 if request.publish:
                     producer.publish(request.request_id, ids, request.num_tokens)
             producers.append(producer)
-        conn.send({p.spec.tp_rank: p.address for p in producers})
+        conn.send({p.spec.engine_rank: p.address for p in producers})
         command = conn.recv()  # "stop"
         assert command == "stop"
         time.sleep(0.2)  # let the last RequestDone messages land
         report = {
             "releases": releases,
-            "pending": {p.spec.tp_rank: p.pending_requests for p in producers},
-            "free_slots": {p.spec.tp_rank: p.staging_free_slots() for p in producers},
+            "pending": {p.spec.engine_rank: p.pending_requests for p in producers},
+            "free_slots": {p.spec.engine_rank: p.staging_free_slots() for p in producers},
             "slots": options.get("staging_slots", 4),
         }
         for p in producers:
@@ -146,13 +166,15 @@ def consumer_main(
         s, d, reqs = Side(**src), Side(**dst), [Request(**r) for r in requests]
         timeout = options.pop("fetch_timeout", 20.0)
         consumers = []
+        plans: dict[int, list[tuple[int, int, int]]] = {}  # (source rank, layer, head) per pair
         for rank in ranks:
             spec = d.spec(rank)
             caches = allocate_kv_caches(spec)
             for t in caches:
                 t.view(torch.uint8).fill_(POISON)
             consumer = KVConsumer(spec, caches, "decode", **options)
-            consumer.connect(addresses)
+            connected = consumer.connect(addresses)
+            plans[rank] = [(p.src_rank, p.route.layer_start, p.route.head_start) for p in connected]
             consumers.append(consumer)
         results: dict[str, Any] = {}
         for index, request in enumerate(reqs):
@@ -164,8 +186,8 @@ def consumer_main(
                 ids = block_table(spec, reqs, index, "dst")
                 want = [t.clone() for t in consumer.caches]
                 write_rank_cells(spec, want, ids, kv, request.start_token, request.num_tokens)
-                expected[spec.tp_rank] = (ids, want)
-                handles[spec.tp_rank] = consumer.fetch(
+                expected[spec.engine_rank] = (ids, want)
+                handles[spec.engine_rank] = consumer.fetch(
                     request.request_id,
                     ids,
                     request.num_tokens,
@@ -178,7 +200,7 @@ def consumer_main(
                         progress.set()
                     time.sleep(0.001)
             for consumer in consumers:
-                rank = consumer.spec.tp_rank
+                rank = consumer.spec.engine_rank
                 result = handles[rank].wait()
                 ids, want = expected[rank]
                 results[f"{request.request_id}/{rank}"] = {
@@ -188,8 +210,9 @@ def consumer_main(
                     "request_blocks": ids.tolist(),
                 }
         for c in consumers:
-            results[f"stats/{c.spec.tp_rank}"] = c.stats.summary()
-            results[f"free_slots/{c.spec.tp_rank}"] = c.staging_free_slots()
+            results[f"stats/{c.spec.engine_rank}"] = c.stats.summary()
+            results[f"free_slots/{c.spec.engine_rank}"] = c.staging_free_slots()
+            results[f"pairs/{c.spec.engine_rank}"] = sorted(plans[c.spec.engine_rank])
         for consumer in consumers:
             consumer.close()
         conn.send(results)
@@ -258,8 +281,8 @@ def run_cluster(
 ) -> ClusterRun:
     """Run the prefill ranks and the decode ranks in separate processes; collect reports."""
     ctx = mp.get_context("spawn")
-    src_groups = [[r] for r in range(src.tp)] if process_per_rank else [list(range(src.tp))]
-    dst_groups = [[r] for r in range(dst.tp)] if process_per_rank else [list(range(dst.tp))]
+    src_groups = [[r] for r in range(src.ranks)] if process_per_rank else [list(range(src.ranks))]
+    dst_groups = [[r] for r in range(dst.ranks)] if process_per_rank else [list(range(dst.ranks))]
     reqs = [asdict(r) for r in requests]
     producers, addresses = [], {}
     try:

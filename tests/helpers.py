@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -9,8 +10,8 @@ import torch
 from hypothesis import strategies as st
 
 from kvxfer import STRATEGIES, KVCacheSpec, allocate_kv_caches, reshard
-from kvxfer.reference import random_global_kv, write_rank_cells
-from kvxfer.spec import KV_PLACEMENTS
+from kvxfer.reference import random_global_kv, rank_heads, rank_layers, write_rank_cells
+from kvxfer.spec import KV_PLACEMENTS, pp_layer_ranges
 
 POISON_BYTE = 0xA5
 
@@ -27,10 +28,15 @@ def side_specs(
     head_dim: int = 8,
     dtype: str = "float16",
     num_blocks: int = 64,
+    pp: int = 1,
+    layer_ranges: list[tuple[int, int]] | None = None,
 ) -> list[KVCacheSpec]:
-    """Every rank's spec of one engine."""
+    """Every rank's spec of one engine, by engine rank (pp-major). With `pp > 1`, the model's
+    `num_layers` layers are split over the stages as `layer_ranges` says (default: vLLM's
+    default split)."""
+    ranges = layer_ranges or [(r.start, r.stop) for r in pp_layer_ranges(num_layers, pp)]
     return KVCacheSpec(
-        num_layers=num_layers,
+        num_layers=ranges[0][1] if pp > 1 else num_layers,
         num_kv_heads=1 if mla else heads,
         head_dim=head_dim,
         dtype=dtype,  # type: ignore[arg-type]
@@ -41,7 +47,9 @@ def side_specs(
         layout=layout,  # type: ignore[arg-type]
         kv_placement=placement,  # type: ignore[arg-type]
         mla=mla,
-    ).engine_ranks()
+        pp_size=pp,
+        total_layers=num_layers if pp > 1 else 0,
+    ).engine_ranks(ranges if pp > 1 else None)
 
 
 def block_table(spec: KVCacheSpec, num_tokens: int, rng: np.random.Generator, contiguous: bool):
@@ -75,7 +83,7 @@ class Scenario:
                 if not torch.equal(bits(got), bits(want)):
                     diff = (bits(got) != bits(want)).nonzero()
                     raise AssertionError(
-                        f"destination rank {spec.tp_rank} layer {layer}: "
+                        f"destination {spec.rank_name} layer {layer}: "
                         f"{diff.shape[0]} bytes differ, first at byte {diff[0].tolist()}"
                     )
 
@@ -83,7 +91,7 @@ class Scenario:
         """Every destination byte still holds the poison."""
         for spec, caches, _ in self.dst:
             for layer, got in enumerate(caches):
-                assert (bits(got) == POISON_BYTE).all(), f"rank {spec.tp_rank} layer {layer}"
+                assert (bits(got) == POISON_BYTE).all(), f"{spec.rank_name} layer {layer}"
 
 
 def make_scenario(
@@ -155,8 +163,32 @@ def geometries(draw: st.DrawFn) -> dict:
     )
 
 
+@st.composite
+def pp_geometries(draw: st.DrawFn) -> dict:
+    """`geometries` with pipeline parallelism on either side, or both: up to 3 stages per side,
+    each holding a random, uneven, contiguous share of up to 5 layers."""
+    g = draw(geometries())
+    g["num_layers"] = draw(st.integers(1, 5))
+    for side in g["sides"]:
+        side["pp"] = draw(st.integers(1, min(3, g["num_layers"])))
+        cuts = draw(
+            st.lists(
+                st.integers(1, g["num_layers"] - 1),
+                min_size=side["pp"] - 1,
+                max_size=side["pp"] - 1,
+                unique=True,
+            )
+            if side["pp"] > 1
+            else st.just([])
+        )
+        bounds = [0, *sorted(cuts), g["num_layers"]]
+        side["layer_ranges"] = list(itertools.pairwise(bounds))
+    return g
+
+
 def reshard_random_geometry(g: dict, backend: str) -> None:
-    """Reshard the request `g` describes with `backend`, and check every destination byte."""
+    """Reshard the request `g` describes with `backend`, and check every destination byte
+    (and that every destination layer x head is fed exactly once)."""
     specs = []
     for side in g["sides"]:
         needed = -(-g["tokens"] // side["block_size"])
@@ -172,8 +204,29 @@ def reshard_random_geometry(g: dict, backend: str) -> None:
                 head_dim=g["head_dim"],
                 dtype=g["dtype"],
                 num_blocks=needed + 3,
+                pp=side.get("pp", 1),
+                layer_ranges=side.get("layer_ranges"),
             )
         )
     sc = make_scenario(specs[0], specs[1], g["tokens"], g["start"], g["seed"], g["contiguous"])
-    reshard(sc.src, sc.dst, g["tokens"], g["start"], strategy=g["strategy"], backend=backend)
+    result = reshard(
+        sc.src, sc.dst, g["tokens"], g["start"], strategy=g["strategy"], backend=backend
+    )
     sc.assert_exact()
+    if g["start"] < g["tokens"]:
+        assert_fed_once(result, specs[1])
+
+
+def assert_fed_once(result, dst_specs: list[KVCacheSpec]) -> None:
+    """Every destination rank's every (layer, head) is moved by exactly one pair, from a
+    source rank that holds it."""
+    fed = sorted(
+        (p.dst_rank, layer, head) for p in result.pairs for layer in p.layers for head in p.heads
+    )
+    want = sorted(
+        (s.engine_rank, layer, head)
+        for s in dst_specs
+        for layer in rank_layers(s)
+        for head in rank_heads(s)
+    )
+    assert fed == want

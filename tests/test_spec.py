@@ -38,6 +38,10 @@ def test_fields_are_exactly_the_public_contract():
         "layout",
         "kv_placement",
         "mla",
+        "pp_size",
+        "pp_rank",
+        "layer_start",
+        "total_layers",
     )
 
 
@@ -57,6 +61,18 @@ def test_fields_are_exactly_the_public_contract():
         (dict(num_kv_heads=6, tp_size=4, tp_rank=0), "num_kv_heads"),  # 4 does not divide 6
         (dict(num_kv_heads=4, tp_size=6, tp_rank=0), "num_kv_heads"),  # 4 does not divide 6
         (dict(mla=True), "num_kv_heads"),  # MLA has one latent head
+        (dict(pp_size=0), "pp_size"),
+        (dict(pp_size=2, pp_rank=2, total_layers=4), "pp_rank"),
+        (dict(pp_size=2, pp_rank=-1, total_layers=4), "pp_rank"),
+        (dict(pp_size=2, pp_rank=1, layer_start=-1, total_layers=4), "layer_start"),
+        (dict(pp_size=2, total_layers=-1), "total_layers"),
+        (dict(pp_size=2), "total_layers"),  # required with pipeline parallelism
+        (dict(pp_size=2, pp_rank=1, layer_start=3, total_layers=4), "num_layers"),  # past it
+        (dict(pp_size=3, pp_rank=1, layer_start=3, total_layers=4), "num_layers"),
+        (dict(pp_size=2, layer_start=1, total_layers=4), "layer_start"),  # stage 0 starts at 0
+        (dict(pp_size=2, pp_rank=1, layer_start=1, total_layers=4), "num_layers"),  # last: end
+        (dict(layer_start=1), "layer_start"),  # pp_size 1 holds every layer
+        (dict(total_layers=3), "total_layers"),  # pp_size 1: num_layers is the model's
     ],
 )
 def test_invalid_fields_are_named(changes, field):
@@ -72,7 +88,12 @@ INT_FIELDS = (
     "tp_rank",
     "block_size",
     "num_blocks",
+    "pp_size",
+    "pp_rank",
+    "layer_start",
+    "total_layers",
 )
+PP_BASE = dict(pp_size=3, pp_rank=1, layer_start=2, total_layers=6)
 
 
 @pytest.mark.parametrize("np_type", [np.int64, np.int32, np.uint16, np.intp])
@@ -84,6 +105,9 @@ def test_numpy_integers_are_plain_ints(np_type):
     assert all(type(getattr(s, name)) is int for name in INT_FIELDS)
     assert hash(s) == hash(spec())
     assert decode_spec(encode_spec(s)) == spec()  # msgpack cannot encode numpy scalars
+    s = KVCacheSpec(**{**BASE, **{k: np_type(v) for k, v in PP_BASE.items()}})
+    assert s == spec(**PP_BASE)
+    assert all(type(getattr(s, name)) is int for name in INT_FIELDS)
 
 
 def test_numpy_bool_is_accepted_for_mla():
@@ -121,6 +145,26 @@ def test_the_bool_message_names_the_accepted_form():
 def test_roundtrips_through_msgpack():
     original = spec(layout="HND", kv_placement="blocks_first")
     assert decode_spec(encode_spec(original)) == original
+
+
+def test_pipeline_fields_roundtrip_and_default_to_no_pipeline():
+    staged = spec(**PP_BASE)
+    assert decode_spec(encode_spec(staged)) == staged
+    assert (staged.layers, staged.model_layers) == (range(2, 4), 6)
+    assert (staged.engine_rank, staged.engine_size) == (1 * 4 + 1, 12)
+    plain = spec()
+    assert (plain.pp_size, plain.pp_rank, plain.layer_start, plain.total_layers) == (1, 0, 0, 0)
+    assert (plain.layers, plain.model_layers, plain.engine_rank) == (range(0, 2), 2, 1)
+    # A spec of the fields before pipeline parallelism decodes as a rank holding every layer.
+    assert decode_spec(msgspec.msgpack.encode(BASE)) == plain
+    # total_layers may also be given equal to num_layers without pipeline parallelism.
+    assert spec(total_layers=2).model_layers == 2
+
+
+def test_decoding_validates_pipeline_fields():
+    data = msgspec.msgpack.encode({**BASE, **PP_BASE, "layer_start": 5})
+    with pytest.raises(msgspec.ValidationError, match="num_layers"):
+        decode_spec(data)
 
 
 def test_decoding_validates():
@@ -172,3 +216,31 @@ def test_engine_ranks_lists_every_rank_of_the_engine():
     assert [s.tp_rank for s in ranks] == [0, 1, 2, 3]
     assert all(s.layer_shape == ranks[0].layer_shape for s in ranks)
     assert ranks[0].first_head == 0 and ranks[3].first_head == 6
+
+
+def test_engine_ranks_with_pipeline_parallelism_are_pp_major():
+    # 6 layers over 3 stages: vLLM's default split gives 2 each; rank (pp 1, tp 1) holds 2-3.
+    ranks = spec(**PP_BASE).engine_ranks()
+    assert [(s.pp_rank, s.tp_rank) for s in ranks] == [(p, t) for p in range(3) for t in range(4)]
+    assert [s.engine_rank for s in ranks] == list(range(12))
+    assert [s.layers for s in ranks[::4]] == [range(0, 2), range(2, 4), range(4, 6)]
+    uneven = spec(pp_size=3, pp_rank=1, layer_start=1, num_layers=3, total_layers=6)
+    ranks = uneven.engine_ranks([(0, 1), (1, 4), (4, 6)])
+    assert [s.layers for s in ranks[::4]] == [range(0, 1), range(1, 4), range(4, 6)]
+    assert all(s.model_layers == 6 for s in ranks)
+
+
+@pytest.mark.parametrize(
+    "ranges",
+    [
+        None,  # the default split (2, 2, 2) disagrees with this rank's layers 1-3
+        [(0, 1), (1, 4)],  # two stages for pp_size 3
+        [(0, 1), (2, 4), (4, 6)],  # a gap
+        [(0, 1), (1, 3), (3, 6)],  # stage 1's range is not this rank's
+        [(0, 1), (1, 4), (4, 5)],  # ends before total_layers
+    ],
+)
+def test_engine_ranks_refuse_layer_ranges_that_do_not_fit(ranges):
+    uneven = spec(pp_size=3, pp_rank=1, layer_start=1, num_layers=3, total_layers=6)
+    with pytest.raises(ValueError, match="layer_ranges"):
+        uneven.engine_ranks(ranges)

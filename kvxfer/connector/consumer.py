@@ -2,7 +2,9 @@
 
 `connect` opens an authenticated session with every producer rank of the prefill engine and
 plans every rank pair once (strategy, chunk size). `fetch` then asks each producer rank that
-holds some of this rank's heads for the request in chunks. For every chunk:
+holds some of this rank's layers and heads for the request in chunks (with pipeline
+parallelism on either side, only the producers of the stages holding this rank's layers, for
+those layers only). For every chunk:
 
     ask -> producer answers ChunkReady -> read into own staging -> ChunkRead -> ChunkValid
         -> copy staging into the cache (locally) -> done
@@ -36,7 +38,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -72,12 +75,17 @@ from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.stats import TransferRecord, TransferStats
 from kvxfer.connector.streams import Fence, copy_stream_for
 from kvxfer.execute import resolve_backend, run_cell_copy, warm_up
-from kvxfer.plan import CostModel, PairPlan, check_side, plan_pairs
+from kvxfer.plan import CostModel, PairPlan, check_side, plan_pairs_into
+from kvxfer.plan.cost import Chunking, choose_chunking
 from kvxfer.plan.layout import STAGING_REGION, blocks_of_tokens
 from kvxfer.plan.program import (
     CellCopy,
-    build_program,
+    TransferProgram,
+    chunk_alignment,
+    chunk_block_count,
+    chunk_blocks,
     chunk_bounds,
+    chunk_program,
     max_chunk_tokens,
     unpack_copy,
 )
@@ -174,6 +182,9 @@ class _Session:
     key: bytes = b""
     spec: KVCacheSpec | None = None
     peer: Peer | None = None  # the producer's cache regions, by layer
+    # Where the plan's source region keys lie in `peer` (its layers, then a staging slot at
+    # key `num_layers`): built once at the handshake, used by every read.
+    src_places: dict[int, tuple[int, int]] = field(default_factory=dict)
     slot_bytes: int = 0
     last_heard: float = 0.0
     last_ping: float = 0.0
@@ -185,14 +196,19 @@ class _Session:
 
     @property
     def rank(self) -> int:
+        """The producer's engine rank (its TP rank without pipeline parallelism)."""
         assert self.spec is not None
-        return self.spec.tp_rank
+        return self.spec.engine_rank
 
 
 @dataclass
 class _Pair:
+    """A pair's plan for every fetch (made at `connect`, reused as is): route, strategy,
+    tokens per chunk and chunks in flight."""
+
     plan: PairPlan
     chunk_tokens: int
+    depth: int  # chunks in flight per fetch (at most `staging_slots`)
 
     @property
     def src_rank(self) -> int:
@@ -238,6 +254,14 @@ class _Fetch:
     fence: Fence = None  # CUDA: the engine's stream when the fetch began (see `fetch`)
     chunks: list[_Chunk] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    # Bookkeeping that keeps every step O(1) per chunk, whatever the request's length (kept
+    # by `KVConsumer._set_state`): chunks not asked yet by producer rank, in token order;
+    # active chunks by producer rank; ready chunks waiting for a staging slot; chunks neither
+    # done nor failed.
+    queued: dict[int, deque[_Chunk]] = field(default_factory=dict)
+    active: dict[int, int] = field(default_factory=dict)
+    waiting: list[_Chunk] = field(default_factory=list)
+    unsettled: int = 0
 
     @property
     def request_id(self) -> str:
@@ -257,13 +281,19 @@ class KVConsumer:
             `protocol`, closed with this object; a shared one is left open).
         protocol: "tcp" or "rdma" for the default transport.
         staging_bytes: staging pool per producer rank, in bytes: every chunk lands there.
-        staging_slots: slots per pool: chunks in flight per producer rank and fetch (asked,
-            read, confirmed or copied into the cache), so the pipeline's depth: with 1, each
-            chunk is asked for only once the previous one is in the cache (pack, read, copy,
-            next); with more, the producer packs the next chunks while earlier ones are read
-            and copied.
-        cost_model: constants for choosing strategies at `connect`.
+        staging_slots: slots per pool: the most chunks in flight per producer rank and fetch
+            (asked, read, confirmed or copied into the cache), so the pipeline's deepest: with
+            1, each chunk is asked for only once the previous one is in the cache (pack, read,
+            copy, next); with more, the producer packs the next chunks while earlier ones are
+            read and copied. The cost model keeps fewer in flight when fewer hide a chunk's
+            latency (`kvxfer.plan.cost.choose_chunking`).
+        cost_model: constants for choosing strategies, chunk sizes and chunks in flight at
+            `connect`.
         strategy: force one strategy for every pair.
+        chunk_tokens: force the tokens per chunk (a multiple of the block size a strategy's
+            staging mirrors, fitting both sides' slots); None: the cost model chooses, the
+            smallest chunks whose fixed costs stay a small part of their byte time, within a
+            staging slot (`kvxfer.plan.cost.choose_chunking`).
         backend: copy backend ("auto", "torch", "triton").
         timeout_s: default timeout of a fetch, in seconds.
         heartbeat_s: how often each producer is pinged.
@@ -286,6 +316,7 @@ class KVConsumer:
         staging_slots: int = 4,
         cost_model: CostModel | None = None,
         strategy: str | None = None,
+        chunk_tokens: int | None = None,
         backend: str = "auto",
         timeout_s: float = 30.0,
         heartbeat_s: float = 0.5,
@@ -294,6 +325,11 @@ class KVConsumer:
     ) -> None:
         check_caches(spec, caches, "consumer")
         StagingPool.slot_size(staging_bytes, staging_slots)  # refuse a bad pool now
+        if chunk_tokens is not None and (
+            isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
+        ):
+            raise ValueError(f"chunk_tokens: must be an integer >= 1 or None, got {chunk_tokens!r}")
+        self._chunk_tokens = chunk_tokens
         self.spec = spec
         self.caches = list(caches)
         self.engine_id = engine_id
@@ -315,6 +351,7 @@ class KVConsumer:
         self._quarantine: set[_Chunk] = set()  # failed chunks whose reads have not settled
         self._notices: dict[int, list[Callable[[str], Message]]] = {}  # for dead sessions
         self._chunk_ids = itertools.count()
+        self._chunks: dict[int, _Chunk] = {}  # chunks not done or failed, by chunk id
         self._pairs: list[_Pair] = []
         self._pools: dict[int, StagingPool] = {}  # by producer rank, kept across sessions
         self._fetches: list[_Fetch] = []
@@ -333,6 +370,12 @@ class KVConsumer:
 
     def connect(self, producer_addresses: Sequence[str], timeout: float = 10.0) -> list[PairPlan]:
         """Shake hands with every producer rank of one prefill engine; plan every pair.
+
+        Give every rank's address, every (pp, tp) rank with pipeline parallelism, in any order:
+        the handshake tells which layers and heads each holds. This rank fetches only from the
+        producers holding some of its layers and heads, and keeps a session with every other
+        one for its done and abort notices (a producer releases a request once every rank of
+        the decode engine reported).
 
         Call it again to follow a restarted prefill engine (new addresses): fetches started
         afterwards use the new sessions; running ones on old sessions fail their chunks.
@@ -421,9 +464,15 @@ class KVConsumer:
         request_id = check_request_id(request_id, "abort")
         self._post(lambda: self._abort(request_id))
 
+    def chunking(self) -> dict[int, Chunking]:
+        """How each pair's fetches are cut, by producer engine rank: tokens per chunk and
+        chunks in flight (`kvxfer.plan.cost.choose_chunking`, or the forced `chunk_tokens`),
+        as planned at the last `connect` or `replan`."""
+        return {p.src_rank: Chunking(p.chunk_tokens, p.depth) for p in list(self._pairs)}
+
     def staging_free_slots(self) -> dict[int, int]:
-        """Free slots of each producer rank's staging pool (all free when idle; a slot whose
-        read has not settled is not free)."""
+        """Free slots of each producer rank's staging pool, by engine rank (all free when idle;
+        a slot whose read has not settled is not free)."""
         return {rank: pool.free_slots for rank, pool in sorted(self._pools.items())}
 
     def stats_snapshot(self) -> dict[str, object]:
@@ -658,6 +707,9 @@ class KVConsumer:
             layer: Region(layer, r.address, r.nbytes) for layer, r in enumerate(reply.cache_regions)
         }
         session.peer = Peer(endpoint, regions)
+        staging_key = reply.spec.num_layers  # after the producer's layer regions
+        session.src_places = {layer: (layer, 0) for layer in range(staging_key)}
+        session.src_places[STAGING_REGION] = (staging_key, 0)
         session.slot_bytes = reply.staging_slot_bytes
         if session.expect is not None and session.expect != reply.spec:
             self._session_failed(
@@ -689,7 +741,8 @@ class KVConsumer:
         for fetch in self._fetches:
             for chunk in fetch.chunks:
                 if chunk.session is session and chunk.state in ("asked", "ready"):
-                    chunk.state, chunk.session, chunk.ready = "queued", None, None
+                    chunk.session, chunk.ready = None, None
+                    self._set_state(chunk, "queued")
 
     def _session_for(self, rank: int, fetch: _Fetch) -> _Session | str | None:
         """The live session with producer `rank`; None while one is being opened; or why the
@@ -709,19 +762,20 @@ class KVConsumer:
 
     def _plan(self, cost_model: CostModel | None, strategy: str | None) -> list[_Pair]:
         specs = check_side([s.spec for s in self._sessions.values() if s.spec], "producers")
-        plans = plan_pairs(
-            specs, self.spec.engine_ranks(), cost_model=cost_model, strategy=strategy, landing=True
+        # This rank's pairs only: it knows its own layers, not the other decode stages'.
+        plans = plan_pairs_into(
+            specs, self.spec, cost_model=cost_model, strategy=strategy, landing=True
         )
+        model = cost_model or CostModel()
         pairs = []
         for plan in plans:
-            if plan.dst_rank != self.spec.tp_rank:
-                continue
-            plan, chunk = self._fitting(plan, specs[plan.src_rank], forced=strategy is not None)
-            pairs.append(_Pair(plan, chunk))
+            producer = specs[plan.src_rank]
+            plan, chunking = self._fitting(plan, producer, strategy is not None, model)
+            pairs.append(_Pair(plan, chunking.tokens, chunking.depth))
             unpack = unpack_copy(
                 plan.strategy,
                 plan.route,
-                specs[plan.src_rank],
+                producer,
                 self.spec,
                 np.zeros(1, np.int64),
                 0,
@@ -734,28 +788,61 @@ class KVConsumer:
                 self._copy_stream.launch(compile_unpack).wait()  # on the side stream's device
         return pairs
 
-    def _fitting(self, plan: PairPlan, producer: KVCacheSpec, forced: bool) -> tuple[PairPlan, int]:
-        """The plan (the cheapest strategy whose chunks fit both sides' slots, unless one is
-        forced) and its tokens per chunk.
+    def _fitting(
+        self, plan: PairPlan, producer: KVCacheSpec, forced: bool, model: CostModel
+    ) -> tuple[PairPlan, Chunking]:
+        """The plan (the cheapest strategy whose chunks fit both sides' slots, and the forced
+        `chunk_tokens` if any, unless a strategy is forced) and its chunking: the forced
+        tokens per chunk, or the cost model's choice within a slot.
 
         Raises:
-            ValueError: no strategy, or not the forced one, fits one token in a slot.
+            ValueError: no strategy, or not the forced one, fits one token (or the forced
+                `chunk_tokens`) in a slot.
         """
         slot_bytes = (
             self._sessions[plan.src_rank].slot_bytes,
             self._pool(plan.src_rank).slot_bytes,
         )
         order = [plan.chosen] if forced else sorted(plan.estimates, key=lambda e: e.seconds)
+        want = self._chunk_tokens
+        refusals = []
         for estimate in order:
-            chunk = max_chunk_tokens(
+            cap = max_chunk_tokens(
                 estimate.strategy, plan.route, producer, self.spec, *slot_bytes, landing=True
             )
-            if chunk is not None and chunk >= 1:
-                return dataclasses.replace(plan, strategy=estimate.strategy), chunk
+            if cap is None or cap < 1:
+                refusals.append(f"{estimate.strategy}: a slot cannot hold one token")
+                continue
+            if want is not None:
+                unit = chunk_alignment(estimate.strategy, producer, self.spec, landing=True)
+                if want > cap or want % unit:
+                    refusals.append(
+                        f"{estimate.strategy}: chunks of at most {cap} tokens, in multiples "
+                        f"of {unit}"
+                    )
+                    continue
+            chosen = dataclasses.replace(plan, strategy=estimate.strategy)
+            chunking = choose_chunking(
+                chosen.strategy,
+                plan.route,
+                producer,
+                self.spec,
+                model,
+                cap,
+                self._staging_slots,
+                tokens=want,
+            )
+            return chosen, chunking
+        which = "strategy " + plan.strategy if forced else "any strategy"
+        if want is None:
+            raise ValueError(
+                f"staging_bytes: a slot cannot hold one token of pair {plan.src_rank}->"
+                f"{plan.dst_rank} ({which}); raise staging_bytes on both sides"
+            )
         raise ValueError(
-            f"staging_bytes: a slot cannot hold one token of pair {plan.src_rank}->"
-            f"{plan.dst_rank} ({'strategy ' + plan.strategy if forced else 'any strategy'}); "
-            "raise staging_bytes on both sides"
+            f"chunk_tokens: {want} tokens fit no staging slot of pair {plan.src_rank}->"
+            f"{plan.dst_rank} with {which} ({'; '.join(refusals)}); choose a fitting size, "
+            "raise staging_bytes on both sides, or leave chunk_tokens to the cost model"
         )
 
     def _pool(self, rank: int) -> StagingPool:
@@ -772,51 +859,76 @@ class KVConsumer:
         for pair in fetch.pairs:
             # Chunk ids are unique in this consumer's life, so a late answer meant for an
             # earlier fetch of the same request can never pass for one of this fetch.
-            fetch.chunks.extend(
+            chunks = [
                 _Chunk(fetch, pair, next(self._chunk_ids), lo, hi)
                 for lo, hi in chunk_bounds(fetch.start, fetch.num_tokens, pair.chunk_tokens)
-            )
+            ]
+            fetch.chunks.extend(chunks)
+            fetch.queued[pair.src_rank] = deque(chunks)
+            fetch.active[pair.src_rank] = 0
+            self._chunks.update((c.chunk_id, c) for c in chunks)
+        fetch.unsettled = len(fetch.chunks)
         fetch.handle.chunks_total = len(fetch.chunks)
         self._fetches.append(fetch)
         self._send_ready(fetch)
         self._finish_if_done(fetch)
 
+    def _set_state(self, chunk: _Chunk, state: ChunkState) -> None:
+        """Move a chunk to `state`, keeping its fetch's counts and queues (O(1))."""
+        was, fetch, rank = chunk.state, chunk.fetch, chunk.pair.src_rank
+        if was == state:
+            return
+        chunk.state = state
+        fetch.active[rank] += (state in _ACTIVE) - (was in _ACTIVE)
+        if state in ("done", "failed"):
+            fetch.unsettled -= 1
+            self._chunks.pop(chunk.chunk_id, None)
+        elif state == "queued":  # asked again (rare: the producer forgot the session)
+            queue = fetch.queued[rank]
+            queue.append(chunk)
+            if len(queue) > 1 and queue[-2].chunk_id > chunk.chunk_id:
+                fetch.queued[rank] = deque(sorted(queue, key=lambda c: c.chunk_id))
+
     def _send_ready(self, fetch: _Fetch) -> None:
-        """Ask for queued chunks, at most `staging_slots` at a time per producer rank, and
-        start the reads of chunks that are ready once a slot is free."""
-        active: dict[int, int] = {}
-        for chunk in fetch.chunks:
-            if chunk.state in _ACTIVE:
-                active[chunk.pair.src_rank] = active.get(chunk.pair.src_rank, 0) + 1
-        for chunk in fetch.chunks:
-            if chunk.state == "ready":
-                self._start_read(chunk)
-            if chunk.state != "queued":
-                continue
-            rank = chunk.pair.src_rank
-            if active.get(rank, 0) >= self._staging_slots:
-                continue
-            session = self._session_for(rank, fetch)
-            if isinstance(session, str):
-                self._fail_chunk(chunk, session)
-                continue
-            if session is None:
-                continue  # shaking hands again
-            active[rank] = active.get(rank, 0) + 1
-            chunk.state, chunk.session = "asked", session
-            self._send(
-                session,
-                TransferRequest(
-                    session=session.session,
-                    request_id=fetch.request_id,
-                    chunk_id=chunk.chunk_id,
-                    num_tokens=fetch.num_tokens,
-                    token_start=chunk.start,
-                    token_end=chunk.end,
-                    strategy=chunk.pair.plan.strategy,
-                    wait_seconds=max(0.0, fetch.deadline - time.monotonic()),
-                ),
-            )
+        """Ask for queued chunks, at most the pair's depth (`staging_slots` at most) at a time
+        per producer rank, and start the reads of ready chunks once a slot is free. O(chunks
+        it moves on), never O(the fetch's chunks)."""
+        if fetch.waiting:
+            waiting, fetch.waiting = fetch.waiting, []
+            for chunk in waiting:
+                if chunk.state == "ready" and chunk.slot is None:
+                    self._start_read(chunk)
+        for pair in fetch.pairs:
+            rank = pair.src_rank
+            queue = fetch.queued[rank]
+            while queue and fetch.active[rank] < pair.depth:
+                chunk = queue[0]
+                if chunk.state != "queued":  # failed while it waited
+                    queue.popleft()
+                    continue
+                session = self._session_for(rank, fetch)
+                if isinstance(session, str):
+                    queue.popleft()
+                    self._fail_chunk(chunk, session)
+                    continue
+                if session is None:
+                    break  # shaking hands again
+                queue.popleft()
+                chunk.session = session
+                self._set_state(chunk, "asked")
+                self._send(
+                    session,
+                    TransferRequest(
+                        session=session.session,
+                        request_id=fetch.request_id,
+                        chunk_id=chunk.chunk_id,
+                        num_tokens=fetch.num_tokens,
+                        token_start=chunk.start,
+                        token_end=chunk.end,
+                        strategy=pair.plan.strategy,
+                        wait_seconds=max(0.0, fetch.deadline - time.monotonic()),
+                    ),
+                )
 
     def _send(self, session: _Session, message: Message) -> None:
         frame = encode(message)
@@ -836,7 +948,8 @@ class KVConsumer:
         if isinstance(message, ChunkFailed):
             self._fail_chunk(chunk, f"producer rank {session.rank}: {message.reason}")
         elif isinstance(message, ChunkReady) and chunk.state == "asked":
-            chunk.ready, chunk.state = message, "ready"
+            chunk.ready = message
+            self._set_state(chunk, "ready")
             self._start_read(chunk)
         elif isinstance(message, ChunkValid) and chunk.state == "confirming":
             if message.ok:
@@ -845,55 +958,67 @@ class KVConsumer:
                 self._fail_chunk(chunk, f"producer rank {session.rank}: {message.reason}")
 
     def _chunk(self, session: _Session, request_id: str, chunk_id: int) -> _Chunk | None:
-        for fetch in self._fetches:
-            if fetch.request_id != request_id:
-                continue
-            for chunk in fetch.chunks:
-                if chunk.chunk_id == chunk_id and chunk.session is session:
-                    return chunk if chunk.state not in ("done", "failed") else None
-        return None
+        """The live chunk an answer is for: asked on this session, of this request."""
+        chunk = self._chunks.get(chunk_id)
+        if chunk is None or chunk.session is not session or chunk.fetch.request_id != request_id:
+            return None
+        return chunk
+
+    def _read_program(
+        self, chunk: _Chunk, session: _Session, ready: ChunkReady
+    ) -> tuple[TransferProgram, Peer]:
+        """The chunk's program from the chunk's blocks alone (O(its tokens)), and the producer
+        memory its read may touch: its staging slot for strategies that pack, else its cache
+        blocks, checked to be the chunk's and inside its cache.
+
+        Raises:
+            ValueError: the producer's answer does not fit the chunk or its strategy.
+        """
+        spec, plan, peer = session.spec, chunk.pair.plan, session.peer
+        assert spec is not None and peer is not None
+        lo, hi = chunk.start, chunk.end
+        staged = plan.strategy in ("pack", "pack+unpack")
+        if staged != (ready.staging is not None):
+            where = "its staging" if ready.staging is not None else "its cache"
+            raise ValueError(f"it offered {where} for a chunk of strategy {plan.strategy}")
+        if ready.staging is not None:
+            # The source is the producer's slot: its block ids play no part in the read.
+            src_ids = np.zeros(chunk_block_count(spec.block_size, lo, hi), np.int64)
+            key = spec.num_layers
+            regions: Mapping[int, Region] = {
+                key: Region(key, ready.staging.address, ready.staging.nbytes)
+            }
+        else:
+            src_ids = _chunk_source_blocks(spec, ready.src_block_ids, lo, hi)
+            regions = peer.regions
+        dst_ids = chunk_blocks(chunk.fetch.block_ids, self.spec.block_size, lo, hi)
+        program = chunk_program(
+            plan.route, plan.strategy, spec, self.spec, src_ids, dst_ids, lo, hi, landing=True
+        )
+        return program, Peer(peer.endpoint, regions)
 
     def _start_read(self, chunk: _Chunk) -> None:
-        """Read a ready chunk into a staging slot, if one is free (else it stays ready)."""
-        fetch, pair, session, ready = chunk.fetch, chunk.pair, chunk.session, chunk.ready
+        """Read a ready chunk into a staging slot, if one is free (else it waits, ready)."""
+        pair, session, ready = chunk.pair, chunk.session, chunk.ready
         assert session is not None and session.spec is not None and session.peer is not None
         assert ready is not None
         pool = self._pools[pair.src_rank]
         chunk.slot = pool.try_acquire()
         if chunk.slot is None:
+            chunk.fetch.waiting.append(chunk)
             return  # every slot is busy reading or copying: soon one is free
         try:
-            src_ids = check_block_ids(
-                session.spec, ready.src_block_ids, fetch.num_tokens, "the producer's blocks"
-            )
-            program = build_program(
-                pair.plan.route,
-                pair.plan.strategy,
-                session.spec,
-                self.spec,
-                src_ids,
-                fetch.block_ids,
-                chunk.start,
-                chunk.end,
-                landing=True,
-            )
-            staging_key = session.spec.num_layers  # after the producer's layer regions
-            regions = dict(session.peer.regions)
-            if ready.staging is not None:
-                regions[staging_key] = Region(
-                    staging_key, ready.staging.address, ready.staging.nbytes
-                )
-            src_places = {i: (i, 0) for i in range(session.spec.num_layers)}
-            src_places[STAGING_REGION] = (staging_key, 0)
+            program, peer = self._read_program(chunk, session, ready)
             dst_places = {STAGING_REGION: (pool.region.region_id, pool.offset(chunk.slot))}
-            segments = program.segments.with_regions(src_places, dst_places)
-            future = self.transport.read(segments, Peer(session.peer.endpoint, regions))
+            segments = program.segments.with_regions(session.src_places, dst_places)
+            future = self.transport.read(segments, peer)
         except Exception as exc:
             self._fail_chunk(chunk, f"cannot read from producer rank {session.rank}: {exc}")
             return
         chunk.unpack = program.unpack
         chunk.nbytes, chunk.num_ops = segments.nbytes, len(segments)
-        chunk.state, chunk.read_pending = "reading", True
+        chunk.read_pending = True
+        self._set_state(chunk, "reading")
 
         # The callback keeps the pool alive while the read may still land in it.
         def settled(done: Future[None], pool: StagingPool = pool) -> None:
@@ -916,7 +1041,7 @@ class KVConsumer:
             self._fail_chunk(chunk, "the producer's session ended before the read was confirmed")
             return
         assert chunk.ready is not None
-        chunk.state = "confirming"
+        self._set_state(chunk, "confirming")
         self._send(
             session,
             ChunkRead(
@@ -929,10 +1054,11 @@ class KVConsumer:
         )
 
     def _start_copy(self, chunk: _Chunk) -> None:
-        chunk.state = "copying"
+        self._set_state(chunk, "copying")
         copy, slot, pool = chunk.unpack, chunk.slot, self._pools[chunk.pair.src_rank]
         assert copy is not None and slot is not None
-        elements = len(self.caches) * copy.src.geometry.layer_elements
+        layers = copy.num_layers or len(self.caches)  # the route's layers
+        elements = layers * copy.src.geometry.layer_elements
         staging = pool.slot_tensor(slot, self.caches[0].dtype)[:elements]
         run = functools.partial(run_cell_copy, copy, [staging], self.caches, self._backend)
         future = self._copies.submit(self._copy_into_cache, run, chunk.fetch.fence)
@@ -946,10 +1072,10 @@ class KVConsumer:
     def _on_copied(self, chunk: _Chunk, future: Future[None]) -> None:
         error = future.exception()
         if error is not None:
-            chunk.state = "confirming"  # the copy is over: failing it is now allowed
+            self._set_state(chunk, "confirming")  # the copy is over: failing it is allowed
             self._fail_chunk(chunk, f"copy into the cache failed: {error}")
             return
-        chunk.state = "done"
+        self._set_state(chunk, "done")
         self._release_slot(chunk)
         chunk.fetch.handle.chunks_done += 1
         self._finish_if_done(chunk.fetch)
@@ -959,7 +1085,7 @@ class KVConsumer:
             return
         if chunk.state == "copying":  # a local copy finishes by itself, soon
             return
-        chunk.state = "failed"
+        self._set_state(chunk, "failed")
         chunk.fetch.errors.append(f"tokens [{chunk.start}, {chunk.end}): {why}")
         if chunk.read_pending:  # the slot stays out of use until the read settles
             self._quarantine.add(chunk)
@@ -1008,7 +1134,7 @@ class KVConsumer:
         self._sessions[rank] = fresh
 
     def _finish_if_done(self, fetch: _Fetch) -> None:
-        if fetch.handle.done() or any(c.state not in ("done", "failed") for c in fetch.chunks):
+        if fetch.handle.done() or fetch.unsettled:
             return
         self._fetches.remove(fetch)
         failed = [c for c in fetch.chunks if c.state == "failed"]
@@ -1070,3 +1196,26 @@ class KVConsumer:
 
 def _done_notice(request_id: str, ok: bool, session: str) -> Message:
     return RequestDone(session=session, request_id=request_id, ok=ok)
+
+
+def _chunk_source_blocks(
+    spec: KVCacheSpec, block_ids: Sequence[int], token_start: int, token_end: int
+) -> np.ndarray:
+    """A producer's block ids for the tokens of one chunk, checked (O(the chunk)): one per
+    block the chunk touches, each inside its cache, none twice.
+
+    Raises:
+        ValueError: another count, an id out of range or repeated.
+    """
+    expected = chunk_block_count(spec.block_size, token_start, token_end)
+    if len(block_ids) != expected:
+        raise ValueError(
+            f"it sent {len(block_ids)} block ids for tokens [{token_start}, {token_end}); "
+            f"blocks of {spec.block_size} tokens need {expected}"
+        )
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= spec.num_blocks):
+        raise ValueError(f"it sent a block id outside its {spec.num_blocks} blocks")
+    if np.unique(ids).size != ids.size:
+        raise ValueError("it sent a block id twice for one chunk")
+    return ids

@@ -12,8 +12,15 @@ import msgspec
 
 from kvxfer.spec import KVCacheSpec
 
-PROTOCOL_VERSION = 2  # 2: pull transfers, authenticated sessions
-MAX_FRAME_BYTES = 8 << 20  # a 128k-token request's block ids take well under 1 MiB
+# 2: pull transfers, authenticated sessions. 3: `KVCacheSpec` carries pipeline-parallel fields
+# (pp_size, pp_rank, layer_start, total_layers) and `num_layers` counts a stage's layers. A
+# version-2 peer would drop the new fields when it decodes a spec, so its check of the
+# handshake proof (an HMAC over the encoded spec) would fail as if the secret were wrong: the
+# version tells it apart clearly instead. 4: `ChunkReady` carries the block ids of its chunk's
+# tokens only (none when the chunk is read from staging), not the request's whole table: a
+# version-3 consumer would refuse every chunk as "too few block ids".
+PROTOCOL_VERSION = 4
+MAX_FRAME_BYTES = 8 << 20  # a chunk's block ids, even a 128k-token chunk's, under 1 MiB
 
 
 class ProtocolError(ValueError):
@@ -94,7 +101,9 @@ class ChunkReady(_Message, tag="chunk_ready", frozen=True):
     request_id: str
     chunk_id: int
     generation: int  # the publication these bytes belong to
-    src_block_ids: list[int]  # my blocks for tokens [0, num_tokens)
+    # My blocks holding the chunk's tokens, from block `token_start // block_size` on; empty
+    # when `staging` is given (the chunk is read from there, never from my cache).
+    src_block_ids: list[int]
     staging: RegionInfo | None  # the packed chunk, for strategies that pack
 
 

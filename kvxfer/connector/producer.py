@@ -64,8 +64,14 @@ from kvxfer.connector.sidechannel import SideChannelServer
 from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.streams import Fence, copy_stream_for
 from kvxfer.execute import resolve_backend, run_cell_copy, warm_up
-from kvxfer.plan import HeadRoute, check_pairable, route_heads
-from kvxfer.plan.program import CellCopy, check_strategy, pack_copy, program_shape
+from kvxfer.plan import HeadRoute, check_pairable, route_pair
+from kvxfer.plan.program import (
+    CellCopy,
+    check_strategy,
+    chunk_blocks,
+    chunk_pack_copy,
+    program_shape,
+)
 from kvxfer.spec import KVCacheSpec, encode_spec
 from kvxfer.transport.base import Transport
 from kvxfer.validation import check_block_ids, check_caches, check_num_tokens, check_request_id
@@ -99,7 +105,7 @@ class _Session:
     spec: KVCacheSpec
     key: bytes
     identity: bytes
-    route: HeadRoute | None  # the heads this producer serves that rank, if any
+    route: HeadRoute | None  # the layers and heads this producer serves that rank, if any
     last_heard: float
     worker: ThreadPoolExecutor
     pool: StagingPool | None = None
@@ -111,7 +117,8 @@ class _Session:
 
     @property
     def rank(self) -> int:
-        return self.spec.tp_rank
+        """The consumer's engine rank (its TP rank without pipeline parallelism)."""
+        return self.spec.engine_rank
 
 
 class KVProducer:
@@ -184,6 +191,7 @@ class KVProducer:
             RegionInfo(r.region_id, r.address, r.nbytes) for r in self._registration.regions
         ]
         self._requests = RequestTable(released_ttl_s)
+        self._expired_requests = 0  # released at their deadline (side-channel thread only)
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
         self._challenges = auth.Challenges()
@@ -250,6 +258,12 @@ class KVProducer:
         """Published requests not released yet."""
         return self._requests.pending()
 
+    @property
+    def expired_requests(self) -> int:
+        """Requests released because their deadline passed before every decode rank that
+        fetched them (if any) reported done, since this producer started."""
+        return self._expired_requests
+
     def staging_free_slots(self) -> dict[tuple[str, int], int]:
         """Free slots of each live consumer session's staging pool (all free when idle)."""
         with self._lock:
@@ -268,6 +282,7 @@ class KVProducer:
             "sessions": len(sessions),
             "pending_requests": len(self._requests.pending()),
             "released_ids_kept": self._requests.released_kept,
+            "expired_requests": self._expired_requests,
             "leases": sum(len(s.leases) for s in sessions),
             "waiting_chunks": sum(len(s.waiting) for s in sessions),
             "spare_pools": len(self._spare_pools),
@@ -350,15 +365,10 @@ class KVProducer:
         except ValueError as exc:
             raise ProtocolError(f"handshake refused: {exc}") from exc
         session_id = secrets.token_hex(16)
-        routes = route_heads(self.spec.num_kv_heads, self.spec.tp_size, hello.spec.tp_size)
-        route = next(
-            (
-                r
-                for r in routes
-                if r.src_rank == self.spec.tp_rank and r.dst_rank == hello.spec.tp_rank
-            ),
-            None,
-        )
+        # What this rank serves that consumer rank (layers both hold, heads it supplies), the
+        # route the consumer plans too; None: the consumer fetches nothing here, and keeps the
+        # session for its done and abort notices (every decode rank reports to every rank).
+        route = route_pair(self.spec, hello.spec)
         session = _Session(
             session=session_id,
             engine_id=hello.engine_id,
@@ -409,8 +419,9 @@ class KVProducer:
             self._on_chunk_read(session, message)
         elif isinstance(message, RequestDone):
             self._forget_request(session, message.request_id)
+            # Every rank of the decode engine (pp x tp) reports, fetching here or not.
             if self._requests.report_done(
-                message.request_id, session.engine_id, session.rank, session.spec.tp_size
+                message.request_id, session.engine_id, session.rank, session.spec.engine_size
             ):
                 self._release(message.request_id, "every decode rank is done")
         elif isinstance(message, Abort):
@@ -432,8 +443,8 @@ class KVProducer:
             return
         if session.route is None:
             reason = (
-                f"producer rank {self.spec.tp_rank} holds no heads that consumer rank "
-                f"{session.rank} needs"
+                f"producer {self.spec.rank_name} holds no layers and heads that consumer "
+                f"{session.spec.rank_name} needs"
             )
             self._send(session, _failed(ask, reason))
         elif self._requests.get(ask.request_id) is not None:
@@ -459,22 +470,20 @@ class KVProducer:
             )
             self._send(session, _failed(ask, reason))
             return
-        self._requests.note_fetcher(ask.request_id, session.engine_id, session.spec.tp_size)
+        self._requests.note_fetcher(ask.request_id, session.engine_id, session.spec.engine_size)
         assert session.route is not None
-        pack = pack_copy(
-            check_strategy(ask.strategy),
-            session.route,
-            self.spec,
-            session.spec,
-            request.block_ids,
-            ask.token_start,
-            ask.token_end,
-        )
+        # The chunk's blocks only (validated once, at publish): a chunk's work and message
+        # are O(its tokens), never O(the request).
+        lo, hi = ask.token_start, ask.token_end
+        blocks = chunk_blocks(request.block_ids, self.spec.block_size, lo, hi)
+        strategy = check_strategy(ask.strategy)
+        pack = chunk_pack_copy(strategy, session.route, self.spec, session.spec, blocks, lo, hi)
         ready = ChunkReady(
             request_id=ask.request_id,
             chunk_id=ask.chunk_id,
             generation=request.generation,
-            src_block_ids=request.block_ids.tolist(),
+            # Read from staging when packed: the consumer needs no block id of mine then.
+            src_block_ids=[] if pack is not None else blocks.tolist(),
             staging=None,
         )
         if pack is None:  # the consumer reads the cache blocks themselves
@@ -498,7 +507,7 @@ class KVProducer:
     def _on_tick(self) -> None:
         now = time.monotonic()
         for request_id in self._requests.expired(now):
-            self._release(request_id, "its deadline passed")
+            self._release(request_id, "its deadline passed", expired=True)
         self._challenges.expire()
         with self._lock:
             sessions = list(self._sessions.values())
@@ -576,9 +585,11 @@ class KVProducer:
             for slot in slots:
                 session.pool.release(slot)
 
-    def _release(self, request_id: str, why: str) -> None:
+    def _release(self, request_id: str, why: str, expired: bool = False) -> None:
         if not self._requests.release(request_id):
             return  # released already: the callback runs once
+        if expired:  # counted before the callback: whoever it tells sees the count
+            self._expired_requests += 1
         with self._lock:
             self._fences.pop(request_id, None)
         log.debug("releasing request %s: %s", request_id, why)
@@ -618,7 +629,8 @@ class KVProducer:
             remaining = max(0.0, ask.wait_seconds)
             slot = self._acquire_slot(session, pool, time.monotonic() + max(remaining, 0.1))
             try:
-                elements = self.spec.num_layers * pack.dst.geometry.layer_elements
+                layers = pack.num_layers or self.spec.num_layers  # the route's layers
+                elements = layers * pack.dst.geometry.layer_elements
                 staging = pool.slot_tensor(slot, self.caches[0].dtype)[:elements]
                 with self._lock:
                     fence = self._fences.get(ask.request_id)

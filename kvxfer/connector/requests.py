@@ -29,7 +29,7 @@ class PublishedRequest:
     num_tokens: int
     deadline: float
     generation: int  # tells this publication from an earlier one of the same id
-    fetchers: dict[str, int] = field(default_factory=dict)  # engine id -> its TP size
+    fetchers: dict[str, int] = field(default_factory=dict)  # engine id -> its ranks (PP x TP)
     reported: set[tuple[str, int]] = field(default_factory=set)  # (engine, rank) done
 
 
@@ -88,15 +88,16 @@ class RequestTable:
             request = self._live.get(request_id)
             return request is not None and request.generation == generation
 
-    def note_fetcher(self, request_id: str, engine_id: str, tp_size: int) -> None:
-        """A session of `engine_id` (TP `tp_size`) asked for the request."""
+    def note_fetcher(self, request_id: str, engine_id: str, engine_size: int) -> None:
+        """A session of `engine_id` (`engine_size` ranks: PP x TP) asked for the request."""
         with self._lock:
             request = self._live.get(request_id)
             if request is not None:
-                request.fetchers.setdefault(engine_id, tp_size)
+                request.fetchers.setdefault(engine_id, engine_size)
 
-    def report_done(self, request_id: str, engine_id: str, rank: int, tp_size: int) -> bool:
-        """A rank of a decode engine (TP `tp_size`) is done with the request. Returns whether
+    def report_done(self, request_id: str, engine_id: str, rank: int, engine_size: int) -> bool:
+        """A rank (engine rank: PP x TP) of a decode engine of `engine_size` ranks is done with
+        the request. Returns whether
         the request is now to be released: every rank of every engine that fetched it
         reported (or, when no engine fetched it from this producer, as with MLA or replicated
         heads, every rank of the reporting engine). An engine that did not fetch a request
@@ -107,7 +108,7 @@ class RequestTable:
             if request is None or (request.fetchers and engine_id not in request.fetchers):
                 return False
             request.reported.add((engine_id, rank))
-            engines = request.fetchers or {engine_id: tp_size}
+            engines = request.fetchers or {engine_id: engine_size}
             return all(
                 len({r for e, r in request.reported if e == engine}) >= size
                 for engine, size in engines.items()

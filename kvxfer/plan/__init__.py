@@ -1,9 +1,16 @@
 """Pure planning: head routes, cell addresses, byte segments, strategies and their costs."""
 
-from kvxfer.plan.cost import CostModel, StrategyEstimate, estimate_strategy
-from kvxfer.plan.heads import HeadRoute, heads_of_rank, ranks_holding_head, route_heads
+from kvxfer.plan.cost import CostModel, StrategyEstimate, estimate_strategies, estimate_strategy
+from kvxfer.plan.heads import (
+    HeadRoute,
+    heads_of_rank,
+    ranks_holding_head,
+    route_heads,
+    route_pair,
+    routes_into,
+)
 from kvxfer.plan.layout import BlockGeometry, PagedView
-from kvxfer.plan.pairs import PairPlan, check_pairable, check_side, plan_pairs
+from kvxfer.plan.pairs import PairPlan, check_pairable, check_side, plan_pairs, plan_pairs_into
 from kvxfer.plan.program import STRATEGIES, CellCopy, Strategy, TransferProgram, build_program
 from kvxfer.plan.segments import Segments, coalesce
 
@@ -23,9 +30,13 @@ __all__ = [
     "check_pairable",
     "check_side",
     "coalesce",
+    "estimate_strategies",
     "estimate_strategy",
     "heads_of_rank",
     "plan_pairs",
+    "plan_pairs_into",
     "ranks_holding_head",
     "route_heads",
+    "route_pair",
+    "routes_into",
 ]

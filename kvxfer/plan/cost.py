@@ -7,10 +7,16 @@
 handshake, before any request's block table is known, so the estimate plans a reference request
 of `reference_tokens` tokens whose blocks are scattered (no two consecutive block ids) unless
 `contiguous_blocks` says otherwise: the conservative case for a paged allocator under load.
+
+The same constants cut a connector's fetch into chunks (`choose_chunking`): the smallest chunks
+whose fixed costs (`seconds_per_chunk`, operations, launches) stay under `chunk_overhead` of
+their byte time, within a staging slot, and as many in flight as hide a chunk's latency behind
+the slowest stage.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import msgspec
@@ -18,7 +24,14 @@ import numpy as np
 
 from kvxfer.plan.heads import HeadRoute
 from kvxfer.plan.layout import BlockGeometry, moved_bytes
-from kvxfer.plan.program import CellCopy, Strategy, count_program_segments, program_shape
+from kvxfer.plan.program import (
+    CellCopy,
+    ProgramShape,
+    Strategy,
+    count_program_segments,
+    preferred_chunk_unit,
+    program_shape,
+)
 from kvxfer.spec import KVCacheSpec
 
 
@@ -41,18 +54,32 @@ class CostModel:
     # CPU's torch copies, whose mirror side takes a temporary while a dense wire buffer takes
     # one pass (benchmarks/cell_copy_passes.py: 37.1 ms against 8.6 ms, 65k rows of 768 B).
     mirror_copy_passes: int = 1
+    # Fixed cost of one chunk of a connector's fetch besides its operations and launches: two
+    # side-channel round trips (ask -> ready, read -> valid) and the host work of both sides
+    # (planning, messages, thread hand-offs). Estimated for a server CPU and a data-center
+    # network (no RDMA NIC here to measure it): a fifth of the 2.6 ms measured on 2 cores
+    # over loopback, which `tcp_loopback()` has.
+    seconds_per_chunk: float = 500e-6
+    # `choose_chunking` takes the smallest chunk whose fixed costs are at most this fraction
+    # of its byte time (so they add at most about 10% to a fetch that cannot overlap them).
+    chunk_overhead: float = 0.1
 
     @classmethod
     def tcp_loopback(cls) -> CostModel:
-        """Mooncake TCP on loopback between CPU processes, as measured on a 2-core machine:
-        about 45 us per descriptor and 1.4 GB/s (kvxfer/transport/mooncake.py), torch
-        gathers of 256-768 byte rows at about 3 GB/s (benchmarks/RESULTS.md)."""
+        """Mooncake TCP on loopback between CPU processes, as measured on the project's 2-core
+        machine through kvxfer's polled transport (`benchmarks/chunk_costs.py`, medians of
+        three runs, benchmarks/RESULTS.md): 20 us per descriptor with many in flight (18-26
+        us; 45 us one after another with the old busy-waiting writes), one stream at 2.8 GB/s
+        (1.8-2.9), the torch backend's one-pass pack and unpack at 6-9 GB/s of payload (15
+        GB/s of memory traffic: a pass reads and writes every byte; 13.7-15.8), and 2.6 ms per
+        chunk of a fetch beyond its bytes (2.2-2.7)."""
         return cls(
-            seconds_per_op=45e-6,
-            link_bytes_per_second=1.4e9,
-            memory_bytes_per_second=3e9,
+            seconds_per_op=20e-6,
+            link_bytes_per_second=2.8e9,
+            memory_bytes_per_second=15e9,
             seconds_per_kernel_launch=20e-6,
             mirror_copy_passes=2,
+            seconds_per_chunk=2.6e-3,
         )
 
     def seconds(self, num_ops: int, nbytes: int, kernel_passes: int) -> float:
@@ -90,23 +117,45 @@ def estimate_strategy(
     landing: bool = False,
 ) -> StrategyEstimate:
     """Estimate one strategy for one pair on a reference request of `num_tokens` tokens
-    (`landing`: a connector's program, whose bytes always land in destination staging)."""
+    (`landing`: a connector's program, whose bytes always land in destination staging). Only
+    the route's layers count."""
+    (estimate,) = estimate_strategies(
+        (strategy,), route, src_spec, dst_spec, model, num_tokens, landing
+    )
+    return estimate
+
+
+def estimate_strategies(
+    strategies: tuple[Strategy, ...],
+    route: HeadRoute,
+    src_spec: KVCacheSpec,
+    dst_spec: KVCacheSpec,
+    model: CostModel,
+    num_tokens: int | None = None,
+    landing: bool = False,
+) -> tuple[StrategyEstimate, ...]:
+    """`estimate_strategy` for several strategies of one pair, sizing the reference request
+    once."""
     tokens = num_tokens or model.reference_tokens
     src_ids = reference_block_ids(tokens, src_spec.block_size, model.contiguous_blocks)
     dst_ids = reference_block_ids(tokens, dst_spec.block_size, model.contiguous_blocks)
     # Size the caches for the synthetic ids: the plane stride of kv_first depends on it.
     src_spec = msgspec.structs.replace(src_spec, num_blocks=int(src_ids[-1]) + 1)
     dst_spec = msgspec.structs.replace(dst_spec, num_blocks=int(dst_ids[-1]) + 1)
-    shape = program_shape(strategy, route, src_spec, dst_spec, src_ids, dst_ids, 0, tokens, landing)
-    ops = count_program_segments(shape, route, 0, tokens, src_spec.num_layers)
+    layers, _, _ = route.layer_span(src_spec, dst_spec)
     geometry = BlockGeometry.of_spec(src_spec)
-    nbytes = src_spec.num_layers * moved_bytes(geometry, route.num_heads, tokens)
-    passes = sum(
-        model.mirror_copy_passes if _touches_mirror(copy) else 1
-        for copy in (shape.pack, shape.unpack)
-        if copy is not None
-    )
-    return StrategyEstimate(strategy, ops, nbytes, passes, model.seconds(ops, nbytes, passes))
+    nbytes = layers * moved_bytes(geometry, route.num_heads, tokens)
+    estimates = []
+    for strategy in strategies:
+        shape = program_shape(
+            strategy, route, src_spec, dst_spec, src_ids, dst_ids, 0, tokens, landing
+        )
+        ops = count_program_segments(shape, route, 0, tokens, layers)
+        passes = sum(_copy_passes(shape, model))
+        estimates.append(
+            StrategyEstimate(strategy, ops, nbytes, passes, model.seconds(ops, nbytes, passes))
+        )
+    return tuple(estimates)
 
 
 def _touches_mirror(copy: CellCopy) -> bool:
@@ -114,3 +163,138 @@ def _touches_mirror(copy: CellCopy) -> bool:
     whose rows are consecutive)."""
     staging = copy.dst if copy.src.region == "cache" else copy.src
     return staging.geometry.num_blocks > 1 or staging.geometry.layout != "NHD"
+
+
+def _copy_passes(shape: ProgramShape, model: CostModel) -> tuple[int, int]:
+    """Kernel passes of a program's (pack, unpack): 0 without one, `mirror_copy_passes` for a
+    copy to or from a mirror of blocks, else 1."""
+    return tuple(  # type: ignore[return-value]
+        0 if copy is None else model.mirror_copy_passes if _touches_mirror(copy) else 1
+        for copy in (shape.pack, shape.unpack)
+    )
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """How a connector cuts one pair's fetches: `tokens` per chunk, at most `depth` chunks in
+    flight per fetch (asked, packed, read, confirmed or copied into the cache)."""
+
+    tokens: int
+    depth: int
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """The cost model's view of one chunk of a pair (seconds), as `choose_chunking` uses it:
+
+    - `fixed`: `seconds_per_chunk` + operations x `seconds_per_op` + launches;
+    - `byte_time`: bytes / link + kernel passes x 2 x bytes / memory bandwidth;
+    - `pack`, `wire`, `unpack`: the pipeline's stages (a pass, the read, a pass);
+    - `lifetime`: a chunk from its ask to its copy into the cache, all of the above.
+    """
+
+    tokens: int
+    nbytes: int
+    num_ops: int
+    fixed: float
+    byte_time: float
+    pack: float
+    wire: float
+    unpack: float
+    lifetime: float
+
+
+def chunk_cost(
+    strategy: Strategy,
+    route: HeadRoute,
+    src_spec: KVCacheSpec,
+    dst_spec: KVCacheSpec,
+    model: CostModel,
+    tokens: int,
+    landing: bool = True,
+) -> ChunkCost:
+    """The cost of one chunk of `tokens` tokens of a pair, on blocks laid out as the
+    reference request's (scattered unless `model.contiguous_blocks`)."""
+    src_ids = reference_block_ids(tokens, src_spec.block_size, model.contiguous_blocks)
+    dst_ids = reference_block_ids(tokens, dst_spec.block_size, model.contiguous_blocks)
+    src_spec = msgspec.structs.replace(src_spec, num_blocks=int(src_ids[-1]) + 1)
+    dst_spec = msgspec.structs.replace(dst_spec, num_blocks=int(dst_ids[-1]) + 1)
+    shape = program_shape(strategy, route, src_spec, dst_spec, src_ids, dst_ids, 0, tokens, landing)
+    layers = shape.num_layers
+    ops = count_program_segments(shape, route, 0, tokens, layers)
+    nbytes = layers * moved_bytes(BlockGeometry.of_spec(src_spec), route.num_heads, tokens)
+    pack_passes, unpack_passes = _copy_passes(shape, model)
+    per_pass = 2 * nbytes / model.memory_bytes_per_second
+    launch = model.seconds_per_kernel_launch
+    wire = ops * model.seconds_per_op + nbytes / model.link_bytes_per_second
+    pack = pack_passes * (launch + per_pass)
+    unpack = unpack_passes * (launch + per_pass)
+    return ChunkCost(
+        tokens=tokens,
+        nbytes=nbytes,
+        num_ops=ops,
+        fixed=model.seconds_per_chunk
+        + ops * model.seconds_per_op
+        + (pack_passes + unpack_passes) * launch,
+        byte_time=nbytes / model.link_bytes_per_second + (pack_passes + unpack_passes) * per_pass,
+        pack=pack,
+        wire=wire,
+        unpack=unpack,
+        lifetime=model.seconds_per_chunk + pack + wire + unpack,
+    )
+
+
+def choose_chunking(
+    strategy: Strategy,
+    route: HeadRoute,
+    src_spec: KVCacheSpec,
+    dst_spec: KVCacheSpec,
+    model: CostModel,
+    max_tokens: int,
+    slots: int,
+    tokens: int | None = None,
+    landing: bool = True,
+) -> Chunking:
+    """Tokens per chunk and chunks in flight for one pair's fetches.
+
+    Tokens (unless given): the smallest multiple of `preferred_chunk_unit` (whole blocks on
+    both sides when a slot holds them) whose fixed costs are at most `model.chunk_overhead`
+    of its byte time (`ChunkCost`), or `max_tokens` (what a staging slot holds,
+    `max_chunk_tokens`) when no chunk that fits gets there. Smaller chunks start the wire
+    sooner and overlap more; the rule stops where their fixed costs would start to show.
+
+    Depth: the chunks in flight that keep the slowest stage (pack, read or unpack) busy while
+    each chunk spends `lifetime` in flight: `ceil(lifetime / slowest stage)`, between 1 and
+    `slots` (the staging slots per producer rank).
+
+    Raises:
+        ValueError: `max_tokens` or `slots` below 1, or `tokens` above `max_tokens`.
+    """
+    if max_tokens < 1 or slots < 1:
+        raise ValueError(f"max_tokens and slots: must be >= 1, got {max_tokens} and {slots}")
+    if tokens is not None and not 1 <= tokens <= max_tokens:
+        raise ValueError(f"tokens: {tokens} is not within [1, max_tokens={max_tokens}]")
+
+    def cost(n: int) -> ChunkCost:
+        return chunk_cost(strategy, route, src_spec, dst_spec, model, n, landing)
+
+    def amortized(c: ChunkCost) -> bool:
+        return c.fixed <= model.chunk_overhead * c.byte_time
+
+    if tokens is None:
+        unit = preferred_chunk_unit(strategy, src_spec, dst_spec, max_tokens)
+        lo, hi = 1, max_tokens // unit
+        if not amortized(cost(hi * unit)):
+            tokens = max_tokens  # nothing that fits amortizes: the largest chunk comes closest
+        else:  # bytes grow linearly and fixed costs slower: the smallest that amortizes
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if amortized(cost(mid * unit)):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            tokens = lo * unit
+    chosen = cost(tokens)
+    slowest = max(chosen.pack, chosen.wire, chosen.unpack)
+    depth = math.ceil(chosen.lifetime / slowest) if slowest > 0 else slots
+    return Chunking(tokens, max(1, min(slots, depth)))

@@ -19,6 +19,9 @@ from kvxfer.spec import KVCacheSpec
 
 RegionKind = Literal["cache", "staging"]
 
+_GEOMETRIES: dict[int, tuple[KVCacheSpec, BlockGeometry]] = {}  # BlockGeometry.of_spec's memo
+_GEOMETRIES_MAX = 256
+
 
 @dataclass(frozen=True)
 class BlockGeometry:
@@ -35,8 +38,12 @@ class BlockGeometry:
 
     @classmethod
     def of_spec(cls, spec: KVCacheSpec) -> BlockGeometry:
-        """The geometry of a rank's cache."""
-        return cls(
+        """The geometry of a rank's cache (memoized per spec object: planning a request asks
+        for it several times per pair, and building it costs about 1 us)."""
+        cached = _GEOMETRIES.get(id(spec))
+        if cached is not None and cached[0] is spec:
+            return cached[1]
+        geometry = cls(
             layout=spec.layout,
             kv_placement=spec.kv_placement,
             mla=spec.mla,
@@ -46,6 +53,12 @@ class BlockGeometry:
             head_dim=spec.head_dim,
             itemsize=spec.itemsize,
         )
+        if len(_GEOMETRIES) >= _GEOMETRIES_MAX:
+            _GEOMETRIES.clear()
+        # Keyed by identity, holding the spec itself: its id cannot be reused while it is here,
+        # and specs are frozen.
+        _GEOMETRIES[id(spec)] = (spec, geometry)
+        return geometry
 
     @property
     def num_planes(self) -> int:
@@ -113,6 +126,10 @@ class PagedView:
     Token `t` sits at position `p = t - token_shift`, in block `block_ids[p // block_size]` and
     slot `p % block_size`. Caches use `token_shift=0` and the request's block ids; staging buffers
     number their blocks from 0 and shift tokens so that they start in the first block.
+
+    Layer `i` of a copy is the buffer's layer `layer_offset + i`: a cache's local layer (a
+    pipeline stage's rank holds some of the model's layers, and a route moves some of those);
+    staging holds exactly the moved layers, so its offset is 0.
     """
 
     geometry: BlockGeometry
@@ -120,6 +137,7 @@ class PagedView:
     token_shift: int
     head_offset: int  # index of the first moved head among the buffer's heads
     region: RegionKind
+    layer_offset: int = 0  # the buffer's layer of a copy's first layer
 
     def token_cells(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(block id, slot) of each token."""
@@ -128,22 +146,27 @@ class PagedView:
         return self.block_ids[pos // bs], pos % bs
 
     def layer_base(self, layer: int) -> tuple[int, int]:
-        """(region key, byte offset of the layer inside that region) for one layer.
+        """(region key, byte offset of the layer inside that region) for a copy's layer
+        `layer`.
 
-        A cache registers one region per layer (key = layer); a staging buffer is one region
-        (key `STAGING_REGION`) holding the layers back to back.
+        A cache registers one region per local layer (key = its local layer, `layer_offset +
+        layer`); a staging buffer is one region (key `STAGING_REGION`) holding the moved layers
+        back to back.
         """
         if self.region == "cache":
-            return layer, 0
+            return self.layer_offset + layer, 0
         return STAGING_REGION, layer * self.geometry.layer_bytes
 
 
 STAGING_REGION = -1
 
 
-def cache_view(spec: KVCacheSpec, block_ids: np.ndarray, head_offset: int) -> PagedView:
-    """A rank's cache seen through a request's block table."""
-    return PagedView(BlockGeometry.of_spec(spec), block_ids, 0, head_offset, "cache")
+def cache_view(
+    spec: KVCacheSpec, block_ids: np.ndarray, head_offset: int, layer_offset: int = 0
+) -> PagedView:
+    """A rank's cache seen through a request's block table, from its local layer
+    `layer_offset` on."""
+    return PagedView(BlockGeometry.of_spec(spec), block_ids, 0, head_offset, "cache", layer_offset)
 
 
 def staging_mirror(

@@ -10,6 +10,9 @@ local cell copy on the destination"; they differ only in the buffers the segment
 | unpack      | -                            | cache -> mirror of src  | scatter from the mirror  |
 | pack+unpack | gather into the wire layout  | wire -> wire (one run)  | scatter from the wire    |
 
+A program moves its route's layers only (`HeadRoute`): the cache views start at each side's
+local index of the route's first layer, staging holds the route's layers alone.
+
 Connectors build *landing* programs (`landing=True`): the bytes of every strategy land in the
 destination's staging, never in its cache, and the destination copies them into the cache
 itself once the transfer is complete and confirmed (the no-late-byte contract, README). Then
@@ -23,7 +26,8 @@ itself once the transfer is complete and confirmed (the no-late-byte contract, R
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from math import lcm
 from typing import Literal, cast
 
 import numpy as np
@@ -59,13 +63,18 @@ def check_strategy(name: str) -> Strategy:
 
 @dataclass(frozen=True)
 class CellCopy:
-    """A local copy of the moved cells between two buffers of one side (a kernel pass)."""
+    """A local copy of the moved cells between two buffers of one side (a kernel pass).
+
+    It copies `num_layers` layers: a cache's from its view's `layer_offset` on, a staging
+    buffer's from its first; None copies every layer of the tensors it is given.
+    """
 
     src: PagedView
     dst: PagedView
     num_heads: int
     token_start: int
     token_end: int
+    num_layers: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -82,6 +91,7 @@ class ProgramShape:
     send_to: PagedView
     pack: CellCopy | None
     unpack: CellCopy | None
+    num_layers: int  # the route's layers
 
     @property
     def src_staging(self) -> BlockGeometry | None:
@@ -102,7 +112,7 @@ class TransferProgram:
     strategy: Strategy
     token_start: int
     token_end: int
-    num_layers: int
+    num_layers: int  # the route's layers (staging holds these only)
     pack: CellCopy | None
     segments: Segments
     unpack: CellCopy | None
@@ -157,14 +167,16 @@ def program_shape(
     """Lay out the buffers of `strategy` for one pair and token range (`landing`: a
     connector's program, see the module docstring)."""
     n, t0, t1 = route.num_heads, token_start, token_end
-    src_cache = cache_view(src_spec, src_block_ids, route.src_head_offset)
-    dst_cache = cache_view(dst_spec, dst_block_ids, route.dst_head_offset)
+    layers, src_layer, dst_layer = route.layer_span(src_spec, dst_spec)
+    src_cache = cache_view(src_spec, src_block_ids, route.src_head_offset, src_layer)
+    dst_cache = cache_view(dst_spec, dst_block_ids, route.dst_head_offset, dst_layer)
     src_staging, dst_staging = _staging_views(
         strategy, src_cache.geometry, dst_cache.geometry, n, t0, t1, landing
     )
-    pack = CellCopy(src_cache, src_staging, n, t0, t1) if src_staging else None
-    unpack = CellCopy(dst_staging, dst_cache, n, t0, t1) if dst_staging else None
-    return ProgramShape(strategy, src_staging or src_cache, dst_staging or dst_cache, pack, unpack)
+    pack = CellCopy(src_cache, src_staging, n, t0, t1, layers) if src_staging else None
+    unpack = CellCopy(dst_staging, dst_cache, n, t0, t1, layers) if dst_staging else None
+    send_from, send_to = src_staging or src_cache, dst_staging or dst_cache
+    return ProgramShape(strategy, send_from, send_to, pack, unpack, layers)
 
 
 def unpack_copy(
@@ -190,8 +202,9 @@ def unpack_copy(
     )
     if dst_staging is None:
         return None
-    dst_cache = cache_view(dst_spec, dst_block_ids, route.dst_head_offset)
-    return CellCopy(dst_staging, dst_cache, route.num_heads, token_start, token_end)
+    layers, _, dst_layer = route.layer_span(src_spec, dst_spec)
+    dst_cache = cache_view(dst_spec, dst_block_ids, route.dst_head_offset, dst_layer)
+    return CellCopy(dst_staging, dst_cache, route.num_heads, token_start, token_end, layers)
 
 
 def pack_copy(
@@ -215,8 +228,9 @@ def pack_copy(
     )
     if src_staging is None:
         return None
-    src_cache = cache_view(src_spec, src_block_ids, route.src_head_offset)
-    return CellCopy(src_cache, src_staging, route.num_heads, token_start, token_end)
+    layers, src_layer, _ = route.layer_span(src_spec, dst_spec)
+    src_cache = cache_view(src_spec, src_block_ids, route.src_head_offset, src_layer)
+    return CellCopy(src_cache, src_staging, route.num_heads, token_start, token_end, layers)
 
 
 def shape_template(shape: ProgramShape, route: HeadRoute, start: int, end: int) -> LayerTemplate:
@@ -238,7 +252,7 @@ def build_program(
     """The transfer program of one pair for tokens `[token_start, token_end)`.
 
     Args:
-        route: the heads this pair moves.
+        route: the heads and layers this pair moves.
         strategy: one of `STRATEGIES`.
         src_spec, dst_spec: the two ranks' geometry.
         src_block_ids, dst_block_ids: each side's block table for the request (int64).
@@ -256,14 +270,15 @@ def build_program(
         token_end,
         landing,
     )
+    layers = shape.num_layers
     template = shape_template(shape, route, token_start, token_end)
-    segments = expand_layers(template, shape.send_from, shape.send_to, src_spec.num_layers)
+    segments = expand_layers(template, shape.send_from, shape.send_to, layers)
     return TransferProgram(
         route=route,
         strategy=strategy,
         token_start=token_start,
         token_end=token_end,
-        num_layers=src_spec.num_layers,
+        num_layers=layers,
         pack=shape.pack,
         segments=segments,
         unpack=shape.unpack,
@@ -297,7 +312,8 @@ def max_chunk_tokens(
     touches no more blocks than it has tokens' worth. A wire buffer needs one row per token.
     """
     planes = 1 if src_spec.mla else 2
-    row = src_spec.num_layers * planes * route.num_heads * src_spec.head_dim * src_spec.itemsize
+    layers, _, _ = route.layer_span(src_spec, dst_spec)
+    row = layers * planes * route.num_heads * src_spec.head_dim * src_spec.itemsize
     limits = []
     if strategy == "pack+unpack":
         limits.append(min(src_slot_bytes, dst_slot_bytes) // row)
@@ -324,3 +340,138 @@ def chunk_bounds(start: int, end: int, chunk_tokens: int) -> list[tuple[int, int
 
 def _whole_blocks(rows: int, block_size: int) -> int:
     return rows // block_size * block_size
+
+
+def chunk_alignment(
+    strategy: Strategy, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, landing: bool = False
+) -> int:
+    """The multiple of tokens a chunk size must be for `strategy`'s staging to hold whole
+    blocks (see `max_chunk_tokens`, whose sizes are such multiples): the destination's block
+    size for a (landing) mirror of its blocks, the source's for unpack, 1 for the wire buffer."""
+    if strategy == "unpack":
+        return src_spec.block_size
+    if strategy == "pack" or (strategy == "direct" and landing):
+        return dst_spec.block_size
+    return 1
+
+
+def preferred_chunk_unit(
+    strategy: Strategy, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, max_tokens: int
+) -> int:
+    """The step of chunk sizes worth trying: a whole number of blocks on both sides when a
+    chunk of that many tokens fits (then no block is shared by two chunks, so a failed chunk
+    lists no neighbour's blocks), else the alignment the strategy needs."""
+    both = lcm(src_spec.block_size, dst_spec.block_size)
+    if both <= max_tokens:
+        return both
+    return chunk_alignment(strategy, src_spec, dst_spec, landing=True)
+
+
+def chunk_blocks(
+    block_ids: np.ndarray, block_size: int, token_start: int, token_end: int
+) -> np.ndarray:
+    """The part of a block table that holds tokens `[token_start, token_end)`: the ids from
+    block `token_start // block_size` to the one holding the last token (a view, O(1)). A
+    chunk's programs need no more of a request's table (`chunk_program`)."""
+    return block_ids[token_start // block_size : (token_end - 1) // block_size + 1]
+
+
+def chunk_block_count(block_size: int, token_start: int, token_end: int) -> int:
+    """How many blocks of `block_size` tokens hold tokens `[token_start, token_end)`."""
+    return (token_end - 1) // block_size - token_start // block_size + 1
+
+
+def _chunk_cache(view: PagedView | None, token_start: int) -> PagedView | None:
+    """A cache view whose block table starts at the block holding `token_start` (the token
+    shift of that block's first token): the view of a chunk's blocks alone. Staging views are
+    unchanged."""
+    if view is None or view.region != "cache":
+        return view
+    bs = view.geometry.block_size
+    return replace(view, token_shift=token_start // bs * bs)
+
+
+def _chunk_copy(copy: CellCopy | None, token_start: int) -> CellCopy | None:
+    if copy is None:
+        return None
+    src, dst = _chunk_cache(copy.src, token_start), _chunk_cache(copy.dst, token_start)
+    assert src is not None and dst is not None
+    return replace(copy, src=src, dst=dst)
+
+
+def chunk_program(
+    route: HeadRoute,
+    strategy: Strategy,
+    src_spec: KVCacheSpec,
+    dst_spec: KVCacheSpec,
+    src_chunk_ids: np.ndarray,
+    dst_chunk_ids: np.ndarray,
+    token_start: int,
+    token_end: int,
+    landing: bool = False,
+) -> TransferProgram:
+    """`build_program` for one chunk from each side's blocks of that chunk only
+    (`chunk_blocks`): the same segments and copies, with cache views whose block tables start
+    at the chunk's first block. Work and memory are O(the chunk), never O(the request).
+    """
+    shape = program_shape(
+        strategy,
+        route,
+        src_spec,
+        dst_spec,
+        src_chunk_ids,
+        dst_chunk_ids,
+        token_start,
+        token_end,
+        landing,
+    )
+    send_from = _chunk_cache(shape.send_from, token_start)
+    send_to = _chunk_cache(shape.send_to, token_start)
+    assert send_from is not None and send_to is not None
+    layers = shape.num_layers
+    template = layer_template(send_from, send_to, route.num_heads, token_start, token_end)
+    return TransferProgram(
+        route=route,
+        strategy=strategy,
+        token_start=token_start,
+        token_end=token_end,
+        num_layers=layers,
+        pack=_chunk_copy(shape.pack, token_start),
+        segments=expand_layers(template, send_from, send_to, layers),
+        unpack=_chunk_copy(shape.unpack, token_start),
+        src_staging=shape.src_staging,
+        dst_staging=shape.dst_staging,
+    )
+
+
+def chunk_pack_copy(
+    strategy: Strategy,
+    route: HeadRoute,
+    src_spec: KVCacheSpec,
+    dst_spec: KVCacheSpec,
+    src_chunk_ids: np.ndarray,
+    token_start: int,
+    token_end: int,
+) -> CellCopy | None:
+    """`pack_copy` for one chunk from the source's blocks of that chunk only
+    (`chunk_blocks`), O(the chunk)."""
+    copy = pack_copy(strategy, route, src_spec, dst_spec, src_chunk_ids, token_start, token_end)
+    return _chunk_copy(copy, token_start)
+
+
+def chunk_unpack_copy(
+    strategy: Strategy,
+    route: HeadRoute,
+    src_spec: KVCacheSpec,
+    dst_spec: KVCacheSpec,
+    dst_chunk_ids: np.ndarray,
+    token_start: int,
+    token_end: int,
+    landing: bool = False,
+) -> CellCopy | None:
+    """`unpack_copy` for one chunk from the destination's blocks of that chunk only
+    (`chunk_blocks`), O(the chunk)."""
+    copy = unpack_copy(
+        strategy, route, src_spec, dst_spec, dst_chunk_ids, token_start, token_end, landing
+    )
+    return _chunk_copy(copy, token_start)

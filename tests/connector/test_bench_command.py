@@ -44,6 +44,8 @@ ROW_KEYS = {
     "layers",
     "kv_heads",
     "strategies",
+    "chunk_tokens",
+    "chunks_in_flight",
     "protocol",
     "kvxfer_gbps",
     "contiguous_gbps",
@@ -65,6 +67,8 @@ def test_bench_json_rows(capsys):
     assert row["pair"] == "2->4"
     assert row["bytes"] == 2 * 2 * 64 * 4 * 16 * 2  # layers, K/V, tokens, heads, dim, bf16
     assert row["naive_ops"] == 4 * 2 * 2 * 64  # pairs x layers x K/V x tokens
+    assert row["chunk_tokens"] and all(1 <= t <= 64 for t in row["chunk_tokens"])
+    assert row["chunks_in_flight"] and all(1 <= n <= 4 for n in row["chunks_in_flight"])
     for key in ("kvxfer_gbps", "contiguous_gbps", "naive_gbps"):
         assert row[key] > 0
     for key in ("kvxfer_cpu_s_per_gb", "contiguous_cpu_s_per_gb"):

@@ -11,7 +11,7 @@ STAGING = {"staging_bytes": 8192, "staging_slots": 2}
 
 
 def assert_exact(run, request: Request, dst: Side) -> None:
-    for rank in range(dst.tp):
+    for rank in range(dst.ranks):
         r = run.result(request.request_id, rank)
         assert r["ok"], (rank, r["errors"])
         assert r["failed_block_ids"] == []
@@ -27,7 +27,7 @@ def assert_pools_whole_and_released(run, requests, src: Side, dst: Side) -> None
         assert all(p == [] for p in report["pending"].values())
         for pools in report["free_slots"].values():
             assert all(free == report["slots"] for free in pools.values())
-    for rank in range(dst.tp):
+    for rank in range(dst.ranks):
         assert all(
             free == STAGING["staging_slots"]
             for free in run.consumers[f"free_slots/{rank}"].values()
@@ -88,7 +88,35 @@ def test_every_strategy_forced(strategy):
         consumer_options={**staging, "strategy": strategy},
     )
     assert_exact(run, requests[0], dst)
-    assert {run.result("r", rank)["strategy"] for rank in range(dst.tp)} == {strategy}
+    assert {run.result("r", rank)["strategy"] for rank in range(dst.ranks)} == {strategy}
+
+
+# Pipeline parallelism on either side (ranks are engine ranks, pp-major).
+PIPELINES = [
+    pytest.param(  # each decode rank fetches its heads of every layer from both prefill stages
+        Side(2, heads=4, pp=2, layers=3),
+        Side(4, heads=4, layout="HND", layers=3),
+        {r: {(0, 0), (2, 2)} if r < 2 else {(1, 0), (3, 2)} for r in range(4)},
+        id="P-PP2xTP2-D-PP1xTP4",
+    ),
+    pytest.param(  # each decode stage fetches its own layers only, from both prefill ranks
+        Side(2, heads=4, layers=3),
+        Side(1, heads=4, pp=2, block_size=32, placement="blocks_first", layers=3),
+        {0: {(0, 0), (1, 0)}, 1: {(0, 2), (1, 2)}},
+        id="P-PP1xTP2-D-PP2xTP1",
+    ),
+]
+
+
+@pytest.mark.parametrize("src,dst,sources", PIPELINES)
+def test_hetero_pipeline_transfer_is_exact(src, dst, sources):
+    requests = [Request("r-full", 150, seed=6), Request("r-prefix", 120, start_token=23, seed=7)]
+    run = run_cluster(src, dst, requests, producer_options=STAGING, consumer_options=STAGING)
+    for request in requests:
+        assert_exact(run, request, dst)
+    assert_pools_whole_and_released(run, requests, src, dst)
+    for rank, want in sources.items():  # (source rank, first layer) of each pair
+        assert {(s, layer) for s, layer, _ in run.consumers[f"pairs/{rank}"]} == want
 
 
 def test_every_rank_in_its_own_process():

@@ -221,15 +221,18 @@ def test_release_happens_once_after_every_decode_rank_is_done(engines):
     time.sleep(0.2)
     assert sorted(engines.released) == [(0, "r1"), (1, "r1")]
     assert all(p.pending_requests == [] for p in engines.producers)
+    assert [p.expired_requests for p in engines.producers] == [0, 0]
 
 
 def test_release_at_the_deadline_and_late_fetches_fail(engines):
     engines.publish("short", deadline_s=0.2)
     time.sleep(0.6)
     assert sorted(engines.released) == [(0, "short"), (1, "short")]
+    assert [p.expired_requests for p in engines.producers] == [1, 1]
     (result,) = engines.fetch("short", ranks=(0,), timeout=2)
     assert not result.ok and any("already released" in e for e in result.errors)
     assert sorted(engines.released) == [(0, "short"), (1, "short")]  # still once
+    assert [p.stats_snapshot()["expired_requests"] for p in engines.producers] == [1, 1]
 
 
 def test_pools_are_whole_again_after_many_requests(engines):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -89,7 +91,7 @@ def test_write_to_an_unknown_endpoint_fails_with_context(pair):
 @pytest.fixture
 def no_rdma(tmp_path, monkeypatch):
     """A machine without RDMA devices, whatever this one has."""
-    monkeypatch.setattr(mooncake_mod, "INFINIBAND_SYSFS", str(tmp_path / "missing"))
+    monkeypatch.setenv("KVXFER_INFINIBAND_SYSFS", str(tmp_path / "missing"))
 
 
 def roundtrip(a: MooncakeTransport, b: MooncakeTransport) -> None:
@@ -112,9 +114,9 @@ def test_an_unknown_protocol_is_refused_naming_the_accepted_ones(protocol):
 def test_rdma_devices_lists_sysfs(tmp_path, monkeypatch):
     for name in ("mlx5_1", "mlx5_0"):
         (tmp_path / name).mkdir()
-    monkeypatch.setattr(mooncake_mod, "INFINIBAND_SYSFS", str(tmp_path))
+    monkeypatch.setenv("KVXFER_INFINIBAND_SYSFS", str(tmp_path))
     assert rdma_devices() == ["mlx5_0", "mlx5_1"]
-    monkeypatch.setattr(mooncake_mod, "INFINIBAND_SYSFS", str(tmp_path / "missing"))
+    monkeypatch.setenv("KVXFER_INFINIBAND_SYSFS", str(tmp_path / "missing"))
     assert rdma_devices() == []
 
 
@@ -135,7 +137,7 @@ def test_rdma_is_refused_on_this_machine():
 
 def test_a_named_rdma_device_that_is_missing_is_refused(tmp_path, monkeypatch):
     (tmp_path / "mlx5_0").mkdir()
-    monkeypatch.setattr(mooncake_mod, "INFINIBAND_SYSFS", str(tmp_path))
+    monkeypatch.setenv("KVXFER_INFINIBAND_SYSFS", str(tmp_path))
     with pytest.raises(
         TransferError,
         match=r"RDMA device\(s\) \['mlx5_9'\] not found; this machine has \['mlx5_0'\]",
@@ -168,6 +170,43 @@ def test_mooncake_log_level_defaults_to_error_unless_set(monkeypatch):
     monkeypatch.setenv("MC_LOG_LEVEL", "INFO")
     mooncake_mod._engine_class()
     assert os.environ["MC_LOG_LEVEL"] == "INFO"
+
+
+def test_the_tcp_slice_size_is_the_measured_default_unless_the_user_set_one(monkeypatch):
+    monkeypatch.delenv("MC_TCP_SLICE_SIZE", raising=False)
+    mooncake_mod._engine_class()
+    assert os.environ["MC_TCP_SLICE_SIZE"] == str(mooncake_mod.TCP_SLICE_SIZE)
+    monkeypatch.setenv("MC_TCP_SLICE_SIZE", "1048576")
+    mooncake_mod._engine_class()
+    assert os.environ["MC_TCP_SLICE_SIZE"] == "1048576"
+
+
+def test_a_user_tcp_slice_size_reaches_mooncake_and_moves_bytes_exactly():
+    """In a fresh process (Mooncake reads the variable once per process), a transfer with the
+    user's slice size lands every byte, and kvxfer leaves the value as the user set it."""
+    script = """
+import os, numpy as np, torch
+from kvxfer.plan import Segments
+from kvxfer.transport import Peer
+from kvxfer.transport.mooncake import MooncakeTransport
+a, b = MooncakeTransport(), MooncakeTransport()
+src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+dst = torch.zeros(3 << 20, dtype=torch.uint8)
+ra, rb = a.register(src), b.register(dst)
+one = np.ones(1, dtype=np.int64)
+segments = Segments(one * ra.region_id, one * 0, one * rb.region_id, one * 0, one * (3 << 20))
+b.read(segments, Peer(a.endpoint, {ra.region_id: ra})).result(30)
+assert torch.equal(src, dst)
+print(os.environ["MC_TCP_SLICE_SIZE"])
+a.close()
+b.close()
+"""
+    env = {**os.environ, "MC_TCP_SLICE_SIZE": "1048576", "MC_LOG_LEVEL": "ERROR"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "1048576"
 
 
 # --- Registration is all or nothing ------------------------------------------------------

@@ -13,7 +13,7 @@ IDS = np.arange(4, dtype=np.int64)
 def test_every_rank_of_every_fetching_engine_must_report():
     table = RequestTable()
     table.publish("r", IDS, 10, timeout=60)
-    table.report_done("r", "decode", 2, tp_size=4)  # a rank that reads nothing here, early
+    table.report_done("r", "decode", 2, engine_size=4)  # a rank that reads nothing here, early
     table.note_fetcher("r", "decode", 4)
     table.note_fetcher("r", "other", 1)
     assert not table.report_done("r", "decode", 0, 4)
