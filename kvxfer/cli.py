@@ -365,11 +365,11 @@ def _check_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             if why:
                 parser.error(f"argument --pairs: in {src_tp}:{dst_tp}, {why}")
     if args.protocol == "rdma":
-        from kvxfer.doctor import INFINIBAND_SYSFS, sysfs_rdma_devices
+        from kvxfer.rdma import infiniband_sysfs, rdma_devices
 
-        if not sysfs_rdma_devices():
+        if not rdma_devices():
             parser.error(
-                f"argument --protocol: rdma needs an RDMA device, and {INFINIBAND_SYSFS} lists "
+                f"argument --protocol: rdma needs an RDMA device, and {infiniband_sysfs()} lists "
                 "none here; use --protocol tcp ('kvxfer doctor' says what this machine has)"
             )
 

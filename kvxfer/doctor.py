@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvxfer.rdma import ProtocolChoice, choose_protocol, infiniband_sysfs
+
 if TYPE_CHECKING:
     from kvxfer.spec import KVCacheSpec
 
@@ -39,7 +41,6 @@ OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
 REQUIRED = ("python", "torch", "triton", "mooncake", "transport", "backend")
 MOONCAKE_DISTRIBUTIONS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
 VLLM_TESTED = "0.33"  # pyproject: vllm>=0.33.0,<0.34
-INFINIBAND_SYSFS = "/sys/class/infiniband"
 DEFAULT_TIMEOUT_S = 120.0
 
 INSTALL_TORCH = (
@@ -152,8 +153,8 @@ def _probe_transfer() -> dict[str, Any]:
 
 
 def _probe_device() -> dict[str, Any]:
-    """torch and its device, the RDMA devices (kvxfer.transport.mooncake.rdma_devices), and the
-    Triton kernels checked against the torch backend on that device."""
+    """torch and its device, and the Triton kernels checked against the torch backend on that
+    device."""
     import torch
 
     cuda = bool(torch.cuda.is_available())
@@ -167,12 +168,6 @@ def _probe_device() -> dict[str, Any]:
     }
     # Compiled on a GPU; on CPU only the interpreter runs them, chosen before they are imported.
     os.environ["TRITON_INTERPRET"] = "0" if cuda else "1"
-    try:
-        from kvxfer.transport.mooncake import rdma_devices as listed
-
-        out["rdma_devices"] = listed()
-    except Exception:  # a broken kvxfer install: the transfer probe says more
-        out["rdma_devices"] = sysfs_rdma_devices()
     try:
         out["kernels"] = {"ok": True, **_run_kernels("cuda" if cuda else "cpu")}
     except Exception as exc:
@@ -471,34 +466,27 @@ def check_libibverbs(mooncake_ok: bool) -> Check:
     return Check("libibverbs", status, summary, INSTALL_IBVERBS, facts)
 
 
-def sysfs_rdma_devices() -> list[str]:
-    """The RDMA devices in sysfs, as kvxfer.transport.mooncake.rdma_devices lists them, without
-    importing torch (the device probe asks that function itself)."""
-    try:
-        return sorted(os.listdir(INFINIBAND_SYSFS))
-    except OSError:
-        return []
-
-
 def check_rdma(devices: list[str]) -> Check:
-    """RDMA devices (InfiniBand, RoCE, iWARP) Mooncake could use."""
+    """RDMA devices (InfiniBand, RoCE, iWARP) Mooncake could use (`kvxfer.rdma`, the list the
+    transport and the connectors' protocol "auto" read)."""
     facts = {"devices": devices}
     if devices:
         return Check("rdma", OK, f"{len(devices)} device(s): {', '.join(devices)}", None, facts)
     return Check(
         "rdma",
         INFO,
-        f"no RDMA device ({INFINIBAND_SYSFS} lists none): transfers run over TCP",
+        f"no RDMA device ({infiniband_sysfs()} lists none): transfers run over TCP",
         "for RDMA, a NIC with its driver (rdma-core or MLNX_OFED) must show in `ibv_devices`",
         facts,
     )
 
 
-def check_transport(mooncake_ok: bool, devices: list[str]) -> Check:
-    """The Mooncake protocol transfers would run."""
-    rdma = bool(devices) and mooncake_ok
+def check_transport(mooncake_ok: bool, auto: ProtocolChoice) -> Check:
+    """The Mooncake protocol transfers would run: what protocol "auto" (the vLLM connector's
+    default) chooses here."""
+    rdma = auto.protocol == "rdma" and mooncake_ok
     facts = {
-        "protocol": ("rdma" if rdma else "tcp") if mooncake_ok else None,
+        "protocol": auto.protocol if mooncake_ok else None,
         "default_protocol": "tcp",
         "rdma_available": rdma,
     }
@@ -507,11 +495,14 @@ def check_transport(mooncake_ok: bool, devices: list[str]) -> Check:
         return Check("transport", FAIL, "none: Mooncake cannot transfer here", fix, facts)
     if rdma:
         summary = (
-            "rdma with protocol='rdma' (kv_connector_extra_config protocol: rdma); tcp is the "
-            "default"
+            "rdma: the vLLM connector's protocol 'auto' (its default) chooses it here; "
+            "KVProducer, KVConsumer and kvxfer bench default to tcp: pass protocol='rdma'"
         )
         return Check("transport", OK, summary, None, facts)
-    summary = "tcp (the default); protocol='rdma' is refused here: no RDMA device"
+    summary = (
+        "tcp: no RDMA device, so the vLLM connector's protocol 'auto' chooses it (tcp is also "
+        "the library's default); protocol='rdma' is refused here"
+    )
     return Check("transport", OK, summary, None, facts)
 
 
@@ -580,7 +571,8 @@ def diagnose(timeout: float = DEFAULT_TIMEOUT_S) -> tuple[bool, list[Check]]:
     moved = transfer.result(timeout) if transfer is not None else None
     mooncake = check_mooncake(moved, device)
     mooncake_ok = bool(mooncake.facts["loopback_transfer"])
-    devices = list(found["rdma_devices"]) if found and found.get("ok") else sysfs_rdma_devices()
+    auto = choose_protocol("auto")
+    devices = list(auto.devices)
     checks = [
         check_python(),
         torch_check,
@@ -588,7 +580,7 @@ def diagnose(timeout: float = DEFAULT_TIMEOUT_S) -> tuple[bool, list[Check]]:
         mooncake,
         check_libibverbs(mooncake_ok),
         check_rdma(devices),
-        check_transport(mooncake_ok, devices),
+        check_transport(mooncake_ok, auto),
         check_backend(device, triton),
         check_vllm(vllm, timeout),
     ]

@@ -16,7 +16,7 @@ import pytest
 
 from kvxfer import cli
 from kvxfer.cli import main, parse_args
-from kvxfer.doctor import sysfs_rdma_devices
+from kvxfer.rdma import rdma_devices
 
 ENV = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
 HEAVY = ("torch", "numpy", "triton", "mooncake", "msgspec", "zmq")
@@ -197,7 +197,7 @@ def test_a_bad_flag_or_value_gets_one_line_and_exit_code_2(argv, names, accepted
     assert names in line and accepted in line, line
 
 
-@pytest.mark.skipif(bool(sysfs_rdma_devices()), reason="this machine has an RDMA device")
+@pytest.mark.skipif(bool(rdma_devices()), reason="this machine has an RDMA device")
 def test_bench_rdma_without_a_device_is_refused_with_one_line():
     done = kvxfer("bench", "--protocol", "rdma")
     assert done.returncode == 2

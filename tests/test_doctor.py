@@ -162,7 +162,6 @@ GPU = {
     "cuda": True,
     "cuda_version": "12.8",
     "devices": ["NVIDIA H200"],
-    "rdma_devices": ["mlx5_0", "mlx5_1"],
     "kernels": {"ok": True, "seconds": 1.5},
 }
 MOVED = {"ok": True, "protocol": "tcp", "bytes": 20480, "seconds": 0.1}
@@ -175,7 +174,15 @@ def diagnose_with(monkeypatch, device: dict, transfer: dict) -> tuple[bool, dict
     return ready, doctor.report(ready, checks)["checks"]
 
 
-def test_a_gpu_machine_with_rdma(monkeypatch):
+@pytest.fixture
+def rdma_machine(tmp_path, monkeypatch):
+    """A sysfs that lists two RDMA devices, read in place of /sys/class/infiniband."""
+    for name in ("mlx5_1", "mlx5_0"):
+        (tmp_path / name).mkdir()
+    monkeypatch.setenv("KVXFER_INFINIBAND_SYSFS", str(tmp_path))
+
+
+def test_a_gpu_machine_with_rdma(monkeypatch, rdma_machine):
     ready, checks = diagnose_with(monkeypatch, GPU, MOVED)
     assert ready
     assert checks["torch"]["devices"] == ["NVIDIA H200"] and "H200" in checks["torch"]["summary"]
@@ -183,6 +190,17 @@ def test_a_gpu_machine_with_rdma(monkeypatch):
     assert checks["backend"]["backend"] == "triton"
     assert checks["transport"]["protocol"] == "rdma" and checks["transport"]["rdma_available"]
     assert checks["rdma"]["devices"] == ["mlx5_0", "mlx5_1"]
+    assert "protocol 'auto'" in checks["transport"]["summary"]
+
+
+def test_a_machine_without_rdma_runs_tcp(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVXFER_INFINIBAND_SYSFS", str(tmp_path / "missing"))
+    ready, checks = diagnose_with(monkeypatch, GPU, MOVED)
+    assert ready
+    assert checks["rdma"]["status"] == INFO and checks["rdma"]["devices"] == []
+    assert str(tmp_path / "missing") in checks["rdma"]["summary"]
+    assert checks["transport"]["protocol"] == "tcp"
+    assert checks["transport"]["rdma_available"] is False
 
 
 def test_kernels_that_fail_on_a_gpu_stop_transfers(monkeypatch):

@@ -8,8 +8,13 @@ Measured with the non-CUDA wheel 0.3.13 on TCP loopback (2-core machine): a batc
 about 2,048 descriptors, or several batches in flight whose descriptors add up to that, fails
 with -1 *and leaves the engine failing every later write*. Transfers therefore go through one
 `CompletionPump` per engine, which keeps at most 1,024 descriptors in flight (256 per peer) and
-polls them without spinning (`kvxfer.transport.completion`). One descriptor costs about 45 us
-there, whatever its size up to 16 KiB.
+polls them without spinning (`kvxfer.transport.completion`). One descriptor costs about 20 us
+there with many in flight (45 us one after another with the old busy-waiting writes), whatever
+its size up to 16 KiB (`benchmarks/chunk_costs.py`).
+
+Mooncake cuts TCP transfers into slices of `MC_TCP_SLICE_SIZE` bytes, read from the environment
+once per process; kvxfer sets `TCP_SLICE_SIZE` there before its first engine starts unless the
+environment already has a value (the user's wins).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import numpy as np
 import torch
 
 from kvxfer.plan.segments import Segments
+from kvxfer.rdma import infiniband_sysfs, rdma_devices
 from kvxfer.transport.base import Peer, Region, TransferError, check_segments_in_regions
 from kvxfer.transport.completion import CompletionPump
 from kvxfer.validation import check_host
@@ -36,19 +42,11 @@ log = logging.getLogger(__name__)
 PROTOCOLS: tuple[str, ...] = ("tcp", "rdma")
 """The Mooncake protocols `MooncakeTransport` accepts."""
 
-INFINIBAND_SYSFS = "/sys/class/infiniband"
-"""Where Linux lists RDMA devices (InfiniBand, RoCE, iWARP), one entry per device."""
-
-
-def rdma_devices() -> list[str]:
-    """The RDMA devices of this machine (e.g. `["mlx5_0", "mlx5_1"]`), sorted; `[]` when none.
-
-    Reads `/sys/class/infiniband` only: neither Mooncake nor libibverbs is loaded.
-    """
-    try:
-        return sorted(os.listdir(INFINIBAND_SYSFS))
-    except OSError:  # no such directory: no RDMA driver loaded, no device
-        return []
+TCP_SLICE_SIZE = 64 << 10
+"""Bytes per Mooncake TCP slice (`MC_TCP_SLICE_SIZE`) when the environment sets none: Mooncake's
+own default, which no other size beat beyond the noise over loopback (64 KiB to 4 MiB, one
+stream, four streams and `kvxfer bench`; `benchmarks/tcp_slice_size.py`, benchmarks/RESULTS.md).
+Set explicitly so that the value kvxfer was measured with does not move with Mooncake's."""
 
 
 def check_protocol(protocol: object) -> str:
@@ -72,7 +70,7 @@ def _missing_rdma(device: str) -> str | None:
     """Why RDMA cannot run here with the device filter `device`, or None when it can."""
     found = rdma_devices()
     if not found:
-        return f"no RDMA device found ({INFINIBAND_SYSFS} lists none)"
+        return f"no RDMA device found ({infiniband_sysfs()} lists none)"
     wanted = [name.strip() for name in device.split(",") if name.strip()]
     missing = [name for name in wanted if name not in found]
     if missing:
@@ -100,6 +98,8 @@ def _engine_class() -> type:
     # This wheel reads MC_LOG_LEVEL; GLOG_minloglevel is for builds that log through glog.
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("GLOG_minloglevel", "1")
+    # Read by Mooncake once per process, when its first TCP transfer starts: before any engine.
+    os.environ.setdefault("MC_TCP_SLICE_SIZE", str(TCP_SLICE_SIZE))
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
