@@ -107,6 +107,67 @@ def test_bad_tensors_get_errors_that_say_what_is_wrong():
         spec_from_layers([layer_of_block], GEOMETRY)
 
 
+def _stage(pp_rank: int, pp_size: int = 2, kv_layers: tuple[int, ...] = tuple(range(5))):
+    return EngineGeometry(
+        8, 16, 4, tp_size=2, tp_rank=1, pp_size=pp_size, pp_rank=pp_rank, kv_layers=kv_layers
+    )
+
+
+def test_a_pipeline_stage_is_placed_by_its_layer_names():
+    """vLLM registers a stage's caches by name (`model.layers.N...`): the spec counts the
+    stage's layers from their indices, in layer order whatever order they come in."""
+    layers = {i: _layer("kv_first", ("kv", "block", "slot", "head", "dim"))[1] for i in (4, 3)}
+    spec, views = spec_from_layers(list(layers.values()), _stage(1), list(layers))
+    assert (spec.pp_size, spec.pp_rank, spec.tp_rank) == (2, 1, 1)
+    assert (spec.layer_start, spec.num_layers, spec.total_layers) == (3, 2, 5)
+    assert [v.data_ptr() for v in views] == [layers[3].data_ptr(), layers[4].data_ptr()]
+    first, _ = spec_from_layers([layers[3]] * 3, _stage(0), [2, 0, 1])
+    assert (first.layer_start, first.num_layers, first.layers) == (0, 3, range(0, 3))
+    assert first.engine_ranks()[2:] == [spec.with_rank(0), spec]  # vLLM's default split
+    # Without pipeline parallelism, names only order the layers.
+    whole, ordered = spec_from_layers([layers[4], layers[3]], GEOMETRY, [1, 0])
+    assert (whole.pp_size, whole.layer_start, whole.total_layers, whole.num_layers) == (1, 0, 0, 2)
+    assert [v.data_ptr() for v in ordered] == [layers[3].data_ptr(), layers[4].data_ptr()]
+
+
+def test_stages_count_in_kv_cache_layer_space():
+    """Layers 2 and 5 hold no KV cache (no-op attention): a layer's index is its place among
+    the layers that do, on every engine, so stages of any split agree on which cache is
+    which."""
+    kv_layers = (0, 1, 3, 4, 6)
+    _, layer = _layer("kv_first", ("kv", "block", "slot", "head", "dim"))
+    first, _ = spec_from_layers([layer] * 2, _stage(0, kv_layers=kv_layers), [0, 1])
+    last, _ = spec_from_layers([layer] * 3, _stage(1, kv_layers=kv_layers), [6, 3, 4])
+    assert (first.layer_start, first.num_layers, first.total_layers) == (0, 2, 5)
+    assert (last.layer_start, last.num_layers, last.total_layers) == (2, 3, 5)
+
+
+def test_pipeline_stage_errors_name_what_is_wrong():
+    _, layer = _layer("kv_first", ("kv", "block", "slot", "head", "dim"))
+    with pytest.raises(ValueError, match=r"kv_layers: required with pp_size 2"):
+        EngineGeometry(8, 16, 4, tp_size=2, tp_rank=1, pp_size=2, pp_rank=1)
+    with pytest.raises(ValueError, match="pp_rank 2 of pp_size 2"):
+        _stage(2)
+    with pytest.raises(ValueError, match="distinct non-negative model-layer indices"):
+        _stage(0, kv_layers=(1, 0))
+    with pytest.raises(ValueError, match=r"pass each cache tensor's model-layer index"):
+        spec_from_layers([layer], _stage(1))
+    with pytest.raises(ValueError, match=r"2 indices for 1 cache tensors"):
+        spec_from_layers([layer], _stage(1), [3, 4])
+    with pytest.raises(ValueError, match=r"model layers \[3\] have more than one cache tensor"):
+        spec_from_layers([layer] * 2, _stage(1), [3, 3])
+    with pytest.raises(ValueError, match=r"skip model layers \[3\]"):
+        spec_from_layers([layer] * 2, _stage(1), [2, 4])
+    with pytest.raises(ValueError, match=r"model layers \[7\] hold no KV cache"):
+        spec_from_layers([layer] * 2, _stage(1), [4, 7])
+    # The spec's own checks: the last stage ends at the model's last layer.
+    with pytest.raises(ValueError, match="last pipeline stage ends at layer 4"):
+        spec_from_layers([layer], _stage(1), [3])
+    whole = EngineGeometry(8, 16, 4, tp_size=2, tp_rank=1, kv_layers=(0, 1, 2))
+    with pytest.raises(ValueError, match="without pipeline parallelism a rank holds every layer"):
+        spec_from_layers([layer] * 2, whole, [0, 1])
+
+
 def test_settings_defaults_and_parsing():
     assert ConnectorSettings.from_extra_config(None) == ConnectorSettings()
     parsed = ConnectorSettings.from_extra_config(
@@ -134,7 +195,11 @@ def test_settings_defaults_and_parsing():
         ({"cost_model": {"speed": 1}}, "CostModel fields only"),
         ({"cost_model": "infiniband"}, "rdma.*tcp_loopback"),
         ({"protocol": "udp"}, '"tcp" or "rdma"'),
-        ({"side_channel_port": "5700"}, "positive integer"),
+        ({"side_channel_port": "5700"}, r"0 \(any free port\) or a port in 1..65535"),
+        ({"side_channel_port": 65536}, r"0 \(any free port\) or a port in 1..65535"),
+        ({"bootstrap_port": 0}, r"'bootstrap_port'\] = 0; expected a port in 1..65535"),
+        ({"bootstrap_address": "10.0.0.1"}, r"'bootstrap_address'\]: '10.0.0.1' has no port"),
+        ({"bootstrap_address": "tcp://h:1"}, "scheme 'tcp' is not supported"),
         ({"fetch_timeout_s": 0}, "positive number of seconds"),
         ({"backend": "cuda"}, '"auto", "torch" or "triton"'),
     ],
@@ -142,3 +207,21 @@ def test_settings_defaults_and_parsing():
 def test_bad_settings_name_the_key_and_what_it_accepts(extra, message):
     with pytest.raises(ValueError, match=message):
         ConnectorSettings.from_extra_config(extra)
+
+
+def test_bootstrap_settings():
+    defaults = ConnectorSettings()
+    assert (defaults.side_channel_port, defaults.bootstrap_port) == (0, 5690)
+    assert defaults.bootstrap_address is None
+    assert defaults.bootstrap_url() == "http://127.0.0.1:5690"
+    node = ConnectorSettings.from_extra_config(
+        {"side_channel_host": "10.0.0.7", "bootstrap_port": 6000, "side_channel_port": 0}
+    )
+    assert node.bootstrap_url("127.0.0.1") == "http://10.0.0.7:6000"  # DP on this node only
+    # DP ranks across nodes: the service runs at vLLM's --data-parallel-address.
+    assert node.bootstrap_host("10.0.0.1") == "10.0.0.1"
+    assert node.bootstrap_url("10.0.0.1") == "http://10.0.0.1:6000"
+    assert ConnectorSettings(side_channel_host="::1").bootstrap_url() == "http://[::1]:5690"
+    external = ConnectorSettings.from_extra_config({"bootstrap_address": "10.0.0.9:7000"})
+    assert external.bootstrap_address == "http://10.0.0.9:7000"
+    assert external.bootstrap_url("10.0.0.1") == "http://10.0.0.9:7000"

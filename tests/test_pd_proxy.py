@@ -14,7 +14,13 @@ import pytest
 
 from kvxfer.integrations.pd_proxy import decode_body, make_server, prefill_body
 
-PARAMS = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_port": 5700}
+# What a prefill DP rank hands back: the proxy forwards it unchanged (the DP rank included).
+PARAMS = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "prefill-0_dp1",
+    "remote_dp_rank": 1,
+    "remote_bootstrap_addr": "http://10.0.0.1:5690",
+}
 
 
 def _engine(answer):

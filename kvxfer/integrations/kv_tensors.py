@@ -24,6 +24,15 @@ uint8 tensors, whose bytes do not say which format they hold; the format then co
 `EngineGeometry.kv_cache_dtype` (vLLM's `cache_config.cache_dtype`), and a uint8 cache without
 it is refused with an error that names that setting. kvxfer never converts: the format is part
 of the handshake, so that both sides agree on what the bytes mean.
+
+Pipeline parallelism: a stage registers the caches of its own layers only, named by the model's
+layers (vLLM: `model.layers.7.self_attn.attn`). `spec_from_layers` takes each tensor's model-layer
+index (`layer_indices`) and places the stage in *KV-cache-layer space*: a layer's index there is
+its place among the model's layers that hold a KV cache (`EngineGeometry.kv_layers`), which is
+what `KVCacheSpec.layer_start` and `total_layers` count, on every engine alike. For a model whose
+every layer holds a KV cache the two spaces are the same; for one with cache-less layers (no-op
+attention) they differ, and counting in KV-cache-layer space keeps two engines that split the
+model differently in agreement about which cache is which.
 """
 
 from __future__ import annotations
@@ -72,6 +81,13 @@ class EngineGeometry:
             "auto", "fp8", "fp8_e4m3", "fp8_e5m2", ...), or None. Read only for uint8 cache
             tensors, whose fp8 format it names ("fp8" and "fp8_e4m3": float8_e4m3fn;
             "fp8_e5m2": float8_e5m2).
+        pp_size, pp_rank: this rank's pipeline stage (vLLM's `pipeline_parallel_size` and PP
+            group rank); 1 and 0 without pipeline parallelism.
+        kv_layers: the model-layer index of every layer of the whole model (every stage) that
+            holds a KV cache, ascending: a layer's place in it is its index in KV-cache-layer
+            space (the module's docstring). vLLM: every decoder layer except no-op attention
+            layers. Empty: unknown, allowed without pipeline parallelism only (the registered
+            layers are then the whole model).
     """
 
     total_kv_heads: int
@@ -81,6 +97,28 @@ class EngineGeometry:
     tp_rank: int
     mla: bool = False
     kv_cache_dtype: str | None = None
+    pp_size: int = 1
+    pp_rank: int = 0
+    kv_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.pp_size < 1 or not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(
+                f"EngineGeometry: pp_rank {self.pp_rank} of pp_size {self.pp_size}; pass the "
+                "engine's pipeline-parallel size (>= 1) and this rank's stage below it"
+            )
+        if list(self.kv_layers) != sorted(set(self.kv_layers)) or any(
+            i < 0 for i in self.kv_layers
+        ):
+            raise ValueError(
+                f"EngineGeometry.kv_layers: {list(self.kv_layers)[:16]} must be distinct "
+                "non-negative model-layer indices in ascending order"
+            )
+        if self.pp_size > 1 and not self.kv_layers:
+            raise ValueError(
+                f"EngineGeometry.kv_layers: required with pp_size {self.pp_size}; pass the "
+                "model-layer index of every layer of the model that holds a KV cache"
+            )
 
 
 def physical_layer(tensor: torch.Tensor, geometry: EngineGeometry) -> tuple[torch.Tensor, str, str]:
@@ -162,17 +200,30 @@ def _contiguous_or_fail(tensor: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def spec_from_layers(
-    layers: Sequence[torch.Tensor], geometry: EngineGeometry
+    layers: Sequence[torch.Tensor],
+    geometry: EngineGeometry,
+    layer_indices: Sequence[int] | None = None,
 ) -> tuple[KVCacheSpec, list[torch.Tensor]]:
     """The `KVCacheSpec` of one rank and its layer tensors in the spec's shape.
 
     Every layer must share one physical layout, dtype and block count: a rank has one spec.
 
+    Args:
+        layers: the rank's cache tensors, one per layer it holds.
+        geometry: what the engine's configuration says (`EngineGeometry`).
+        layer_indices: the model-layer index of each tensor (vLLM: `extract_layer_index` of
+            the registered names), required with pipeline parallelism. The tensors come back
+            in layer order, and the spec's `layer_start`, `num_layers` and `total_layers`
+            count in KV-cache-layer space (`geometry.kv_layers`). None: the tensors are the
+            whole model's layers, in order.
+
     Raises:
-        ValueError: no layers, mixed layouts or dtypes, or a layout kvxfer cannot read.
+        ValueError: no layers, mixed layouts or dtypes, a layout kvxfer cannot read, or layer
+            indices that are not this stage's KV-cache layers, one each and consecutive.
     """
     if not layers:
         raise ValueError("no KV cache tensors were registered; pass one per attention layer")
+    layers, layer_start, total_layers = _place_layers(layers, geometry, layer_indices)
     views, layouts = [], []
     for tensor in layers:
         view, layout, placement = physical_layer(tensor, geometry)
@@ -198,8 +249,78 @@ def spec_from_layers(
         layout=layout,  # type: ignore[arg-type]
         kv_placement=placement,  # type: ignore[arg-type]
         mla=geometry.mla,
+        pp_size=geometry.pp_size,
+        pp_rank=geometry.pp_rank,
+        layer_start=layer_start,
+        total_layers=total_layers,
     )
     return spec, views
+
+
+def _place_layers(
+    layers: Sequence[torch.Tensor],
+    geometry: EngineGeometry,
+    layer_indices: Sequence[int] | None,
+) -> tuple[list[torch.Tensor], int, int]:
+    """The tensors in layer order, the first one's index in KV-cache-layer space, and the
+    model's KV-cache layers (0 without pipeline parallelism, as `KVCacheSpec` counts)."""
+    stage = f"pipeline stage {geometry.pp_rank} of {geometry.pp_size}"
+    if layer_indices is None:
+        if geometry.pp_size > 1:
+            raise ValueError(
+                f"{stage}: pass each cache tensor's model-layer index (layer_indices) with "
+                "pipeline parallelism, so that the stage's layers are known"
+            )
+        if geometry.kv_layers and len(layers) != len(geometry.kv_layers):
+            raise ValueError(
+                f"{len(layers)} cache tensors registered for a model with "
+                f"{len(geometry.kv_layers)} KV-cache layers (EngineGeometry.kv_layers); "
+                "without pipeline parallelism a rank holds every layer"
+            )
+        return list(layers), 0, 0
+    indices = [int(i) for i in layer_indices]
+    if len(indices) != len(layers):
+        raise ValueError(
+            f"layer_indices: {len(indices)} indices for {len(layers)} cache tensors; pass one "
+            "model-layer index per tensor"
+        )
+    if len(set(indices)) != len(indices):
+        duplicates = sorted({i for i in indices if indices.count(i) > 1})
+        raise ValueError(
+            f"layer_indices: model layers {duplicates} have more than one cache tensor; "
+            "kvxfer needs one tensor per layer (one KV cache group)"
+        )
+    order = sorted(range(len(indices)), key=indices.__getitem__)
+    ordered = [indices[i] for i in order]
+    if not geometry.kv_layers:  # without pipeline parallelism: the whole model, in order
+        return [layers[i] for i in order], 0, 0
+    kv_layers = geometry.kv_layers
+    place = {layer: k for k, layer in enumerate(kv_layers)}
+    unknown = [i for i in ordered if i not in place]
+    if unknown:
+        raise ValueError(
+            f"layer_indices: model layers {unknown[:8]} hold no KV cache according to the "
+            f"model's configuration (EngineGeometry.kv_layers: {len(kv_layers)} layers); "
+            "check the registered layer names"
+        )
+    start = place[ordered[0]]
+    if [place[i] for i in ordered] != list(range(start, start + len(ordered))):
+        missing = [
+            layer for layer in kv_layers[start : place[ordered[-1]] + 1] if layer not in indices
+        ]
+        raise ValueError(
+            f"{stage}: its cache tensors skip model layers {missing[:8]}; a stage holds "
+            "consecutive layers: check the registered layer names"
+        )
+    if geometry.pp_size == 1:
+        if len(ordered) != len(kv_layers):
+            raise ValueError(
+                f"{len(ordered)} cache tensors (model layers {ordered[0]}..{ordered[-1]}) "
+                f"registered for a model with {len(kv_layers)} KV-cache layers; without "
+                "pipeline parallelism a rank holds every layer"
+            )
+        return [layers[i] for i in order], 0, 0
+    return [layers[i] for i in order], start, len(kv_layers)
 
 
 def _dtype_name(dtype: torch.dtype, geometry: EngineGeometry) -> str:

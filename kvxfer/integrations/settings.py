@@ -7,10 +7,13 @@ table, documented in the README and tested without the engine installed.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvxfer.integrations.bootstrap import bootstrap_url
 from kvxfer.plan import STRATEGIES, CostModel
+from kvxfer.rdma import PROTOCOLS, ProtocolChoice, choose_protocol
 
 _COST_PRESETS = {"rdma": CostModel, "tcp_loopback": CostModel.tcp_loopback}
 
@@ -22,8 +25,17 @@ class ConnectorSettings:
     Attributes:
         side_channel_host: address the prefill ranks' side channels and transports bind to, and
             that decode engines are told to reach (default 127.0.0.1: set the node's address).
-        side_channel_port: base port; prefill TP rank `r` listens on `side_channel_port + r`.
-        protocol: Mooncake transport, "tcp" or "rdma".
+        side_channel_port: 0 (default): each prefill worker binds a free port and registers it
+            with the bootstrap service; N: the worker of DP rank `d`, PP rank `p` and TP rank
+            `t` listens on `N + (d * pp_size + p) * tp_size + t` (distinct for every worker of
+            the engine, whatever node each DP rank runs on).
+        bootstrap_port: port of the bootstrap service the prefill engine's DP rank 0 starts
+            (where its workers register their side channels and decode workers find them).
+        bootstrap_address: `host:port` of a bootstrap service run elsewhere: it replaces the
+            built-in one (no prefill process starts a service), and every prefill worker
+            registers there.
+        protocol: Mooncake transport: "auto" (RDMA when this machine has an RDMA device,
+            else TCP; `transport_protocol` says which and why), "tcp" or "rdma".
         strategy: force one strategy for every rank pair ("direct", "pack", "unpack",
             "pack+unpack"); default: the cost model chooses per pair at handshake.
         cost_model: a preset name ("rdma", "tcp_loopback") or a dict of `CostModel` fields.
@@ -33,16 +45,19 @@ class ConnectorSettings:
         fetch_timeout_s: longest time one request's load may take on a decode rank (connecting
             to its prefill engine included); its unfinished blocks are then reported as load
             errors (vLLM recomputes them).
-        handshake_timeout_s: longest wait for a prefill engine's ranks to answer a handshake
-            (a connect runs off the engine's step, on a thread per prefill engine: loads from
-            other prefill engines go on meanwhile).
+        handshake_timeout_s: longest wait for a prefill engine's ranks to answer a handshake,
+            and for its ranks to be registered with its bootstrap service (a look-up and
+            connect runs off the engine's step, a task per prefill engine and DP rank on the
+            worker's thread pool: loads from other prefill engines go on meanwhile).
         staging_bytes, staging_slots: staging pool per remote rank, and chunks in flight.
         backend: pack/unpack backend, "auto", "torch" or "triton".
     """
 
     side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = 5700
-    protocol: str = "tcp"
+    side_channel_port: int = 0
+    bootstrap_port: int = 5690
+    bootstrap_address: str | None = None
+    protocol: str = "auto"
     strategy: str | None = None
     cost_model: CostModel = field(default_factory=CostModel)
     secret: str | None = None
@@ -73,6 +88,37 @@ class ConnectorSettings:
             values[name] = _coerce(name, value, cls())
         return cls(**values)
 
+    def transport_protocol(self, sysfs: str | None = None) -> ProtocolChoice:
+        """The Mooncake protocol these settings run on this machine, and why: `protocol` when
+        "tcp" or "rdma"; for "auto", "rdma" when `sysfs` (default: `/sys/class/infiniband`, or
+        `$KVXFER_INFINIBAND_SYSFS`) lists an RDMA device, else "tcp"."""
+        return choose_protocol(self.protocol, sysfs)
+
+    def bootstrap_host(self, data_parallel_master_ip: str | None = None) -> str:
+        """Where the built-in bootstrap service runs: the engine's DP master address when it is
+        not a loopback address (vLLM's `--data-parallel-address`: DP rank 0's node, when DP
+        ranks span nodes), else `side_channel_host`."""
+        if data_parallel_master_ip and not _is_loopback(data_parallel_master_ip):
+            return data_parallel_master_ip
+        return self.side_channel_host
+
+    def bootstrap_url(self, data_parallel_master_ip: str | None = None) -> str:
+        """The bootstrap service's URL: `bootstrap_address`, else the built-in service's."""
+        if self.bootstrap_address is not None:
+            return self.bootstrap_address
+        host = self.bootstrap_host(data_parallel_master_ip)
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        return f"http://{host}:{self.bootstrap_port}"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
 
 def _coerce(name: str, value: Any, defaults: ConnectorSettings) -> Any:
     def fail(accepts: str) -> ValueError:
@@ -94,13 +140,26 @@ def _coerce(name: str, value: Any, defaults: ConnectorSettings) -> Any:
             raise fail(f"null or one of {list(STRATEGIES)}")
         return value
     if name == "protocol":
-        if value not in ("tcp", "rdma"):
-            raise fail('"tcp" or "rdma"')
+        if value not in PROTOCOLS:
+            raise fail('"auto", "tcp" or "rdma"')
         return value
     if name == "backend":
         if value not in ("auto", "torch", "triton"):
             raise fail('"auto", "torch" or "triton"')
         return value
+    if name in ("side_channel_port", "bootstrap_port"):
+        lowest = 0 if name == "side_channel_port" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= 65535:
+            what = "0 (any free port) or a port" if lowest == 0 else "a port"
+            raise fail(f"{what} in {lowest or 1}..65535")
+        return value
+    if name == "bootstrap_address":
+        if value is None:
+            return None
+        try:
+            return bootstrap_url(value, f"kv_connector_extra_config[{name!r}]")
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
     if name in ("side_channel_host", "secret"):
         if not isinstance(value, str) and not (name == "secret" and value is None):
             raise fail("a string")

@@ -1,17 +1,30 @@
-"""Two vLLM engines on CPU, driven by vLLM's own Scheduler, with kvxfer's connector on both sides.
+"""vLLM engines on CPU, driven by vLLM's own Scheduler, with kvxfer's connector on both sides.
 
 Each engine is a real `Scheduler` (its scheduler-side connector created by vLLM's connector
-factory from the kv-transfer config) plus one process per TP rank standing in for the model
+factory from the kv-transfer config) plus one process per worker standing in for the model
 runner: it builds its worker-side connector through the same factory, allocates its KV tensors
 with vLLM's own allocator (`allocate_kv_cache`, `[blocks, heads, block_size, 2 * head_dim]` views
 in the engine's layout) on CPU and registers them, and per step does what vLLM's model runner
 does around a forward pass (bind metadata, start loads, "compute" KV, wait for saves,
 report finished transfers and load errors). The "model" writes a KV value that is a hash of
 (token, position, layer, plane, head, dim), so any rank can check any cell bit for bit.
+
+With pipeline parallelism (`EngineSpec.pp`), a worker runs per (PP rank, TP rank), numbered
+pp-major as vLLM numbers them; each holds the KV tensors of its stage's layers only (vLLM's
+split, `get_pp_indices`), under those layers' names. Every worker's output is aggregated as
+vLLM's executor does: by a `KVOutputAggregator` that expects a report from each of the
+engine's `pp * tp` workers, where the first stages' outputs carry only their KV connector
+output (`ModelRunnerOutput.with_kv_conn_output_only`) and the output returned is that of the
+last stage's first worker.
+
+With data parallelism, each DP rank is an engine of its own, as vLLM runs one engine core (its
+own Scheduler and workers) per DP rank, configured as vLLM's engine core configures it
+(`data_parallel_index`, the engine id suffixed with `_dp<rank>`): one `Engine` per DP rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import multiprocessing as mp
@@ -62,7 +75,6 @@ MULTIMODAL_MODEL = {
     "vision_feature_select_strategy": "default",
     "torch_dtype": "bfloat16",
 }
-LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 POISON = 0xA5
 
 
@@ -108,10 +120,24 @@ class EngineSpec:
     kv_cache_layout: str  # vLLM's KVCacheLayout: LBNHC (NHD) or LBHNC (HND)
     extra: dict[str, Any] = field(default_factory=dict)
     load_failure_policy: str = "recompute"  # vLLM's default is "fail"
+    dp_rank: int = 0  # this engine's DP rank, of `dp_size`
+    dp_size: int = 1
+    pp: int = 1  # pipeline stages, each with `tp` workers
+
+    @property
+    def engine_id(self) -> str:
+        """The engine id vLLM's engine core gives this DP rank."""
+        return self.name if self.dp_size == 1 else f"{self.name}_dp{self.dp_rank}"
+
+    @property
+    def world_size(self) -> int:
+        """Workers of the engine (vLLM's `world_size` within a DP rank): `pp * tp`."""
+        return self.pp * self.tp
 
 
 def vllm_config(model_dir: str, spec: EngineSpec, rank: int = 0) -> Any:
-    """The VllmConfig of one engine (rank: the worker's rank, as vLLM sets it per worker)."""
+    """The VllmConfig of one engine (rank: the worker's rank, pp-major, as vLLM sets it per
+    worker)."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -134,7 +160,13 @@ def vllm_config(model_dir: str, spec: EngineSpec, rank: int = 0) -> Any:
             max_model_len=1024,
             is_encoder_decoder=False,
         ),
-        parallel_config=ParallelConfig(tensor_parallel_size=spec.tp),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=spec.tp,
+            pipeline_parallel_size=spec.pp,
+            data_parallel_size=spec.dp_size,
+            data_parallel_size_local=spec.dp_size,
+            data_parallel_rank=spec.dp_rank,
+        ),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvxferConnector",
@@ -149,36 +181,67 @@ def vllm_config(model_dir: str, spec: EngineSpec, rank: int = 0) -> Any:
     # What the engine core resolves from the attention backends (resolve_kv_cache_layout).
     config.cache_config.kv_cache_layout = spec.kv_cache_layout
     config.parallel_config.rank = rank
+    if spec.dp_size > 1:
+        # What vLLM's engine core does for each DP rank of a dense model (run_engine_core):
+        # its own engine id, and an engine of its own that remembers its DP index.
+        config.kv_transfer_config.engine_id = spec.engine_id
+        config.parallel_config.data_parallel_rank_local = spec.dp_rank
+        config.parallel_config.data_parallel_index = spec.dp_rank
+        config.parallel_config.reconfigure_for_independent_dp_rank()
     return config
 
 
-def kv_cache_config(spec: EngineSpec, config: Any) -> Any:
-    """One full-attention group holding every layer, planned by vLLM for `num_blocks` blocks."""
+def stage_layers(config: Any, pp_rank: int = 0) -> range:
+    """The model layers of a pipeline stage, as vLLM splits them (`get_pp_indices`); every
+    layer without pipeline parallelism."""
+    from vllm.distributed.utils import get_pp_indices
+
+    total = config.model_config.get_total_num_hidden_layers()
+    start, end = get_pp_indices(total, pp_rank, config.parallel_config.pipeline_parallel_size)
+    return range(start, end)
+
+
+def layer_names(layers: range) -> list[str]:
+    """The attention layers' names, as vLLM's Llama registers them."""
+    return [f"model.layers.{i}.self_attn.attn" for i in layers]
+
+
+def kv_cache_config(spec: EngineSpec, config: Any, pp_rank: int = 0) -> Any:
+    """One full-attention group holding a stage's layers (every layer without pipeline
+    parallelism), planned by vLLM for `num_blocks` blocks. vLLM's scheduler gets the first
+    stage's (`generate_scheduler_kv_cache_config`: the stages differ in layer names only)."""
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
     attention = FullAttentionSpec(
         block_size=spec.block_size,
-        num_kv_heads=max(1, KV_HEADS // spec.tp),
+        num_kv_heads=max(1, config.model_config.get_total_num_kv_heads() // spec.tp),
         head_size=HEAD_DIM,
         dtype=torch.bfloat16,
     )
-    memory = attention.page_size_bytes * spec.num_blocks * len(LAYER_NAMES)
-    groups = [KVCacheGroupSpec(LAYER_NAMES, attention)]
+    names = layer_names(stage_layers(config, pp_rank))
+    memory = attention.page_size_bytes * spec.num_blocks * len(names)
+    groups = [KVCacheGroupSpec(names, attention)]
     return get_kv_cache_config_from_groups(config, groups, memory)
 
 
-def rank_heads(tp: int, rank: int) -> list[int]:
-    """Global KV heads of a rank (vLLM shards KV heads evenly; the model has >= tp heads)."""
-    per = KV_HEADS // tp
+def rank_heads(tp: int, rank: int, kv_heads: int = KV_HEADS) -> list[int]:
+    """Global KV heads of a TP rank (vLLM shards KV heads evenly, or replicates each over
+    `tp // kv_heads` ranks when there are fewer heads than ranks)."""
+    if kv_heads < tp:
+        return [rank // (tp // kv_heads)]
+    per = kv_heads // tp
     return list(range(rank * per, (rank + 1) * per))
 
 
-def expected_kv(token_ids: list[int], positions: range, heads: list[int]) -> torch.Tensor:
-    """The stand-in model's KV bits: `[layers, 2, tokens, heads, head_dim]` as int16."""
+def expected_kv(
+    token_ids: list[int], positions: range, heads: list[int], layers: range = range(LAYERS)
+) -> torch.Tensor:
+    """The stand-in model's KV bits of some model layers: `[layers, 2, tokens, heads,
+    head_dim]` as int16."""
     tok = np.asarray([token_ids[p] for p in positions], dtype=np.uint64)[None, None, :, None, None]
     pos = np.asarray(list(positions), dtype=np.uint64)[None, None, :, None, None]
-    layer = np.arange(LAYERS, dtype=np.uint64)[:, None, None, None, None]
+    layer = np.asarray(list(layers), dtype=np.uint64)[:, None, None, None, None]
     plane = np.arange(2, dtype=np.uint64)[None, :, None, None, None]
     head = np.asarray(heads, dtype=np.uint64)[None, None, None, :, None]
     dim = np.arange(HEAD_DIM, dtype=np.uint64)[None, None, None, None, :]
@@ -189,13 +252,13 @@ def expected_kv(token_ids: list[int], positions: range, heads: list[int]) -> tor
     return torch.from_numpy(bits.copy())
 
 
-def allocate_caches(spec: EngineSpec, config: Any) -> dict[str, torch.Tensor]:
-    """The layer tensors exactly as vLLM's model runner allocates and registers them
+def allocate_caches(spec: EngineSpec, config: Any, pp_rank: int = 0) -> dict[str, torch.Tensor]:
+    """A stage's layer tensors exactly as vLLM's model runner allocates and registers them
     (`[blocks, heads, block_size, 2 * head_dim]` views in the resolved layout), poisoned."""
     from vllm.v1.worker.utils import allocate_kv_cache
 
     caches = allocate_kv_cache(
-        kv_cache_config(spec, config),
+        kv_cache_config(spec, config, pp_rank),
         torch.device("cpu"),
         config.cache_config.get_resolved_kv_cache_layout(),
     )
@@ -210,11 +273,28 @@ def _cells(cache: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor, plane
     return cache.view(torch.int16)[blocks, :, slots, plane * HEAD_DIM : (plane + 1) * HEAD_DIM]
 
 
-def write_kv(caches, spec, rank, token_ids, block_ids, start, end) -> None:
-    """The stand-in forward pass: write KV of positions `[start, end)`."""
+@dataclass(frozen=True)
+class Worker:
+    """What one worker holds: its place, its KV heads and its stage's model layers."""
+
+    rank: int  # in the engine, pp-major: pp_rank * tp + tp_rank
+    pp_rank: int
+    tp_rank: int
+    heads: list[int]
+    layers: range
+
+    @classmethod
+    def of(cls, spec: EngineSpec, config: Any, rank: int) -> Worker:
+        pp_rank, tp_rank = divmod(rank, spec.tp)
+        heads = rank_heads(spec.tp, tp_rank, config.model_config.get_total_num_kv_heads())
+        return cls(rank, pp_rank, tp_rank, heads, stage_layers(config, pp_rank))
+
+
+def write_kv(caches, spec, worker: Worker, token_ids, block_ids, start, end) -> None:
+    """The stand-in forward pass of one worker: write its KV of positions `[start, end)`."""
     if end <= start:
         return
-    values = expected_kv(token_ids, range(start, end), rank_heads(spec.tp, rank))
+    values = expected_kv(token_ids, range(start, end), worker.heads, worker.layers)
     positions = torch.arange(start, end)
     ids = torch.as_tensor(block_ids, dtype=torch.int64)
     blocks, slots = ids[positions // spec.block_size], positions % spec.block_size
@@ -224,9 +304,10 @@ def write_kv(caches, spec, rank, token_ids, block_ids, start, end) -> None:
             cache.view(torch.int16)[blocks, :, slots, dims] = values[layer, plane]
 
 
-def mismatched_tokens(caches, spec, rank, token_ids, block_ids, num_tokens) -> list[int]:
-    """Positions in `[0, num_tokens)` whose cells differ from the model's bits on this rank."""
-    expected = expected_kv(token_ids, range(num_tokens), rank_heads(spec.tp, rank))
+def mismatched_tokens(caches, spec, worker: Worker, token_ids, block_ids, num_tokens) -> list[int]:
+    """Positions in `[0, num_tokens)` whose cells differ from the model's bits on a worker
+    (every layer and head it holds)."""
+    expected = expected_kv(token_ids, range(num_tokens), worker.heads, worker.layers)
     positions = torch.arange(num_tokens)
     ids = torch.as_tensor(block_ids, dtype=torch.int64)
     blocks, slots = ids[positions // spec.block_size], positions % spec.block_size
@@ -239,9 +320,10 @@ def mismatched_tokens(caches, spec, rank, token_ids, block_ids, num_tokens) -> l
 
 
 def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int, hold: bool) -> None:
-    """One TP rank's model-runner stand-in; answers the driver's commands until "close".
-    With `hold`, it imports vLLM and then waits for "start" before creating its connector (a
-    standby that comes up at once, e.g. to restart an engine)."""
+    """One worker's model-runner stand-in (`rank`: pp-major, `pp_rank * tp + tp_rank`);
+    answers the driver's commands until "close". With `hold`, it imports vLLM and then waits
+    for "start" before creating its connector (a standby that comes up at once, e.g. to
+    restart an engine)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -249,15 +331,16 @@ def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int, hold: bo
     logs.setFormatter(logging.Formatter(f"%(asctime)s {spec.name}[{rank}] %(name)s: %(message)s"))
     logging.getLogger("kvxfer").addHandler(logs)
     config = vllm_config(model_dir, spec, rank)
+    worker = Worker.of(spec, config, rank)
     if hold and conn.recv()[0] != "start":
         conn.send(("closed", rank))
         return
     connector = KVConnectorFactory.create_connector(
-        config, KVConnectorRole.WORKER, kv_cache_config(spec, config)
+        config, KVConnectorRole.WORKER, kv_cache_config(spec, config, worker.pp_rank)
     )
-    registered = allocate_caches(spec, config)
+    registered = allocate_caches(spec, config, worker.pp_rank)
     connector.register_kv_caches(registered)
-    caches = [registered[name] for name in LAYER_NAMES]
+    caches = [registered[name] for name in layer_names(worker.layers)]
     conn.send(("ready", rank))
     while True:
         command, *args = conn.recv()
@@ -270,7 +353,7 @@ def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int, hold: bo
             connector.bind_connector_metadata(metadata)
             connector.start_load_kv(None)
             for token_ids, block_ids, start, end in compute:
-                write_kv(caches, spec, rank, token_ids, block_ids, start, end)
+                write_kv(caches, spec, worker, token_ids, block_ids, start, end)
             connector.wait_for_save()
             sending, recving = connector.get_finished(set(finished_ids))
             invalid = connector.get_block_ids_with_load_errors()
@@ -278,39 +361,33 @@ def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int, hold: bo
             connector.clear_connector_metadata()
             conn.send((sending, recving, invalid, None if stats is None else stats.data))
         elif command == "check":
-            conn.send(mismatched_tokens(caches, spec, rank, *args))
+            conn.send(mismatched_tokens(caches, spec, worker, *args))
 
 
 class Engine:
-    """A scheduler in this process and one worker process per TP rank."""
+    """A scheduler in this process and one worker process per (PP rank, TP rank).
+
+    A producer's scheduler (DP rank 0) runs the engine's bootstrap service: unless the spec
+    names `bootstrap_port` or `bootstrap_address`, it gets a free port, so engines of tests that
+    run at once never collide. A standby engine (`hold=True`) creates its scheduler at `start`,
+    as a restarted engine process would; `kill` takes the scheduler down with the workers.
+    """
 
     def __init__(self, model_dir: str, spec: EngineSpec, hold: bool = False) -> None:
-        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.structured_output import StructuredOutputManager
-
-        self.spec = spec
-        config = vllm_config(model_dir, spec)
-        self.scheduler = Scheduler(
-            vllm_config=config,
-            kv_cache_config=kv_cache_config(spec, config),
-            structured_output_manager=StructuredOutputManager(config),
-            block_size=spec.block_size,
-            log_stats=True,
-        )
-        # Block hashes for prefix caching, as vLLM's EngineCore gives every request.
-        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
-        self.block_hasher = get_request_block_hasher(
-            spec.block_size, hash_fn, config.num_hash_lookahead_tokens
-        )
-        self.free_blocks_at_start = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-        self.aggregator = KVOutputAggregator(spec.tp)
+        producer = spec.role in ("kv_producer", "kv_both")
+        if producer and not {"bootstrap_port", "bootstrap_address"} & set(spec.extra):
+            spec = dataclasses.replace(
+                spec, extra={**spec.extra, "bootstrap_port": free_port_base(1)}
+            )
+        self.spec, self.model_dir = spec, model_dir
+        self.scheduler: Any = None
+        self.aggregator: Any = None
+        self._scheduler_down = False
+        if not hold:
+            self._start_scheduler()
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
-        for rank in range(spec.tp):
+        for rank in range(spec.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=worker_main, args=(child, model_dir, spec, rank, hold), daemon=True
@@ -323,14 +400,55 @@ class Engine:
         self.invalid_block_ids: list[set[int]] = []
         self.stats: list[dict[str, Any]] = []
         self.last_scheduled: dict[str, int] = {}
+        # Every worker's own reports, and the step in which vLLM's aggregation let each
+        # request through: ("sending" | "recving", request id) -> [(step, worker rank)], and
+        # -> step.
+        self.steps = 0
+        self.worker_reports: dict[tuple[str, str], list[tuple[int, int]]] = {}
+        self.aggregated_at: dict[tuple[str, str], int] = {}
+
+    def _start_scheduler(self) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        spec = self.spec
+        config = vllm_config(self.model_dir, spec)
+        self.scheduler = Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_cache_config(spec, config),
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=spec.block_size,
+            log_stats=True,
+        )
+        # As vLLM's executor: the connector's finished count, else one report per worker.
+        self.aggregator = KVOutputAggregator.from_connector(
+            self.scheduler.get_kv_connector(), config.parallel_config.world_size
+        )
+        # Block hashes for prefix caching, as vLLM's EngineCore gives every request.
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(
+            spec.block_size, hash_fn, config.num_hash_lookahead_tokens
+        )
+        self.free_blocks_at_start = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
     def start(self) -> None:
-        """Let a standby engine's workers (`hold=True`) create their connectors."""
+        """Let a standby engine (`hold=True`) create its scheduler and its workers their
+        connectors."""
+        if self.scheduler is None:
+            self._start_scheduler()
         for conn in self.conns:
             conn.send(("start",))
 
     def kill(self) -> None:
-        """SIGKILL every worker (a crash: no connector shutdown) and reap them."""
+        """SIGKILL every worker (a crash: no connector shutdown) and reap them; the scheduler
+        (and the bootstrap service it may run) goes down with them."""
+        if self.scheduler is not None and not self._scheduler_down:
+            self.scheduler.shutdown()
+            self._scheduler_down = True
         for proc in self.procs:
             proc.kill()
         for proc in self.procs:
@@ -388,14 +506,25 @@ class Engine:
             conn.send(("step", out.kv_connector_metadata, set(out.finished_req_ids), compute))
         req_ids = list(sampled)
         outputs = []
-        for conn in self.conns:
+        self.steps += 1
+        last_stage = self.spec.world_size - self.spec.tp  # its first worker's output is returned
+        for rank, conn in enumerate(self.conns):
             sending, recving, invalid, stats = conn.recv()
+            for kind, ids in (("sending", sending), ("recving", recving)):
+                for request_id in ids or ():
+                    reports = self.worker_reports.setdefault((kind, request_id), [])
+                    reports.append((self.steps, rank))
             kv = KVConnectorOutput(
                 finished_sending=sending,
                 finished_recving=recving,
                 invalid_block_ids=invalid,
                 kv_connector_stats=None if stats is None else _stats(stats),
             )
+            if rank < last_stage:
+                # A first stage's worker: its step returns only its KV connector output
+                # (vLLM's GPUModelRunner.sample_tokens, "PP with kv transfer").
+                outputs.append(ModelRunnerOutput.with_kv_conn_output_only(kv))
+                continue
             outputs.append(
                 ModelRunnerOutput(
                     req_ids=req_ids,
@@ -404,9 +533,15 @@ class Engine:
                     kv_connector_output=kv,
                 )
             )
-        merged = self.aggregator.aggregate(outputs)
+        merged = self.aggregator.aggregate(outputs, output_rank=last_stage)
         kv_out = merged.kv_connector_output
         if kv_out is not None:
+            for kind, ids in (
+                ("sending", kv_out.finished_sending),
+                ("recving", kv_out.finished_recving),
+            ):
+                for request_id in ids or ():
+                    self.aggregated_at[kind, request_id] = self.steps
             self.finished_recving |= kv_out.finished_recving or set()
             self.finished_sending |= kv_out.finished_sending or set()
             if kv_out.invalid_block_ids:
@@ -417,7 +552,8 @@ class Engine:
         return [o for group in engine_outputs.values() for o in group.outputs]
 
     def check(self, token_ids: list[int], block_ids: list[int], num_tokens: int) -> list[list]:
-        """Every rank's mismatching positions for a request's first `num_tokens` tokens."""
+        """Every worker's mismatching positions for a request's first `num_tokens` tokens, by
+        worker rank (pp-major)."""
         for conn in self.conns:
             conn.send(("check", token_ids, block_ids, num_tokens))
         return [conn.recv() for conn in self.conns]
@@ -427,7 +563,7 @@ class Engine:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
     def close(self) -> None:
-        """Shut every worker's connector down and join the processes."""
+        """Shut every worker's connector down and join the processes; then the scheduler's."""
         for conn in self.conns:
             try:
                 conn.send(("close",))
@@ -439,6 +575,9 @@ class Engine:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
+        if self.scheduler is not None and not self._scheduler_down:
+            self.scheduler.shutdown()
+            self._scheduler_down = True
 
 
 def _stats(data: dict[str, Any]) -> Any:

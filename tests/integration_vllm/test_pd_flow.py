@@ -131,6 +131,9 @@ def test_pd_flow_moves_kv_bit_exact_and_frees_blocks(engines):
         assert p["remote_engine_id"] == "prefill-engine"
         assert p["remote_request_id"] == request_id
         assert (p["remote_host"], p["remote_port"]) == ("127.0.0.1", port)
+        bootstrap = prefill.spec.extra["bootstrap_port"]
+        assert p["remote_bootstrap_addr"] == f"http://127.0.0.1:{bootstrap}"
+        assert p["remote_dp_rank"] == 0
         assert p["tp_size"] == PREFILL_TP
         assert p["remote_num_tokens"] == len(prompt)
         assert len(p["remote_block_ids"]) == -(-len(prompt) // 16)
@@ -407,7 +410,7 @@ def test_restarted_prefill_engine_is_found_again(engines):
     _round_trip(cluster.prefill, decode, "req-before-restart", _prompt(140, 50))
 
     # A crash; the engine comes back on other ports: the decode engine's next load connects
-    # to them (the kv_transfer_params name them).
+    # to them (the kv_transfer_params name the engine's bootstrap service, which names them).
     cluster.prefill.kill()
     moved.start()
     moved.wait_ready()

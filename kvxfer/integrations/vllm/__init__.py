@@ -13,18 +13,25 @@ P/D flow (the conventions of vLLM's own P/D connectors):
    {"do_remote_decode": true}` and `max_tokens = 1`.
 2. When it finishes, `request_finished` keeps its blocks (delayed free) and returns the
    parameters the decode engine needs: `do_remote_prefill`, `remote_engine_id`,
-   `remote_request_id`, `remote_host`, `remote_port`, `remote_block_ids`, `remote_num_tokens`,
-   `tp_size`. The next step's metadata tells every prefill worker to publish the request on
-   its `KVProducer`.
+   `remote_request_id`, `remote_bootstrap_addr`, `remote_dp_rank`, `remote_host`,
+   `remote_block_ids`, `remote_num_tokens`, `tp_size`, `pp_size` (and `remote_port` with fixed
+   ports).
+   The next step's metadata tells every prefill worker to publish the request on its
+   `KVProducer`. Every prefill worker registered its side channel with the engine's bootstrap
+   service (`kvxfer.integrations.bootstrap`, started by the scheduler of DP rank 0).
 3. The proxy sends the request to the decode engine with those parameters. Its scheduler
    reports the prompt as externally computed and loaded asynchronously; every decode worker
-   fetches its heads with a `KVConsumer` (one per remote engine, connected to every prefill
-   rank at `remote_port + rank` on first use, off the engine's step, strategies planned per
-   rank pair then; connected again when a load names other addresses: a restarted engine).
+   fetches its heads of its stage's layers with a `KVConsumer` (one per remote engine and DP
+   rank, connected on first use to every worker of that DP rank, every pipeline stage's, found
+   through the bootstrap service, off the engine's
+   step, strategies planned per rank pair then; looked up and connected again when a prefill
+   rank died or a load failed: a restarted engine).
 4. A finished fetch is reported through `get_finished`; blocks that failed come back through
-   `get_block_ids_with_load_errors`, so vLLM recomputes exactly them. Once every decode rank
-   reported done (or `request_timeout_s` passed), each prefill worker reports the request as
-   finished sending and vLLM frees its blocks.
+   `get_block_ids_with_load_errors`, so vLLM recomputes exactly them. Once every decode worker
+   (every TP rank of every stage) reported done (or `request_timeout_s` passed), each prefill
+   worker reports the request as finished sending, and vLLM frees its blocks once every worker
+   of the prefill engine did (its `KVOutputAggregator` counts `world_size` reports; the same
+   on the decode side for finished loads).
 5. A decode request that vLLM finishes before its KV was loaded (aborted while waiting or
    loading, or a full local prefix hit) is aborted on the prefill engine through the next
    step's metadata (`KVConsumer.abort`), which frees its blocks at once, as vLLM's NIXL

@@ -15,11 +15,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvxfer.integrations.settings import ConnectorSettings
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata
 from kvxfer.integrations.vllm.scheduler import SchedulerSide
-from kvxfer.integrations.vllm.stats import KvxferConnectorStats
+from kvxfer.integrations.vllm.stats import KvxferConnectorStats, KvxferPromMetrics
 from kvxfer.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -48,7 +49,9 @@ class KvxferConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(vllm_config, settings, engine_id)
+            self._scheduler = SchedulerSide(
+                vllm_config, settings, engine_id, produces=bool(transfer.is_kv_producer)
+            )
         else:
             self._worker = WorkerSide(
                 vllm_config,
@@ -70,6 +73,17 @@ class KvxferConnector(KVConnectorBase_V1):
     ) -> KvxferConnectorStats | None:
         """Rebuild worker stats on the logging side."""
         return KvxferConnectorStats(data=dict(data)) if data is not None else None
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvxferPromMetrics:
+        """kvxfer's counters and histograms on vLLM's Prometheus endpoint (`KvxferPromMetrics`)."""
+        return KvxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- scheduler side ----
 
@@ -140,9 +154,12 @@ class KvxferConnector(KVConnectorBase_V1):
         return None if self._worker is None else self._worker.take_stats()
 
     def shutdown(self) -> None:
-        """Close the worker's producer and consumers; nothing to do on the scheduler."""
+        """Close the worker's producer and consumers (unregistering from the bootstrap
+        service first); stop the scheduler's bootstrap service, if it runs one."""
         if self._worker is not None:
             self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     def _scheduler_side(self) -> SchedulerSide:
         if self._scheduler is None:

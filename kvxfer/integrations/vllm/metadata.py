@@ -1,19 +1,88 @@
-"""What the scheduler side tells the worker side each step (vLLM's connector metadata)."""
+"""What the scheduler side tells the worker side each step (vLLM's connector metadata), and where
+a decode request's KV lies (`RemoteEngine`, read from its `kv_transfer_params`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
-if TYPE_CHECKING:
-    pass
+from kvxfer.integrations.bootstrap import bootstrap_url
+
+# ---- where a request's KV lies -----------------------------------------------------------------
 
 
-_REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size")
+@dataclass(frozen=True)
+class RemoteEngine:
+    """One DP rank of a prefill engine, as a request's `kv_transfer_params` name it.
+
+    Its workers are found through the bootstrap service at `bootstrap_addr` (the prefill
+    engine's parameters always name one), or, for parameters without it, at fixed ports: the
+    worker of PP rank `p` and TP rank `t` at `host:port + p * tp_size + t` (`pp_size` 1 when
+    the parameters do not say).
+    """
+
+    engine_id: str
+    dp_rank: int = 0
+    bootstrap_addr: str | None = None
+    host: str | None = None
+    port: int | None = None
+    tp_size: int | None = None
+    pp_size: int = 1
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> RemoteEngine:
+        """Read `remote_engine_id`, `remote_dp_rank`, `remote_bootstrap_addr` (or, without it,
+        `remote_host`, `remote_port`, `tp_size` and `pp_size`, 1 if absent).
+
+        Raises:
+            ValueError: a key missing or of the wrong type, naming it.
+        """
+        engine_id = params.get("remote_engine_id")
+        if not isinstance(engine_id, str) or not engine_id:
+            raise ValueError(f"remote_engine_id {engine_id!r} is not an engine id")
+        dp_rank = _count(params, "remote_dp_rank", 0, lowest=0) or 0
+        tp_size = _count(params, "tp_size", None, lowest=1)
+        bootstrap = params.get("remote_bootstrap_addr")
+        if bootstrap is not None:
+            return cls(engine_id, dp_rank, bootstrap_url(bootstrap, "remote_bootstrap_addr"))
+        host, port = params.get("remote_host"), _count(params, "remote_port", None, lowest=1)
+        if not isinstance(host, str) or not host or port is None or tp_size is None:
+            raise ValueError(
+                "neither remote_bootstrap_addr nor all of remote_host, remote_port and tp_size"
+            )
+        pp_size = _count(params, "pp_size", 1, lowest=1) or 1
+        if port + pp_size * tp_size - 1 > 65535:
+            raise ValueError(
+                f"remote_port {port} + {pp_size * tp_size} workers (pp_size x tp_size) runs past "
+                "port 65535"
+            )
+        return cls(engine_id, dp_rank, None, host, port, tp_size, pp_size)
+
+    def fixed_addresses(self) -> tuple[str, ...]:
+        """The side channels of its workers at fixed ports, pp-major (PP rank `p`, TP rank `t`
+        at `port + p * tp_size + t`): every stage's, for the consumer to connect to."""
+        assert self.host is not None and self.port is not None and self.tp_size is not None
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return tuple(
+            f"tcp://{host}:{self.port + rank}" for rank in range(self.pp_size * self.tp_size)
+        )
+
+    def __str__(self) -> str:
+        where = self.bootstrap_addr or f"{self.host}:{self.port}"
+        return f"{self.engine_id} (DP rank {self.dp_rank}, {where})"
+
+
+def _count(params: dict[str, Any], key: str, default: int | None, *, lowest: int) -> int | None:
+    value = params.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+        raise ValueError(f"{key} {value!r} is not an integer >= {lowest}")
+    return value
 
 
 # ---- scheduler -> worker metadata -------------------------------------------------------------
@@ -25,10 +94,7 @@ class LoadSpec:
 
     request_id: str
     remote_request_id: str
-    remote_engine_id: str
-    remote_host: str
-    remote_port: int
-    remote_tp_size: int
+    remote: RemoteEngine
     block_ids: list[int]
     num_tokens: int
     start_token: int
@@ -51,10 +117,7 @@ class AbortSpec:
 
     request_id: str
     remote_request_id: str
-    remote_engine_id: str
-    remote_host: str
-    remote_port: int
-    remote_tp_size: int
+    remote: RemoteEngine
 
 
 @dataclass

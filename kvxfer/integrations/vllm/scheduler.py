@@ -1,17 +1,19 @@
-"""The scheduler side of `KvxferConnector`: which requests load or send KV, and the metadata
-that tells the workers."""
+"""The scheduler side of `KvxferConnector`: which requests load or send KV, the metadata that
+tells the workers, and (a prefill engine's DP rank 0) the bootstrap service."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
+from kvxfer.integrations.bootstrap import BootstrapServer
 from kvxfer.integrations.settings import ConnectorSettings
 from kvxfer.integrations.vllm.metadata import (
-    _REMOTE_KEYS,
     AbortSpec,
     KvxferConnectorMetadata,
     LoadSpec,
+    RemoteEngine,
     SendSpec,
 )
 
@@ -25,12 +27,44 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerSide:
-    """Turns requests' `kv_transfer_params` into loads (decode) and sends (prefill)."""
+    """Turns requests' `kv_transfer_params` into loads (decode) and sends (prefill).
 
-    def __init__(self, vllm_config: VllmConfig, settings: ConnectorSettings, engine_id: str):
+    On a prefill engine (`produces`), the scheduler of DP rank 0 starts the bootstrap service
+    where every worker of every DP rank registers its side channel, unless `bootstrap_address`
+    names one run elsewhere. A finished prefill's parameters name the service and this
+    scheduler's DP rank, so decode workers find exactly this DP rank's workers.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        settings: ConnectorSettings,
+        engine_id: str,
+        *,
+        produces: bool = False,
+    ):
         self._settings = settings
         self._engine_id = engine_id
-        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        parallel = vllm_config.parallel_config
+        self._tp_size = parallel.tensor_parallel_size
+        self._pp_size = parallel.pipeline_parallel_size
+        self._dp_rank = data_parallel_rank(vllm_config)
+        master_ip = parallel.data_parallel_master_ip
+        self._bootstrap_url = settings.bootstrap_url(master_ip)
+        self._bootstrap: BootstrapServer | None = None
+        if produces and settings.bootstrap_address is None and self._dp_rank == 0:
+            host = settings.bootstrap_host(master_ip)
+            self._bootstrap = BootstrapServer(
+                host.strip("[]"), settings.bootstrap_port, secret=settings.secret
+            ).start()
+        # With fixed side-channel ports, this DP rank's first worker (PP rank 0, TP rank 0)
+        # listens here, and its others after it, pp-major (decode engines given parameters
+        # without a bootstrap address connect to `remote_port + p * tp_size + t`).
+        self._first_port = (
+            settings.side_channel_port + self._dp_rank * self._pp_size * self._tp_size
+            if settings.side_channel_port
+            else None
+        )
         self._loads: list[LoadSpec] = []
         self._sends: list[SendSpec] = []
         self._aborts: list[AbortSpec] = []
@@ -42,13 +76,14 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
-        missing = [key for key in _REMOTE_KEYS if params.get(key) is None]
-        if missing:
+        try:
+            _abort_spec(request.request_id, params)
+        except ValueError as exc:
             # A malformed request must not take the engine down: it is prefilled here instead.
             log.warning(
-                "request %s: kv_transfer_params lack %s; computing its prompt locally",
+                "request %s: kv_transfer_params are unusable (%s); computing its prompt locally",
                 request.request_id,
-                missing,
+                exc,
             )
             params["do_remote_prefill"] = False
             return 0, False
@@ -72,11 +107,8 @@ class SchedulerSide:
         self._loads.append(
             LoadSpec(
                 request_id=request.request_id,
-                remote_request_id=str(params["remote_request_id"]),
-                remote_engine_id=str(params["remote_engine_id"]),
-                remote_host=str(params["remote_host"]),
-                remote_port=int(params["remote_port"]),
-                remote_tp_size=int(params["tp_size"]),
+                remote_request_id=remote.remote_request_id,
+                remote=remote.remote,
                 block_ids=[int(b) for b in blocks.get_block_ids()[0]],
                 num_tokens=num_tokens,
                 start_token=num_tokens - num_external_tokens,
@@ -113,17 +145,28 @@ class SchedulerSide:
             return False, None  # aborted or empty: nothing to hand over, free now
         num_tokens = request.num_computed_tokens
         self._sends.append(SendSpec(request.request_id, [int(b) for b in block_ids], num_tokens))
-        return True, {
+        handed = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self._engine_id,
             "remote_request_id": request.request_id,
+            "remote_bootstrap_addr": self._bootstrap_url,
+            "remote_dp_rank": self._dp_rank,
             "remote_host": self._settings.side_channel_host,
-            "remote_port": self._settings.side_channel_port,
             "remote_block_ids": [int(b) for b in block_ids],
             "remote_num_tokens": num_tokens,
             "tp_size": self._tp_size,
+            "pp_size": self._pp_size,
         }
+        if self._first_port is not None:
+            handed["remote_port"] = self._first_port
+        return True, handed
+
+    def close(self) -> None:
+        """Stop the bootstrap service, if this scheduler runs it."""
+        if self._bootstrap is not None:
+            self._bootstrap.close()
+            self._bootstrap = None
 
     def _abort_if_not_loaded(self, request: Request, params: dict[str, Any]) -> None:
         """Decode side: a request finished before its KV was loaded (as vLLM's NIXL connector
@@ -133,22 +176,29 @@ class SchedulerSide:
         if remote is None and params.get("do_remote_prefill"):
             # Finished before its blocks were allocated (aborted while waiting).
             params["do_remote_prefill"] = False
-            if all(params.get(key) is not None for key in _REMOTE_KEYS):
+            with contextlib.suppress(ValueError):  # unusable parameters: nothing to tell
                 remote = _abort_spec(request.request_id, params)
         if remote is not None:
             self._aborts.append(remote)
 
 
 def _abort_spec(request_id: str, params: dict[str, Any]) -> AbortSpec:
-    """Where a decode request's KV comes from, as an abort order."""
-    return AbortSpec(
-        request_id=request_id,
-        remote_request_id=str(params["remote_request_id"]),
-        remote_engine_id=str(params["remote_engine_id"]),
-        remote_host=str(params["remote_host"]),
-        remote_port=int(params["remote_port"]),
-        remote_tp_size=int(params["tp_size"]),
-    )
+    """Where a decode request's KV lies, read from its parameters, as an abort order.
+
+    Raises:
+        ValueError: a key missing or malformed, naming it.
+    """
+    remote_request_id = params.get("remote_request_id")
+    if not isinstance(remote_request_id, str) or not remote_request_id:
+        raise ValueError(f"remote_request_id {remote_request_id!r} is not a request id")
+    return AbortSpec(request_id, remote_request_id, RemoteEngine.from_params(params))
+
+
+def data_parallel_rank(vllm_config: VllmConfig) -> int:
+    """This engine's DP rank: vLLM's `data_parallel_index` (kept when vLLM runs each DP rank
+    of a dense model as an engine of its own, with `data_parallel_rank` reset to 0)."""
+    parallel = vllm_config.parallel_config
+    return int(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank))
 
 
 def _remote_tokens(request: Request) -> int:

@@ -1,21 +1,31 @@
-"""The worker side of `KvxferConnector`: one `KVProducer` per prefill worker, `KVConsumer`s per
-remote engine on decode workers, fetches off the engine's step."""
+"""The worker side of `KvxferConnector`: one `KVProducer` per prefill worker, registered with
+the engine's bootstrap service; `KVConsumer`s per remote engine (one DP rank of a prefill
+engine) on decode workers, found through that service; fetches off the engine's step."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 
 from kvxfer.connector import FetchHandle, KVConsumer, KVProducer, TransferResult
+from kvxfer.integrations.bootstrap import BootstrapClient, Registration, new_worker_info
 from kvxfer.integrations.kv_tensors import EngineGeometry, spec_from_layers
 from kvxfer.integrations.settings import ConnectorSettings
-from kvxfer.integrations.vllm.metadata import AbortSpec, KvxferConnectorMetadata, LoadSpec
+from kvxfer.integrations.vllm.metadata import (
+    AbortSpec,
+    KvxferConnectorMetadata,
+    LoadSpec,
+    RemoteEngine,
+)
+from kvxfer.integrations.vllm.scheduler import data_parallel_rank
 from kvxfer.integrations.vllm.stats import KvxferConnectorStats
 from kvxfer.plan.layout import blocks_of_tokens
 from kvxfer.spec import KVCacheSpec
@@ -26,13 +36,34 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_BACKGROUND_THREADS = 32  # connects in flight at once (one per remote engine), and registering
+_Fingerprint = tuple[tuple[str, str], ...]  # (address, generation) per rank, from the service
+
+
+@dataclass(frozen=True)
+class _Route:
+    """How a remote engine's ranks are found: through a bootstrap service (the prefill engine's
+    parameters name one), or at fixed addresses (parameters that name none)."""
+
+    bootstrap: str | None
+    addresses: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, remote: RemoteEngine) -> _Route:
+        if remote.bootstrap_addr is not None:
+            return cls(remote.bootstrap_addr)
+        return cls(None, remote.fixed_addresses())
+
+    def __str__(self) -> str:
+        return self.bootstrap or ", ".join(self.addresses)
+
 
 @dataclass
 class _Load:
     """A load on this decode rank: waiting for its prefill engine's connect, then a fetch."""
 
     spec: LoadSpec
-    addresses: tuple[str, ...]
+    route: _Route
     deadline: float  # `fetch_timeout_s` after vLLM ordered it, connect included
     handle: FetchHandle | None = None
     result: TransferResult | None = None  # set when it ended without a fetch
@@ -41,34 +72,63 @@ class _Load:
 
 @dataclass
 class _Remote:
-    """A prefill engine this rank loads from. Only the engine's thread touches it; its
-    `KVConsumer` is created and connected on a thread of its own (see `WorkerSide`)."""
+    """One DP rank of a prefill engine this rank loads from. Only the engine's thread touches
+    it; its `KVConsumer` is created, its ranks looked up and connected on the worker's thread
+    pool (see `WorkerSide`)."""
 
     engine_id: str
+    dp_rank: int
     consumer: KVConsumer | None = None
     connected: tuple[str, ...] | None = None  # the addresses `consumer` is connected to
+    route: _Route | None = None  # how `connected` was found
+    fingerprint: _Fingerprint | None = None  # the registrations `connected` came from
+    stale: bool = False  # a load failed since: look the engine up again before the next
     seen_at: tuple[str, ...] = ()  # where the engine was last connected (to retire it)
-    connecting: tuple[str, ...] | None = None  # a connect in flight, to these addresses
+    connecting: _Route | None = None  # a connect in flight, along this route
     waiting: list[_Load] = field(default_factory=list)  # loads waiting for a connect
-    aborts: list[tuple[tuple[str, ...], str]] = field(default_factory=list)  # same, aborts
+    aborts: list[tuple[_Route, str]] = field(default_factory=list)  # same, aborts
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.engine_id, self.dp_rank
+
+    def __str__(self) -> str:
+        return f"{self.engine_id} (DP rank {self.dp_rank})"
 
 
-_Connected = tuple[_Remote, tuple[str, ...], KVConsumer | None, Exception | None]
+@dataclass
+class _Connected:
+    """A connect's outcome, handed from the pool to the engine's thread."""
+
+    remote: _Remote
+    route: _Route
+    addresses: tuple[str, ...]
+    fingerprint: _Fingerprint | None
+    consumer: KVConsumer | None
+    error: Exception | None
 
 
 class WorkerSide:
-    """One TP rank: a `KVProducer` (prefill) and a `KVConsumer` per remote engine (decode).
+    """One worker (a TP rank of a pipeline stage): a `KVProducer` (prefill) and a
+    `KVConsumer` per remote engine (decode), over the layers of its stage.
+
+    A prefill worker binds its side channel (a free port by default) and registers it with
+    the engine's bootstrap service under (engine id, DP rank, TP rank, PP rank); the
+    registration is renewed in the background and removed at `close`.
 
     Nothing here blocks the engine's step: a fetch is started and its `FetchHandle` kept, and
     `get_finished` collects the finished ones (no thread per load, so loads that wait for a
-    request never published cost nothing to the others). The one blocking call, creating and
-    connecting a remote engine's consumer (a handshake, up to `handshake_timeout_s`), runs on a
-    thread per remote engine while it connects; that engine's loads wait for it, others go on.
-    A failed connect fails its loads with all their blocks; the next load connects again. A
-    load naming other addresses than its engine's consumer is connected to (the engine
-    restarted on new ports) connects that consumer again first; an engine that restarts at
-    the same addresses is found again by the consumer itself. No lock is held anywhere:
-    connect threads hand their outcome over a queue.
+    request never published cost nothing to the others). The blocking calls, looking a remote
+    engine's ranks up in its bootstrap service and creating and connecting its consumer (a
+    handshake, up to `handshake_timeout_s`), run on the worker's thread pool, one task per
+    remote engine while it connects; that engine's loads wait for it, others go on. A failed
+    connect fails its loads with all their blocks; the next load connects again. The engine is
+    looked up again before a load when its consumer lost a producer rank (a restart: new
+    ports, found under a new generation) or when its last load failed; the consumer connects
+    again only if the registrations changed. A load naming other fixed addresses than its
+    engine's consumer is connected to connects again first; an engine that restarts at the
+    same addresses is found again by the consumer itself. No lock is held anywhere: pool tasks
+    hand their outcome over a queue.
     """
 
     def __init__(
@@ -88,9 +148,20 @@ class WorkerSide:
         self._spec: KVCacheSpec | None = None
         self._caches: list[torch.Tensor] = []
         self._producer: KVProducer | None = None
-        self._remotes: dict[str, _Remote] = {}
+        parallel = vllm_config.parallel_config
+        self._dp_rank = data_parallel_rank(vllm_config)
+        self._pp_rank, self._pp_size = self._geometry.pp_rank, self._geometry.pp_size
+        self._bootstrap_url = settings.bootstrap_url(parallel.data_parallel_master_ip)
+        self._registration: Registration | None = None
+        self._remotes: dict[tuple[str, int], _Remote] = {}
         self._connected: queue.SimpleQueue[_Connected] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []  # connects and retirements in flight
+        # Background work: connects (with their look-ups) and retirements. Registering runs on
+        # a daemon thread of its own (`Registration.start`: it lasts as long as the worker).
+        self._pool = ThreadPoolExecutor(
+            _BACKGROUND_THREADS,
+            thread_name_prefix=f"kvxfer-dp{self._dp_rank}-pp{self._pp_rank}-tp{self.tp_rank}",
+        )
+        self._tasks: list[concurrent.futures.Future[Any]] = []  # in flight
         self._spare: KVConsumer | None = None  # created, never connected (see `_keep_spare`)
         self._loading: dict[str, _Load] = {}
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -99,6 +170,11 @@ class WorkerSide:
         self._finished_seen: set[str] = set()  # published requests vLLM said are finished
         self._load_errors: set[int] = set()
         self._stats = KvxferConnectorStats()
+        self._expired_reported = 0  # the producer's expired requests already in stats
+        # "auto" (the default) is RDMA when this machine has an RDMA device, else TCP.
+        transport = settings.transport_protocol()
+        self.protocol = transport.protocol
+        log.info("kvxfer rank %d: transport %s", self.tp_rank, transport.describe())
 
     @property
     def tp_rank(self) -> int:
@@ -106,9 +182,12 @@ class WorkerSide:
         return self._geometry.tp_rank
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        spec, self._caches = spec_from_layers(list(kv_caches.values()), self._geometry)
+        """Read this worker's spec from its layer tensors (with pipeline parallelism: its
+        stage's layers, placed by their names); start serving (prefill)."""
+        indices = _layer_indices(list(kv_caches), self._geometry.pp_size)
+        spec, self._caches = spec_from_layers(list(kv_caches.values()), self._geometry, indices)
         self._spec = spec
-        log.info("kvxfer rank %d: %s", self.tp_rank, spec)
+        log.info("kvxfer %s: %s", spec.rank_name, spec)
         if self._produces:
             s = self._settings
             self._producer = KVProducer(
@@ -116,15 +195,49 @@ class WorkerSide:
                 self._caches,
                 self._engine_id,
                 s.side_channel_host,
-                s.side_channel_port + self.tp_rank,
+                self._side_channel_port(),
                 release=self._released.put,
                 secret=s.secret,
-                protocol=s.protocol,
+                protocol=self.protocol,
                 staging_bytes=s.staging_bytes,
                 staging_slots=s.staging_slots,
                 request_timeout_s=s.request_timeout_s,
                 backend=s.backend,
             )
+            self._register(spec, self._producer.address)
+
+    def _side_channel_port(self) -> int:
+        """0 (a free port, registered), or this worker's fixed port: distinct for every
+        worker of the engine, so DP ranks on one node never collide."""
+        base = self._settings.side_channel_port
+        if base == 0:
+            return 0
+        g = self._geometry
+        port = base + (self._dp_rank * self._pp_size + self._pp_rank) * g.tp_size + g.tp_rank
+        if port > 65535:
+            raise ValueError(
+                f"kv_connector_extra_config['side_channel_port'] = {base}: DP rank "
+                f"{self._dp_rank} PP rank {self._pp_rank} TP rank {g.tp_rank} would listen on "
+                f"port {port} > 65535; choose a lower base, or 0 for free ports"
+            )
+        return port
+
+    def _register(self, spec: KVCacheSpec, address: str) -> None:
+        """Register this worker's side channel with the bootstrap service, and keep it
+        registered, in the background (the service may start after the workers: vLLM creates
+        the scheduler, which runs it, once every worker registered its caches)."""
+        info = new_worker_info(
+            self._engine_id,
+            self._dp_rank,
+            self.tp_rank,
+            self._pp_rank,
+            address,
+            self._geometry.tp_size,
+            self._pp_size,
+            geometry=msgspec.to_builtins(spec),
+        )
+        client = BootstrapClient(self._bootstrap_url, secret=self._settings.secret, timeout_s=3.0)
+        self._registration = Registration(client, info).start()
 
     def start_step(self, metadata: KvxferConnectorMetadata) -> None:
         self._take_connects()
@@ -150,16 +263,27 @@ class WorkerSide:
     # ---- loads (the engine's thread) ----
 
     def _start_load(self, spec: LoadSpec) -> None:
-        addresses = _addresses(spec.remote_host, spec.remote_port, spec.remote_tp_size)
+        route = _Route.of(spec.remote)
         deadline = time.monotonic() + self._settings.fetch_timeout_s
-        load = _Load(spec, addresses, deadline)
+        load = _Load(spec, route, deadline)
         self._loading[spec.request_id] = load
-        remote = self._remote(spec.remote_engine_id)
-        if remote.connecting is None and remote.connected == addresses:
+        remote = self._remote(spec.remote)
+        if self._ready(remote, route):
             self._fetch(remote, load)
         else:
             remote.waiting.append(load)
-            self._connect(remote, addresses)
+            self._connect(remote, route)
+
+    def _ready(self, remote: _Remote, route: _Route) -> bool:
+        """Whether `remote`'s consumer serves `route` as it is, with no connect in flight: for
+        fixed addresses, connected to them; for a bootstrap route, connected to what it found
+        there, no load failed since and no producer rank lost (a restarted worker registers
+        new ports: look it up again first)."""
+        if remote.connecting is not None or remote.connected is None:
+            return False
+        if route.bootstrap is None:
+            return remote.connected == route.addresses
+        return remote.route == route and not remote.stale and _every_session_alive(remote.consumer)
 
     def _fetch(self, remote: _Remote, load: _Load) -> None:
         spec = load.spec
@@ -184,15 +308,15 @@ class WorkerSide:
             if load.handle is not None:
                 load.handle.cancel()  # ends soon; nothing of it lands afterwards
             elif load.result is None:  # still waiting for a connect: nothing can land
-                self._remote(load.spec.remote_engine_id).waiting.remove(load)
+                self._remote(load.spec.remote).waiting.remove(load)
                 load.result = TransferResult(False, [], 0, 0, "", 0.0, ["aborted"])
-        addresses = _addresses(abort.remote_host, abort.remote_port, abort.remote_tp_size)
-        remote = self._remote(abort.remote_engine_id)
-        if remote.connecting is None and remote.connected == addresses:
+        route = _Route.of(abort.remote)
+        remote = self._remote(abort.remote)
+        if self._ready(remote, route):
             self._send_abort(remote, abort.remote_request_id)
         else:
-            remote.aborts.append((addresses, abort.remote_request_id))
-            self._connect(remote, addresses)
+            remote.aborts.append((route, abort.remote_request_id))
+            self._connect(remote, route)
 
     def _send_abort(self, remote: _Remote, remote_request_id: str) -> None:
         assert remote.consumer is not None
@@ -201,7 +325,7 @@ class WorkerSide:
         except Exception as exc:  # the engine frees the request at its request_timeout_s
             log.warning(
                 "kvxfer: could not tell engine %s that %s is aborted: %s",
-                remote.engine_id,
+                remote,
                 remote_request_id,
                 exc,
             )
@@ -212,7 +336,7 @@ class WorkerSide:
         log.warning(
             "kvxfer: load of %s from engine %s failed before any transfer: %s",
             spec.request_id,
-            spec.remote_engine_id,
+            spec.remote,
             why,
         )
         failed = blocks_of_tokens(
@@ -220,51 +344,70 @@ class WorkerSide:
         )
         return TransferResult(False, failed, 0, 0, "", 0.0, [why])
 
-    # ---- remote engines: connects off the engine's thread ----
+    # ---- remote engines: look-ups and connects off the engine's thread ----
 
-    def _remote(self, engine_id: str) -> _Remote:
-        remote = self._remotes.get(engine_id)
+    def _remote(self, where: RemoteEngine) -> _Remote:
+        key = (where.engine_id, where.dp_rank)
+        remote = self._remotes.get(key)
         if remote is None:
-            remote = self._remotes[engine_id] = _Remote(engine_id)
+            remote = self._remotes[key] = _Remote(where.engine_id, where.dp_rank)
         return remote
 
-    def _connect(self, remote: _Remote, addresses: tuple[str, ...]) -> None:
-        """Connect `remote` to `addresses` on a thread, unless a connect runs already (what
-        still waits when it ends starts the next one)."""
+    def _connect(self, remote: _Remote, route: _Route) -> None:
+        """Look `remote` up along `route` and connect it, on the pool, unless a connect runs
+        already (what still waits when it ends starts the next one)."""
         if remote.connecting is not None:
             return
-        if remote.seen_at and remote.seen_at != addresses:
-            log.info(
-                "kvxfer: engine %s is now at %s (was %s): connecting again",
-                remote.engine_id,
-                ", ".join(addresses),
-                ", ".join(remote.seen_at),
-            )
-        remote.connecting = addresses
+        remote.connecting = route
         consumer = remote.consumer
         if consumer is None:
             consumer, self._spare = self._spare, None
-        self._in_background(
-            self._connect_thread,
-            f"kvxfer-connect-{remote.engine_id}",
-            remote,
-            consumer,
-            addresses,
-        )
+        current = (remote.connected, remote.fingerprint)
+        self._in_background(self._connect_task, remote, consumer, route, current)
 
-    def _connect_thread(
-        self, remote: _Remote, consumer: KVConsumer | None, addresses: tuple[str, ...]
+    def _connect_task(
+        self,
+        remote: _Remote,
+        consumer: KVConsumer | None,
+        route: _Route,
+        current: tuple[tuple[str, ...] | None, _Fingerprint | None],
     ) -> None:
-        """Connect `consumer` (created first if None) to `addresses`; hand the outcome to
+        """Find `remote`'s ranks along `route` (its bootstrap service), then connect
+        `consumer` (created first if None) to them, unless it is connected to them already
+        (`current`: its addresses, and the registrations they came from, if known: a new
+        generation at the same addresses is a restart, connected again); hand the outcome to
         the engine's thread, which owns `remote`."""
-        error = None
+        addresses, fingerprint, error = route.addresses, None, None
+        connected, known = current
         try:
+            if route.bootstrap is not None:
+                addresses, fingerprint = self._look_up(route.bootstrap, remote)
             if consumer is None:
                 consumer = self._new_consumer()
-            consumer.connect(list(addresses), timeout=self._settings.handshake_timeout_s)
+            same = fingerprint is None or known is None or fingerprint == known
+            if connected != addresses or not same:
+                consumer.connect(list(addresses), timeout=self._settings.handshake_timeout_s)
         except Exception as exc:
             error = exc
-        self._connected.put((remote, addresses, consumer, error))
+        self._connected.put(_Connected(remote, route, addresses, fingerprint, consumer, error))
+
+    def _look_up(self, bootstrap: str, remote: _Remote) -> tuple[tuple[str, ...], _Fingerprint]:
+        """The side channels of every worker of `remote` (every TP rank of every pipeline
+        stage, in (PP, TP) rank order) from its bootstrap service, waiting up to
+        `handshake_timeout_s` for workers not registered yet, and the registrations they come
+        from. The consumer connects to all of them: the handshake tells which layers and heads
+        each holds, and this rank fetches from those holding some of its own.
+
+        Raises:
+            LookupError: workers missing at the deadline, or the service unreachable.
+        """
+        s = self._settings
+        client = BootstrapClient(bootstrap, secret=s.secret, timeout_s=s.handshake_timeout_s)
+        workers = client.lookup(remote.engine_id, remote.dp_rank, s.handshake_timeout_s)
+        return (
+            tuple(w.address for w in workers),
+            tuple((w.address, w.generation) for w in workers),
+        )
 
     def _new_consumer(self) -> KVConsumer:
         assert self._spec is not None, "register_kv_caches() comes first"
@@ -275,7 +418,7 @@ class WorkerSide:
             self._engine_id,
             s.side_channel_host,
             secret=s.secret,
-            protocol=s.protocol,
+            protocol=self.protocol,
             staging_bytes=s.staging_bytes,
             staging_slots=s.staging_slots,
             cost_model=s.cost_model,
@@ -287,29 +430,38 @@ class WorkerSide:
     def _take_connects(self) -> None:
         """Apply the connects that ended: start their loads' fetches and send their aborts,
         or fail them."""
-        self._threads = [t for t in self._threads if t.is_alive()]
+        self._tasks = [t for t in self._tasks if not t.done()]
         while True:
             try:
-                remote, addresses, consumer, error = self._connected.get_nowait()
+                outcome = self._connected.get_nowait()
             except queue.Empty:
                 return
+            remote, route, addresses = outcome.remote, outcome.route, outcome.addresses
+            consumer, error = outcome.consumer, outcome.error
             remote.connecting = None
             remote.connected = addresses if error is None else None
             if error is None:
+                if remote.seen_at and remote.seen_at != addresses:
+                    log.info(
+                        "kvxfer: engine %s is now at %s (was %s): connected again",
+                        remote,
+                        ", ".join(addresses),
+                        ", ".join(remote.seen_at),
+                    )
                 remote.consumer, remote.seen_at = consumer, addresses
+                remote.route, remote.stale = route, False
+                if outcome.fingerprint is not None:
+                    remote.fingerprint = outcome.fingerprint
+                elif remote.fingerprint and tuple(a for a, _ in remote.fingerprint) != addresses:
+                    remote.fingerprint = None  # connected elsewhere: its registrations unknown
                 self._retire_others(remote)
             else:
                 if remote.consumer is None and consumer is not None:
                     self._keep_spare(consumer)
-                log.warning(
-                    "kvxfer: cannot connect to engine %s at %s: %s",
-                    remote.engine_id,
-                    ", ".join(addresses),
-                    error,
-                )
+                log.warning("kvxfer: cannot connect to engine %s at %s: %s", remote, route, error)
             waiting, remote.waiting = remote.waiting, []
             for load in waiting:
-                if load.addresses != addresses:
+                if load.route != route:
                     remote.waiting.append(load)  # its engine moved again meanwhile
                 elif error is None:
                     self._fetch(remote, load)
@@ -317,15 +469,15 @@ class WorkerSide:
                     load.result = self._failed(load.spec, error)
             aborts, remote.aborts = remote.aborts, []
             for where, remote_request_id in aborts:
-                if where != addresses:
+                if where != route:
                     remote.aborts.append((where, remote_request_id))
                 elif error is None:
                     self._send_abort(remote, remote_request_id)
             if remote.waiting or remote.aborts:
-                again = remote.waiting[-1].addresses if remote.waiting else remote.aborts[-1][0]
+                again = remote.waiting[-1].route if remote.waiting else remote.aborts[-1][0]
                 self._connect(remote, again)
             elif remote.consumer is None:
-                del self._remotes[remote.engine_id]  # never connected: keep nothing
+                del self._remotes[remote.key]  # never connected: keep nothing
 
     def _keep_spare(self, consumer: KVConsumer) -> None:
         """Keep a consumer whose first connect failed for the next remote engine: destroying
@@ -335,7 +487,7 @@ class WorkerSide:
         if self._spare is None:
             self._spare = consumer
         else:
-            self._in_background(consumer.close, "kvxfer-close")
+            self._in_background(consumer.close)
 
     def _retire_others(self, remote: _Remote) -> None:
         """Close the consumers of engines that were where `remote` now is: they restarted
@@ -344,20 +496,18 @@ class WorkerSide:
             if other is remote or other.connecting is not None or other.waiting:
                 continue
             if set(other.seen_at) & set(remote.seen_at):
-                del self._remotes[other.engine_id]
+                del self._remotes[other.key]
                 log.info(
                     "kvxfer: engine %s replaced engine %s at %s",
-                    remote.engine_id,
-                    other.engine_id,
+                    remote,
+                    other,
                     ", ".join(remote.seen_at),
                 )
                 if other.consumer is not None:  # fails its fetches still running, if any
-                    self._in_background(other.consumer.close, "kvxfer-retire")
+                    self._in_background(other.consumer.close)
 
-    def _in_background(self, target: Any, name: str, *args: Any) -> None:
-        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-        self._threads.append(thread)
-        thread.start()
+    def _in_background(self, target: Any, *args: Any) -> None:
+        self._tasks.append(self._pool.submit(target, *args))
 
     # ---- reports ----
 
@@ -380,7 +530,7 @@ class WorkerSide:
         now = time.monotonic()
         for request_id, load in list(self._loading.items()):
             if load.handle is None and load.result is None and now >= load.deadline:
-                self._remote(load.spec.remote_engine_id).waiting.remove(load)
+                self._remote(load.spec.remote).waiting.remove(load)
                 load.result = self._failed(load.spec, "its prefill engine did not connect in time")
             result = load.result
             if result is None and load.handle is not None and load.handle.done():
@@ -393,6 +543,9 @@ class WorkerSide:
                 continue  # vLLM finished the request: its blocks are freed, not recomputed
             self._stats.record(result)
             if not result.ok:
+                remote = self._remotes.get((load.spec.remote.engine_id, load.spec.remote.dp_rank))
+                if remote is not None:
+                    remote.stale = True  # look it up again before its next load
                 log.warning(
                     "kvxfer: load of %s failed, %d blocks to recompute: %s",
                     request_id,
@@ -407,19 +560,29 @@ class WorkerSide:
         return errors
 
     def take_stats(self) -> KvxferConnectorStats | None:
+        if self._producer is not None:
+            expired = self._producer.expired_requests
+            self._stats.record_expired(expired - self._expired_reported)
+            self._expired_reported = expired
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KvxferConnectorStats()
         return stats
 
     def close(self) -> None:
-        for thread in self._threads:  # connects end within handshake_timeout_s
-            thread.join(self._settings.handshake_timeout_s + 5.0)
+        """Unregister from the bootstrap service (so no decode worker is sent here any more),
+        then close the consumers and the producer."""
+        if self._registration is not None:
+            self._registration.stop(timeout=5.0)  # it unregisters within about 3 s
+        # Connects end within twice handshake_timeout_s (a look-up, then a handshake).
+        concurrent.futures.wait(self._tasks, timeout=2 * self._settings.handshake_timeout_s + 5)
+        self._pool.shutdown(wait=False)
+        self._registration = None
         consumers = [self._spare, *(r.consumer for r in self._remotes.values())]
         self._spare = None
         while True:
             try:
-                consumers.append(self._connected.get_nowait()[2])
+                consumers.append(self._connected.get_nowait().consumer)
             except queue.Empty:
                 break
         for consumer in consumers:
@@ -431,9 +594,15 @@ class WorkerSide:
             self._producer = None
 
 
-def _addresses(host: str, port: int, tp_size: int) -> tuple[str, ...]:
-    """The side channels of a prefill engine's ranks: rank `r` at `port + r`."""
-    return tuple(f"tcp://{host}:{port + rank}" for rank in range(tp_size))
+def _every_session_alive(consumer: KVConsumer | None) -> bool:
+    """Whether `consumer` has lost no producer rank (a dead session: the rank went silent or
+    restarted). Its monitoring snapshot takes no lock and makes no call."""
+    if consumer is None:
+        return False
+    try:
+        return int(consumer.stats_snapshot()["dead_sessions"]) == 0  # type: ignore[call-overload]
+    except Exception:  # a snapshot taken while the consumer changes: look up again
+        return False
 
 
 def _engine_geometry(
@@ -445,6 +614,7 @@ def _engine_geometry(
     block_size = vllm_config.cache_config.block_size
     if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
         block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    pp_size = parallel.pipeline_parallel_size
     return EngineGeometry(
         total_kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
         head_dim=model.get_head_size(),
@@ -453,7 +623,82 @@ def _engine_geometry(
         tp_rank=_tp_rank(vllm_config),
         mla=bool(model.use_mla),
         kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        pp_size=pp_size,
+        pp_rank=_pp_rank(vllm_config),
+        kv_layers=_model_kv_layers(vllm_config) if pp_size > 1 else (),
     )
+
+
+def _model_kv_layers(vllm_config: VllmConfig) -> tuple[int, ...]:
+    """The model-layer index of every layer of the model (every pipeline stage) that holds a
+    KV cache: every decoder layer except no-op attention layers (models whose
+    `block_configs` mark them, as vLLM's `get_num_layers_by_block_type` reads them). Checked
+    against vLLM's count of attention layers."""
+    model = vllm_config.model_config
+    total = int(model.get_total_num_hidden_layers())
+    layers: tuple[int, ...] = tuple(range(total))
+    if getattr(model, "has_noops", False):
+        configs = model.hf_config.block_configs
+        layers = tuple(i for i, c in enumerate(configs) if not c.attention.no_op)
+    counted = _attention_layers(vllm_config)
+    if counted is not None and counted != len(layers):
+        raise ValueError(
+            f"kvxfer: the model has {len(layers)} layers with a KV cache by its configuration "
+            f"but vLLM counts {counted} attention layers; pipeline parallelism over this model "
+            "is not supported by the vLLM integration"
+        )
+    return layers
+
+
+def _attention_layers(vllm_config: VllmConfig) -> int | None:
+    """vLLM's count of the model's attention layers over every stage (None when vLLM cannot
+    count them)."""
+    from types import SimpleNamespace
+
+    # The whole model as one stage: all vLLM reads of a parallel config to count layers.
+    whole: Any = SimpleNamespace(rank=0, tensor_parallel_size=1, pipeline_parallel_size=1)
+    try:
+        return int(vllm_config.model_config.get_num_layers_by_block_type(whole, "attention"))
+    except Exception:  # a model vLLM cannot count (or an uneven VLLM_PP_LAYER_PARTITION)
+        return None
+
+
+def _layer_indices(names: list[str], pp_size: int) -> list[int] | None:
+    """The model-layer index of each registered cache, from its name (vLLM's
+    `extract_layer_index`: `model.layers.7.self_attn.attn` is layer 7). Without pipeline
+    parallelism, None when the names do not give one index each (the caches are then taken
+    in vLLM's order, as they always were).
+
+    Raises:
+        ValueError: with pipeline parallelism, a name without its layer's index.
+    """
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    try:
+        indices = [int(extract_layer_index(name)) for name in names]
+    except (AssertionError, ValueError, IndexError) as exc:
+        if pp_size == 1:
+            return None
+        raise ValueError(
+            f"kvxfer: pipeline parallelism needs each KV cache's layer index in its name; "
+            f"cannot read one from {names[:4]}: {exc}"
+        ) from None
+    if pp_size == 1 and len(set(indices)) != len(indices):
+        return None  # several caches per layer: not placed by name (one group checks them)
+    return indices
+
+
+def _pp_rank(vllm_config: VllmConfig) -> int:
+    """vLLM's PP group rank when it is initialized, else from the worker's rank in its config
+    (vLLM orders ranks TP-fastest)."""
+    from vllm.distributed import parallel_state
+
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size == 1:
+        return 0
+    if parallel_state.model_parallel_is_initialized():
+        return int(parallel_state.get_pp_group().rank_in_group)
+    return int(parallel.rank) // parallel.tensor_parallel_size % parallel.pipeline_parallel_size
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
