@@ -81,14 +81,17 @@ def plan_request(src, dst, pairs, num_tokens, src_ids, dst_ids, landing=False):
 
 
 def connector_request(src, dst, pairs, num_tokens, src_ids, dst_ids):
-    """What the connectors plan for one request sent in one chunk: the producer's pack
-    (`pack_copy`) and the consumer's landing program, for every pair."""
+    """The whole-table planning of one request sent in one chunk: the producer's pack
+    (`pack_copy`) and the consumer's landing program, for every pair. (The connectors now plan
+    per chunk from views that start at the chunk's first block: `benchmarks/chunk_planning.py`
+    measures that.)"""
     return connector_chunks(src, dst, pairs, num_tokens, src_ids, dst_ids, None)
 
 
 def connector_chunks(src, dst, pairs, num_tokens, src_ids, dst_ids, slot_bytes):
-    """The connectors' planning of one request cut into the chunks that fit `slot_bytes` on
-    both sides (None: one chunk), as `KVConsumer` and `KVProducer` do it."""
+    """Whole-table planning of one request cut into the chunks that fit `slot_bytes` on both
+    sides (None: one chunk): the planning the connectors did before they planned each chunk
+    from its own blocks (kept as the comparison point of `benchmarks/test_bench_plan.py`)."""
     programs = []
     for p in pairs:
         s, d = src[p.src_rank], dst[p.dst_rank]
