@@ -162,6 +162,7 @@ def bench_row(cfg: BenchConfig, progress: Progress | None = None) -> dict[str, A
         progress("kvxfer", 1)
         kvxfer_s, kvxfer_cpu_s = _median_seconds(kvxfer_once, cfg.repeat, progress, "kvxfer")
         strategies = sorted({p.strategy for ps in plans for p in ps})
+        chunking = [c for consumer in consumers for c in consumer.chunking().values()]
         (contiguous_s, contiguous_cpu_s), naive_s, naive_ops = _baselines(
             cfg, producers, consumers, src_specs, dst_specs, progress
         )
@@ -178,6 +179,8 @@ def bench_row(cfg: BenchConfig, progress: Progress | None = None) -> dict[str, A
         "layers": cfg.layers,
         "kv_heads": cfg.kv_heads,
         "strategies": strategies,
+        "chunk_tokens": sorted({min(c.tokens, cfg.tokens) for c in chunking}),
+        "chunks_in_flight": sorted({c.depth for c in chunking}),
         "protocol": cfg.protocol,
         "kvxfer_gbps": nbytes / kvxfer_s / 1e9,
         "contiguous_gbps": nbytes / contiguous_s / 1e9,
@@ -368,9 +371,15 @@ def format_row(r: dict[str, Any]) -> str:
     """One row of `kvxfer bench`, as text."""
     return (
         f"{r['pair']:>6}  {r['bytes'] / 1e6:8.1f} MB  kvxfer {r['kvxfer_gbps']:6.3f} GB/s "
-        f"({','.join(r['strategies'])})  contiguous {r['contiguous_gbps']:6.3f} GB/s  "
+        f"({','.join(r['strategies'])}; chunks of {_listing(r['chunk_tokens'])} tokens, "
+        f"{_listing(r['chunks_in_flight'])} in flight)  "
+        f"contiguous {r['contiguous_gbps']:6.3f} GB/s  "
         f"naive {r['naive_gbps']:6.3f} GB/s ({r['naive_ops']} ops)  "
         f"x contiguous {r['ratio_to_contiguous']:.2f}  "
         f"x naive {r['speedup_over_naive']:.1f}  "
         f"cpu s/GB {r['kvxfer_cpu_s_per_gb']:.2f} (contiguous {r['contiguous_cpu_s_per_gb']:.2f})"
     )
+
+
+def _listing(values: list[int]) -> str:
+    return "/".join(str(v) for v in values)
