@@ -414,13 +414,6 @@ class CellCopyLaunch:
         with _INTERPRETER_LOCK if INTERPRETED else contextlib.nullcontext():
             _copy_cells_kernel[self.grid](**self.arguments, num_warps=self.num_warps)
 
-    @property
-    def variant(self) -> dict[str, Any]:
-        """The compile-time part of the launch (constexprs and warps): equal variants share
-        one compiled kernel."""
-        keys = [k for k in self.arguments if k.isupper()]
-        return {**{k: self.arguments[k] for k in keys}, "num_warps": self.num_warps}
-
 
 def prepare_cell_copy(
     src: KVBuffer,

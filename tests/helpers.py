@@ -186,9 +186,8 @@ def pp_geometries(draw: st.DrawFn) -> dict:
     return g
 
 
-def reshard_random_geometry(g: dict, backend: str) -> None:
-    """Reshard the request `g` describes with `backend`, and check every destination byte
-    (and that every destination layer x head is fed exactly once)."""
+def geometry_specs(g: dict) -> list[list[KVCacheSpec]]:
+    """Every rank's spec of both sides of a request `geometries()` drew (blocks to spare)."""
     specs = []
     for side in g["sides"]:
         needed = -(-g["tokens"] // side["block_size"])
@@ -208,6 +207,13 @@ def reshard_random_geometry(g: dict, backend: str) -> None:
                 layer_ranges=side.get("layer_ranges"),
             )
         )
+    return specs
+
+
+def reshard_random_geometry(g: dict, backend: str) -> None:
+    """Reshard the request `g` describes with `backend`, and check every destination byte
+    (and that every destination layer x head is fed exactly once)."""
+    specs = geometry_specs(g)
     sc = make_scenario(specs[0], specs[1], g["tokens"], g["start"], g["seed"], g["contiguous"])
     result = reshard(
         sc.src, sc.dst, g["tokens"], g["start"], strategy=g["strategy"], backend=backend

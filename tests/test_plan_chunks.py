@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import POISON_BYTE, bits, pp_geometries, side_specs
+from helpers import POISON_BYTE, bits, geometry_specs, pp_geometries, side_specs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,29 +29,6 @@ from kvxfer.plan.program import (
     unpack_copy,
 )
 from kvxfer.spec import allocate_kv_caches
-
-
-def _specs(g: dict) -> list[list]:
-    out = []
-    for side in g["sides"]:
-        needed = -(-g["tokens"] // side["block_size"])
-        out.append(
-            side_specs(
-                side["tp"],
-                heads=g["heads"],
-                block_size=side["block_size"],
-                layout=side["layout"],
-                placement=side["placement"],
-                mla=g["mla"],
-                num_layers=g["num_layers"],
-                head_dim=g["head_dim"],
-                dtype=g["dtype"],
-                num_blocks=needed + 3,
-                pp=side.get("pp", 1),
-                layer_ranges=side.get("layer_ranges"),
-            )
-        )
-    return out
 
 
 def _table(spec, tokens: int, rng: np.random.Generator) -> np.ndarray:
@@ -81,7 +58,7 @@ def _run(copy: CellCopy, src_spec, dst_spec, seed: int) -> list[torch.Tensor]:
 @given(g=pp_geometries(), cut=st.integers(1, 40), data=st.data())
 @settings(max_examples=120, deadline=None)
 def test_chunk_programs_equal_whole_table_programs(g, cut, data):
-    src_specs, dst_specs = _specs(g)
+    src_specs, dst_specs = geometry_specs(g)
     rng = np.random.default_rng(g["seed"])
     tokens, start = g["tokens"], min(g["start"], g["tokens"] - 1)
     strategy = g["strategy"] or data.draw(st.sampled_from(STRATEGIES))
