@@ -11,19 +11,9 @@ the same rows, one torch thread, and checks they agree bit for bit.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return sorted(times)[len(times) // 2]
+from scenarios import median_seconds
 
 
 def main() -> None:
@@ -48,7 +38,7 @@ def main() -> None:
 
     nbytes = args.rows * args.row_bytes
     for name, fn in (("two passes", two_passes), ("one pass", one_pass)):
-        seconds = _median_seconds(fn, args.repeats)
+        seconds = median_seconds(fn, args.repeats)
         print(f"{name:10}  {seconds * 1e3:7.2f} ms  {nbytes / seconds / 1e9:5.2f} GB/s")
     print("bit-exact:", torch.equal(one_out, two_out))
 

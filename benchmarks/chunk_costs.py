@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from scenarios import median_seconds
 
 from kvxfer.bench import BenchConfig, _side, _table
 from kvxfer.connector import KVConsumer, KVProducer
@@ -44,16 +45,6 @@ from kvxfer.plan import CostModel
 from kvxfer.plan.cost import choose_chunking
 from kvxfer.plan.program import max_chunk_tokens
 from kvxfer.spec import allocate_kv_caches
-
-
-def _median(run: Any, times: int) -> float:
-    run()  # warm-up
-    samples = []
-    for _ in range(times):
-        began = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - began)
-    return statistics.median(samples)
 
 
 def constants() -> dict[str, float]:
@@ -81,8 +72,8 @@ def constants() -> dict[str, float]:
         )
 
     small, large = segments(1024, 4096), segments(16 << 20, 1)
-    per_op = _median(lambda: client.read(small, peer).result(), 5) / 4096
-    link = (16 << 20) / _median(lambda: client.read(large, peer).result(), 7)
+    per_op = median_seconds(lambda: client.read(small, peer).result(), 5) / 4096
+    link = (16 << 20) / median_seconds(lambda: client.read(large, peer).result(), 7)
     client.close()
     server.close()
     cfg = BenchConfig(2, 4, kv_heads=12, tokens=1024)
@@ -104,8 +95,8 @@ def constants() -> dict[str, float]:
     wire = torch.empty(cfg.layers * pack.dst.geometry.layer_elements, dtype=src_caches[0].dtype)
     nbytes = wire.numel() * wire.element_size()
     passes = [
-        _median(lambda: run_cell_copy(pack, src_caches, [wire], "torch"), 11),
-        _median(lambda: run_cell_copy(unpack, [wire], dst_caches, "torch"), 11),
+        median_seconds(lambda: run_cell_copy(pack, src_caches, [wire], "torch"), 11),
+        median_seconds(lambda: run_cell_copy(unpack, [wire], dst_caches, "torch"), 11),
     ]
     return {
         "seconds_per_op": per_op,

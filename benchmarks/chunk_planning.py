@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from scenarios import median_seconds
 
 from kvxfer.bench import BenchConfig, _side, _table
 from kvxfer.connector.consumer import _chunk_source_blocks
@@ -42,16 +40,6 @@ from kvxfer.plan.program import (
     pack_copy,
 )
 from kvxfer.validation import check_block_ids
-
-
-def _us(run: Callable[[], object], repeat: int) -> float:
-    run()
-    samples = []
-    for _ in range(repeat):
-        began = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - began)
-    return statistics.median(samples) * 1e6
 
 
 def _ready(ids: list[int]) -> None:
@@ -95,10 +83,10 @@ def _row(tokens: int, strategy: str, repeat: int) -> dict[str, Any]:
     return {
         "tokens": tokens,
         "strategy": strategy,
-        "consumer_before_us": _us(consumer_before, repeat),
-        "consumer_now_us": _us(consumer_now, repeat),
-        "producer_before_us": _us(producer_before, repeat),
-        "producer_now_us": _us(producer_now, repeat),
+        "consumer_before_us": median_seconds(consumer_before, repeat) * 1e6,
+        "consumer_now_us": median_seconds(consumer_now, repeat) * 1e6,
+        "producer_before_us": median_seconds(producer_before, repeat) * 1e6,
+        "producer_now_us": median_seconds(producer_now, repeat) * 1e6,
     }
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -115,3 +119,14 @@ def connector_chunks(src, dst, pairs, num_tokens, src_ids, dst_ids, slot_bytes):
                 )
             )
     return programs
+
+
+def median_seconds(run: Callable[[], object], repeats: int) -> float:
+    """Median wall time of `repeats` calls of `run`, after one untimed warm-up call."""
+    run()
+    samples = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - began)
+    return statistics.median(samples)

@@ -23,7 +23,6 @@ import random
 import statistics
 import subprocess
 import sys
-import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -34,6 +33,7 @@ def child(pair: str, repeat: int) -> dict[str, Any]:
     """One process's measurements, at the slice size in its environment."""
     import numpy as np
     import torch
+    from scenarios import median_seconds
 
     from kvxfer.bench import BenchConfig, bench_row
     from kvxfer.plan import Segments
@@ -57,17 +57,8 @@ def child(pair: str, repeat: int) -> dict[str, Any]:
         )
         return clients[i].read(segments, peer)
 
-    def timed(run, times: int) -> float:
-        run()  # warm-up: connections
-        samples = []
-        for _ in range(times):
-            began = time.perf_counter()
-            run()
-            samples.append(time.perf_counter() - began)
-        return statistics.median(samples)
-
-    one = timed(lambda: read(0).result(), 8)
-    many = timed(lambda: [f.result() for f in [read(i) for i in range(readers)]], 5)
+    one = median_seconds(lambda: read(0).result(), 8)
+    many = median_seconds(lambda: [f.result() for f in [read(i) for i in range(readers)]], 5)
     for c in clients:
         c.close()
     server.close()
