@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvxfer.spec import KVCacheSpec
 
@@ -55,6 +55,17 @@ class HeadRoute:
     # Global layers moved; None: every layer, both sides holding all of them (no pipeline
     # parallelism: what `route_heads` gives, which knows TP sizes only).
     num_layers: int | None = None
+
+    def between(self, src_rank: int, dst_rank: int, layer_start: int, layer_stop: int) -> HeadRoute:
+        """These heads, from engine rank `src_rank` to `dst_rank`, over global layers
+        `[layer_start, layer_stop)`."""
+        return replace(
+            self,
+            src_rank=src_rank,
+            dst_rank=dst_rank,
+            layer_start=layer_start,
+            num_layers=layer_stop - layer_start,
+        )
 
     def layer_span(self, src_spec: KVCacheSpec, dst_spec: KVCacheSpec) -> tuple[int, int, int]:
         """(layers moved, local index of the first on the source, on the destination).
@@ -160,16 +171,7 @@ def routes_into(src_layers: list[range], src_tp: int, dst: KVCacheSpec) -> list[
             start, stop = max(layers.start, dst_layers.start), min(layers.stop, dst_layers.stop)
             if start < stop:
                 routes.append(
-                    HeadRoute(
-                        stage * src_tp + route.src_rank,
-                        dst.engine_rank,
-                        route.head_start,
-                        route.num_heads,
-                        route.src_head_offset,
-                        route.dst_head_offset,
-                        start,
-                        stop - start,
-                    )
+                    route.between(stage * src_tp + route.src_rank, dst.engine_rank, start, stop)
                 )
     return routes
 
@@ -185,14 +187,5 @@ def route_pair(src: KVCacheSpec, dst: KVCacheSpec) -> HeadRoute | None:
     heads = _routes_to(dst.num_kv_heads, src.tp_size, dst.tp_size, dst.tp_rank, dst.engine_rank)
     for route in heads:
         if route.src_rank == src.tp_rank:
-            return HeadRoute(
-                src.engine_rank,
-                dst.engine_rank,
-                route.head_start,
-                route.num_heads,
-                route.src_head_offset,
-                route.dst_head_offset,
-                start,
-                stop - start,
-            )
+            return route.between(src.engine_rank, dst.engine_rank, start, stop)
     return None
