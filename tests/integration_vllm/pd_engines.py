@@ -29,8 +29,11 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import random
 import signal
 import socket
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +109,33 @@ def free_port_base(count: int) -> int:
             for s in sockets:
                 s.close()
     raise RuntimeError("no run of free ports on 127.0.0.1")
+
+
+def random_prompt(seed: int, length: int) -> list[int]:
+    """`length` token ids drawn from the model's vocabulary, the same for the same seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB) for _ in range(length)]
+
+
+def run_until(
+    condition: Callable[[], bool],
+    engines: Sequence[Any],
+    timeout: float,
+    on_step: Callable[[Any, Any], None] | None = None,
+    what: str = "",
+) -> None:
+    """Step every engine in turn until `condition()` holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"the engines did not reach the expected state in {timeout} s {what}".strip()
+            )
+        for engine in engines:
+            outputs = engine.step()
+            if on_step is not None:
+                on_step(engine, outputs)
+        time.sleep(0.02)
 
 
 @dataclass(frozen=True)

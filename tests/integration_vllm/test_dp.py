@@ -8,14 +8,24 @@ bit on every decode rank. Runs in the separate vLLM environment (`make test-vllm
 
 from __future__ import annotations
 
-import random
+import functools
 import time
 from dataclasses import dataclass, field
 
 import pytest
-from pd_engines import VOCAB, Engine, EngineSpec, free_port_base, write_model
+from pd_engines import (
+    Engine,
+    EngineSpec,
+    free_port_base,
+    random_prompt,
+    run_until,
+    write_model,
+)
 
 from kvxfer.integrations.bootstrap import BootstrapClient, BootstrapError
+
+# The longest wait for the engines in this module.
+_run_until = functools.partial(run_until, timeout=60.0)
 
 DP, PREFILL_TP, DECODE_TP = 2, 2, 1
 COMMON = {"cost_model": "tcp_loopback", "secret": "s3cret"}
@@ -60,23 +70,6 @@ def cluster(tmp_path_factory):
     finally:
         for engine in [*engines.decode, *engines.prefill[::-1], *engines.standby]:
             engine.close()
-
-
-def _prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(VOCAB) for _ in range(length)]
-
-
-def _run_until(condition, engines, timeout: float = 60.0, on_step=None, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not reached in {timeout} s {what}".strip())
-        for engine in engines:
-            outputs = engine.step()
-            if on_step is not None:
-                on_step(engine, outputs)
-        time.sleep(0.02)
 
 
 def _prefilled(prefill: Engine, request_id: str, prompt: list[int]) -> dict:
@@ -145,7 +138,7 @@ def test_each_dp_rank_registers_and_decode_ranks_load_from_the_one_named(cluster
 
     # Every (prefill DP rank, decode DP rank) pair.
     routes = {f"req-p{p}-d{d}": (p, d) for p in range(DP) for d in range(DP)}
-    prompts = {r: _prompt(i, 30 + 23 * i) for i, r in enumerate(routes)}
+    prompts = {r: random_prompt(i, 30 + 23 * i) for i, r in enumerate(routes)}
     params = {r: _prefilled(cluster.prefill[p], r, prompts[r]) for r, (p, _) in routes.items()}
     for request_id, (p, _) in routes.items():
         handed = params[request_id]
@@ -163,7 +156,7 @@ def test_each_dp_rank_registers_and_decode_ranks_load_from_the_one_named(cluster
 def test_restarted_prefill_dp_rank_registers_again_and_is_found(cluster):
     client = BootstrapClient(cluster.bootstrap)
     before = _registered(client, 1)
-    prompt = _prompt(50, 61)
+    prompt = random_prompt(50, 61)
     _decode(
         cluster.decode[0],
         cluster.prefill,
@@ -190,13 +183,13 @@ def test_restarted_prefill_dp_rank_registers_again_and_is_found(cluster):
     time.sleep(max(0.0, crashed + 3.0 - time.monotonic()))
 
     # Both decode DP ranks loaded from the old DP rank 1; both find the new one.
-    prompts = {f"req-after-d{d}": _prompt(60 + d, 45 + 10 * d) for d in range(DP)}
+    prompts = {f"req-after-d{d}": random_prompt(60 + d, 45 + 10 * d) for d in range(DP)}
     for d in range(DP):
         request_id = f"req-after-d{d}"
         handed = _prefilled(restarted, request_id, prompts[request_id])
         _decode(cluster.decode[d], cluster.prefill, {request_id: (prompts[request_id], handed)})
     # DP rank 0 was never disturbed.
-    prompt = _prompt(70, 33)
+    prompt = random_prompt(70, 33)
     handed = _prefilled(cluster.prefill[0], "req-dp0-after", prompt)
     _decode(cluster.decode[1], cluster.prefill, {"req-dp0-after": (prompt, handed)})
     _all_blocks_free(cluster)
@@ -204,7 +197,7 @@ def test_restarted_prefill_dp_rank_registers_again_and_is_found(cluster):
 
 def test_a_dp_rank_the_service_does_not_know_fails_the_load_and_vllm_recomputes(cluster):
     decode = cluster.decode[0]
-    prompt = _prompt(80, 40)
+    prompt = random_prompt(80, 40)
     nowhere = {
         "do_remote_prefill": True,
         "do_remote_decode": False,

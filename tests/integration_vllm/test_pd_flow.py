@@ -5,7 +5,7 @@ allocated by vLLM's own allocator. Runs in the separate vLLM environment (`make 
 
 from __future__ import annotations
 
-import random
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -14,12 +14,16 @@ from pd_engines import (
     HEAD_DIM,
     KV_HEADS,
     LAYERS,
-    VOCAB,
     Engine,
     EngineSpec,
     free_port_base,
+    random_prompt,
+    run_until,
     write_model,
 )
+
+# The longest wait for the engines in this module.
+_run_until = functools.partial(run_until, timeout=90.0)
 
 PREFILL_TP, DECODE_TP = 2, 3
 DECODE_BLOCK = 32
@@ -76,11 +80,6 @@ def engines(tmp_path_factory):
             engine.close()
 
 
-def _prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(VOCAB) for _ in range(length)]
-
-
 def _remote_params(engine_id: str, request_id: str, port: int, num_tokens: int) -> dict:
     """What a prefill engine's `request_finished` returns, for a request it may not hold."""
     return {
@@ -96,23 +95,13 @@ def _remote_params(engine_id: str, request_id: str, port: int, num_tokens: int) 
     }
 
 
-def _run_until(condition, engines, timeout: float = 90.0, on_step=None, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"the engines did not reach the expected state in {timeout} s {what}".strip()
-            )
-        for engine in engines:
-            outputs = engine.step()
-            if on_step is not None:
-                on_step(engine, outputs)
-        time.sleep(0.02)
-
-
 def test_pd_flow_moves_kv_bit_exact_and_frees_blocks(engines):
     prefill, decode, port = engines
-    prompts = {"req-a": _prompt(1, 45), "req-b": _prompt(2, 100), "req-c": _prompt(3, 17)}
+    prompts = {
+        "req-a": random_prompt(1, 45),
+        "req-b": random_prompt(2, 100),
+        "req-c": random_prompt(3, 17),
+    }
     for request_id, prompt in prompts.items():
         prefill.add(request_id, prompt, max_tokens=1, params={"do_remote_decode": True})
 
@@ -199,12 +188,12 @@ def test_failed_load_reports_exactly_its_blocks_and_vllm_recomputes(engines):
         finished.update(o.request_id for o in outputs if o.finish_reason is not None)
 
     # A request computed on the decode engine itself leaves two full blocks in its prefix cache.
-    shared = _prompt(5, 2 * DECODE_BLOCK)
-    decode.add("req-local", [*shared, *_prompt(6, 10)], max_tokens=1, params=None)
+    shared = random_prompt(5, 2 * DECODE_BLOCK)
+    decode.add("req-local", [*shared, *random_prompt(6, 10)], max_tokens=1, params=None)
     _run_until(lambda: "req-local" in finished, [decode], on_step=follow)
 
     # A remote prefill of a prompt that starts with those blocks, whose KV never arrives.
-    prompt = [*shared, *_prompt(7, 6)]
+    prompt = [*shared, *random_prompt(7, 6)]
     # The prefill engine is up but never published this request (lost it).
     lost = _remote_params("prefill-engine", "never-published", port, len(prompt))
     decode.add("req-lost", prompt, max_tokens=2, params=lost)
@@ -224,7 +213,7 @@ def test_failed_load_reports_exactly_its_blocks_and_vllm_recomputes(engines):
 
 def test_unreachable_prefill_engine_fails_every_block_of_the_load(engines):
     _, decode, _ = engines
-    prompt = _prompt(8, 40)
+    prompt = random_prompt(8, 40)
     # Nothing listens where this engine is said to be.
     nowhere = _remote_params("gone-engine", "req-x", free_port_base(PREFILL_TP), len(prompt))
     decode.add("req-nowhere", prompt, max_tokens=1, params=nowhere)
@@ -303,7 +292,7 @@ def test_loads_of_requests_never_published_do_not_delay_a_ready_load(engines):
 
     prefill, decode, port = engines
     # Ten loads that wait for requests the prefill engine never publishes (lost, or a proxy bug).
-    ghosts = {f"ghost-{i}": _prompt(100 + i, 40) for i in range(10)}
+    ghosts = {f"ghost-{i}": random_prompt(100 + i, 40) for i in range(10)}
     for request_id, prompt in ghosts.items():
         params = _remote_params("prefill-engine", f"never-{request_id}", port, len(prompt))
         decode.add(request_id, prompt, max_tokens=1, params=params)
@@ -317,7 +306,7 @@ def test_loads_of_requests_never_published_do_not_delay_a_ready_load(engines):
     assert all(decode.scheduler.requests[g].status == waiting for g in ghosts)
 
     # A request the prefill engine did publish loads beside them, at its normal speed.
-    ready = _prompt(120, 100)
+    ready = random_prompt(120, 100)
     params = _prefilled(prefill, "req-ready", ready)
     began = time.monotonic()
     decode.add("req-ready", ready, max_tokens=1, params=params)
@@ -339,7 +328,7 @@ def test_loads_of_requests_never_published_do_not_delay_a_ready_load(engines):
     assert time.monotonic() - ghosts_began >= FETCH_TIMEOUT_S
     assert set().union(*decode.invalid_block_ids[errors:]) == ghost_blocks
     # Loads after ten timed-out ones still work.
-    _round_trip(prefill, decode, "req-after-ghosts", _prompt(121, 70))
+    _round_trip(prefill, decode, "req-after-ghosts", random_prompt(121, 70))
     assert decode.free_blocks() == decode.free_blocks_at_start
 
 
@@ -347,7 +336,7 @@ def test_decode_abort_before_the_load_frees_the_prefill_blocks_at_once(engines):
     from vllm.v1.request import RequestStatus
 
     prefill, decode, _ = engines
-    prompt = _prompt(130, 90)
+    prompt = random_prompt(130, 90)
     params = _prefilled(prefill, "req-abort-waiting", prompt)
     assert prefill.free_blocks_at_start - prefill.free_blocks() == -(-len(prompt) // 16)
     decode.add("req-abort-waiting", prompt, max_tokens=1, params=params)
@@ -370,7 +359,7 @@ def test_decode_abort_during_the_load_frees_both_sides(engines):
     from vllm.v1.request import RequestStatus
 
     prefill, decode, _ = engines
-    prompt = _prompt(131, 90)
+    prompt = random_prompt(131, 90)
     params = _prefilled(prefill, "req-abort-loading", prompt)
     errors = len(decode.invalid_block_ids)
     decode.add("req-abort-loading", prompt, max_tokens=1, params=params)
@@ -407,7 +396,7 @@ def test_restarted_prefill_engine_is_found_again(engines):
     moved = Engine(cluster.model, _prefill_spec(new_port), hold=True)
     same_ports = Engine(cluster.model, _prefill_spec(new_port), hold=True)
     cluster.standby += [moved, same_ports]
-    _round_trip(cluster.prefill, decode, "req-before-restart", _prompt(140, 50))
+    _round_trip(cluster.prefill, decode, "req-before-restart", random_prompt(140, 50))
 
     # A crash; the engine comes back on other ports: the decode engine's next load connects
     # to them (the kv_transfer_params name the engine's bootstrap service, which names them).
@@ -416,7 +405,7 @@ def test_restarted_prefill_engine_is_found_again(engines):
     moved.wait_ready()
     cluster.standby.remove(moved)
     cluster.prefill, cluster.port = moved, new_port
-    _round_trip(moved, decode, "req-new-ports", _prompt(141, 77))
+    _round_trip(moved, decode, "req-new-ports", random_prompt(141, 77))
 
     # Another crash; this time it comes back on the same ports (after the 2 s in which decode
     # ranks find a silent prefill rank dead: a real engine takes far longer to start).
@@ -426,5 +415,5 @@ def test_restarted_prefill_engine_is_found_again(engines):
     same_ports.wait_ready()
     cluster.standby.remove(same_ports)
     cluster.prefill = same_ports
-    _round_trip(same_ports, decode, "req-same-ports", _prompt(142, 64))
+    _round_trip(same_ports, decode, "req-same-ports", random_prompt(142, 64))
     assert decode.free_blocks() == decode.free_blocks_at_start

@@ -14,14 +14,25 @@ vLLM environment (`make test-vllm`)."""
 
 from __future__ import annotations
 
-import random
-import time
+import functools
 from dataclasses import dataclass
 
 import pytest
-from pd_engines import HEAD_DIM, MODEL, VOCAB, Engine, EngineSpec, free_port_base, write_model
+from pd_engines import (
+    HEAD_DIM,
+    MODEL,
+    Engine,
+    EngineSpec,
+    free_port_base,
+    random_prompt,
+    run_until,
+    write_model,
+)
 
 from kvxfer.integrations.bootstrap import BootstrapClient
+
+# The longest wait for the engines in this module.
+_run_until = functools.partial(run_until, timeout=60.0)
 
 LAYERS, KV_HEADS = 5, 8  # vLLM splits 5 layers over 2 stages as [0, 3) and [3, 5)
 PP_MODEL = {
@@ -64,23 +75,6 @@ def engines(tmp_path_factory):
     finally:
         for engine in started[::-1]:
             engine.close()
-
-
-def _prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(VOCAB) for _ in range(length)]
-
-
-def _run_until(condition, engines, timeout: float = 60.0, on_step=None, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not reached in {timeout} s {what}".strip())
-        for engine in engines:
-            outputs = engine.step()
-            if on_step is not None:
-                on_step(engine, outputs)
-        time.sleep(0.02)
 
 
 def _prefill(prefill: Engine, prompts: dict[str, list[int]]) -> dict[str, dict]:
@@ -174,7 +168,11 @@ def test_pp_workers_register_by_stage_at_their_fixed_ports(engines):
 def test_prefill_pp2_tp2_to_decode_pp1_tp4(engines):
     """Each decode rank reads its 2 heads of layers 0-2 from stage 0's rank holding them and of
     layers 3-4 from stage 1's."""
-    prompts = {"pp2-a": _prompt(1, 45), "pp2-b": _prompt(2, 100), "pp2-c": _prompt(3, 17)}
+    prompts = {
+        "pp2-a": random_prompt(1, 45),
+        "pp2-b": random_prompt(2, 100),
+        "pp2-c": random_prompt(3, 17),
+    }
     params = _prefill(engines.prefill_pp2, prompts)
     loads = {r: (prompts[r], params[r]) for r in prompts}
     _decode(engines.decode_tp4, engines.prefill_pp2, loads)
@@ -182,7 +180,7 @@ def test_prefill_pp2_tp2_to_decode_pp1_tp4(engines):
 
 def test_prefill_pp1_tp2_to_decode_pp2_tp1(engines):
     """Each decode stage reads its layers, every head, from both prefill ranks."""
-    prompts = {"pp1-a": _prompt(4, 70), "pp1-b": _prompt(5, 33)}
+    prompts = {"pp1-a": random_prompt(4, 70), "pp1-b": random_prompt(5, 33)}
     params = _prefill(engines.prefill_pp1, prompts)
     assert all(p["pp_size"] == 1 for p in params.values())
     _decode(engines.decode_pp2, engines.prefill_pp1, {r: (prompts[r], params[r]) for r in prompts})
@@ -191,7 +189,7 @@ def test_prefill_pp1_tp2_to_decode_pp2_tp1(engines):
 def test_prefill_pp2_to_decode_pp2_at_fixed_ports_without_the_bootstrap_service(engines):
     """Parameters without `remote_bootstrap_addr` (built by hand, or by an older kvxfer): the
     decode workers connect to `remote_port + p * tp_size + t` for every prefill stage."""
-    prompts = {"fixed-a": _prompt(6, 64), "fixed-b": _prompt(7, 29)}
+    prompts = {"fixed-a": random_prompt(6, 64), "fixed-b": random_prompt(7, 29)}
     params = _prefill(engines.prefill_pp2, prompts)
     for handed in params.values():
         assert (handed["remote_host"], handed["remote_port"]) == ("127.0.0.1", engines.port)

@@ -11,9 +11,9 @@ connector chooses (`protocol: auto`) and says it chose."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
-import time
 from typing import Any
 
 import pytest
@@ -26,6 +26,7 @@ from pd_engines import (
     EngineSpec,
     free_port_base,
     kv_cache_config,
+    run_until,
     vllm_config,
     write_model,
 )
@@ -33,6 +34,9 @@ from prometheus_client import REGISTRY
 
 from kvxfer.connector import TransferResult
 from kvxfer.integrations.vllm import KvxferConnector, KvxferConnectorStats
+
+# The longest wait for the engines in this module.
+_run_until = functools.partial(run_until, timeout=90.0)
 
 COUNTERS = {
     "transfers": "vllm:kvxfer_transfers_total",
@@ -220,17 +224,6 @@ def _capture_scheduler_stats(engine: Engine) -> list[Any]:
 
     engine.scheduler.update_from_output = update_and_capture
     return captured
-
-
-def _run_until(condition, engines, timeout: float = 90.0, on_step=None) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "the engines did not reach the expected state"
-        for engine in engines:
-            outputs = engine.step()
-            if on_step is not None:
-                on_step(engine, outputs)
-        time.sleep(0.02)
 
 
 def test_a_real_transfer_and_an_expired_request_on_vllms_endpoint(model, clean_registry):
