@@ -84,9 +84,17 @@ def check_token_range(num_tokens: object, start_token: object) -> tuple[int, int
 
 
 def check_block_ids(
-    spec: KVCacheSpec, block_ids: Sequence[int] | np.ndarray, num_tokens: int, who: str
+    spec: KVCacheSpec,
+    block_ids: Sequence[int] | np.ndarray,
+    num_tokens: int,
+    who: str,
+    first_token: int = 0,
 ) -> np.ndarray:
     """Check a request's block table on one rank and return the ids it uses as int64.
+
+    Only the blocks of tokens `[first_token, num_tokens)` are checked: the entries before them
+    are never read or written (a sliding-window group's dropped blocks, which vLLM replaces by
+    its null block, the same id repeated) and come back as given.
 
     Raises:
         ValueError: `num_tokens` not an integer >= 1, too few ids for `num_tokens`, an id out
@@ -102,12 +110,14 @@ def check_block_ids(
             f"{who}: too few block ids: {ids.size} for {num_tokens} tokens at block_size "
             f"{spec.block_size}; pass at least {needed}"
         )
-    used = ids[:needed].astype(np.int64)
+    table = ids[:needed].astype(np.int64)
+    first = first_token // spec.block_size
+    used = table[first:]
     bad = np.flatnonzero((used < 0) | (used >= spec.num_blocks))
     if bad.size:
         raise ValueError(
-            f"{who}: block id {int(used[bad[0]])} (position {int(bad[0])}) is out of range "
-            f"[0, num_blocks={spec.num_blocks})"
+            f"{who}: block id {int(used[bad[0]])} (position {first + int(bad[0])}) is out of "
+            f"range [0, num_blocks={spec.num_blocks})"
         )
     unique, counts = np.unique(used, return_counts=True)
     if (counts > 1).any():
@@ -115,7 +125,7 @@ def check_block_ids(
             f"{who}: block id(s) {unique[counts > 1].tolist()} appear more than once; "
             "each block holds one range of tokens"
         )
-    return used
+    return table
 
 
 MAX_REQUEST_ID_BYTES = 1024

@@ -446,7 +446,10 @@ class KVConsumer:
         self._check_open("fetch")
         request_id = check_request_id(request_id, "fetch")
         num_tokens, start_token = check_token_range(num_tokens, start_token)
-        ids = check_block_ids(self.spec, block_ids, num_tokens, f"fetch({request_id!r})")
+        # Blocks before start_token's are never written: only the fetched ones are checked.
+        ids = check_block_ids(
+            self.spec, block_ids, num_tokens, f"fetch({request_id!r})", start_token
+        )
         if not self._pairs:
             raise ValueError("fetch: connect() to the prefill engine first")
         handle = FetchHandle(request_id, self._wake)

@@ -215,8 +215,14 @@ class KVProducer:
         block_ids: Sequence[int] | np.ndarray,
         num_tokens: int,
         deadline_s: float | None = None,
+        first_token: int = 0,
     ) -> None:
-        """Offer a request's KV (tokens `[0, num_tokens)` in `block_ids`) to decode ranks.
+        """Offer a request's KV (tokens `[first_token, num_tokens)` in `block_ids`) to decode
+        ranks.
+
+        `first_token` > 0: the tokens before it are not held (a sliding-window cache group's
+        dropped blocks, whose `block_ids` entries are never read); a fetch that asks for them
+        fails, naming its blocks, rather than read another request's bytes.
 
         Its blocks stay untouched by kvxfer and are handed back through `release` once every
         decode rank that fetched it reported done, or `deadline_s` (default
@@ -237,14 +243,22 @@ class KVProducer:
         request_id = check_request_id(request_id, "publish")
         where = f"publish({request_id!r})"
         tokens = check_num_tokens(num_tokens, f"{where}: num_tokens")
-        ids = check_block_ids(self.spec, block_ids, tokens, where)
+        if isinstance(first_token, bool) or not isinstance(first_token, (int, np.integer)):
+            raise ValueError(f"{where}: first_token must be an int, got {first_token!r}")
+        held_from = int(first_token)
+        if not 0 <= held_from < tokens:
+            raise ValueError(
+                f"{where}: first_token {held_from} is outside [0, num_tokens={tokens}); pass "
+                "the first token whose KV the blocks still hold (0 for all of them)"
+            )
+        ids = check_block_ids(self.spec, block_ids, tokens, where, held_from)
         timeout = self._request_timeout_s if deadline_s is None else deadline_s
         fence = self._copy_stream.fence()  # before the table: a pack may start right after it
         if fence is not None:
             with self._lock:
                 self._fences[request_id] = fence
         try:
-            aborted = self._requests.publish(request_id, ids, tokens, timeout)
+            aborted = self._requests.publish(request_id, ids, tokens, timeout, held_from)
         except ValueError:
             if fence is not None and self._requests.get(request_id) is None:
                 with self._lock:
@@ -462,11 +476,17 @@ class KVProducer:
             self._send(session, _failed(ask, "the request was released before its chunk ran"))
             return
         if ask.num_tokens != request.num_tokens or not (
-            0 <= ask.token_start < ask.token_end <= request.num_tokens
+            request.first_token <= ask.token_start < ask.token_end <= request.num_tokens
         ):
+            held = f"tokens [{request.first_token}, {request.num_tokens})"
             reason = (
                 f"tokens [{ask.token_start}, {ask.token_end}) of {ask.num_tokens} do not fit the "
-                f"published {request.num_tokens} tokens"
+                f"published {held}"
+                + (
+                    " (a sliding window: the earlier blocks were dropped)"
+                    if request.first_token and ask.token_start < request.first_token
+                    else ""
+                )
             )
             self._send(session, _failed(ask, reason))
             return

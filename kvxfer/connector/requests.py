@@ -29,6 +29,7 @@ class PublishedRequest:
     num_tokens: int
     deadline: float
     generation: int  # tells this publication from an earlier one of the same id
+    first_token: int = 0  # tokens before it are not held (a sliding window's dropped blocks)
     fetchers: dict[str, int] = field(default_factory=dict)  # engine id -> its ranks (PP x TP)
     reported: set[tuple[str, int]] = field(default_factory=set)  # (engine, rank) done
 
@@ -49,9 +50,15 @@ class RequestTable:
         self._ttl, self._max_released = released_ttl_s, max_released
 
     def publish(
-        self, request_id: str, block_ids: np.ndarray, num_tokens: int, timeout: float
+        self,
+        request_id: str,
+        block_ids: np.ndarray,
+        num_tokens: int,
+        timeout: float,
+        first_token: int = 0,
     ) -> bool:
-        """Add a request that expires `timeout` seconds from now.
+        """Add a request that expires `timeout` seconds from now, holding tokens
+        `[first_token, num_tokens)`.
 
         Returns:
             Whether a decode engine aborted the request before it was published: then release
@@ -68,7 +75,7 @@ class RequestTable:
                     f"request_id: {request_id!r} was already published; use a new id per request"
                 )
             self._live[request_id] = PublishedRequest(
-                block_ids, num_tokens, now + timeout, next(_generations)
+                block_ids, num_tokens, now + timeout, next(_generations), first_token=first_token
             )
             return self._aborted.pop(request_id, None) is not None
 

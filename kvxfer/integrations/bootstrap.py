@@ -85,6 +85,8 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             entry it would replace is refused.
         ttl_s: the entry expires this long after its last registration.
         geometry: a summary of its cache (layers, heads, block size...), for people and checks.
+        group_addresses: with several KV cache groups, each group's side channel in group
+            order (the first is `address`); empty with one group.
     """
 
     engine_id: _EngineId
@@ -98,6 +100,7 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     started_at: Annotated[float, msgspec.Meta(ge=0)]
     ttl_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = DEFAULT_TTL_S
     geometry: dict[str, Any] = {}
+    group_addresses: list[Annotated[str, msgspec.Meta(min_length=1, max_length=300)]] = []
 
     @property
     def key(self) -> WorkerKey:
@@ -137,6 +140,7 @@ def new_worker_info(
     *,
     ttl_s: float = DEFAULT_TTL_S,
     geometry: dict[str, Any] | None = None,
+    group_addresses: list[str] | None = None,
 ) -> WorkerInfo:
     """A worker's registration, with a fresh generation and start time; checked.
 
@@ -155,6 +159,7 @@ def new_worker_info(
         started_at=time.time(),
         ttl_s=ttl_s,
         geometry=dict(geometry or {}),
+        group_addresses=list(group_addresses or []),
     )
     return check_worker_info(msgspec.to_builtins(info))
 
@@ -184,9 +189,15 @@ def check_worker_info(data: Any) -> WorkerInfo:
             f"registration: pp_rank {info.pp_rank} is not below pp_size {info.pp_size}"
         )
     try:
-        check_side_channel_address(info.address)
+        for address in (info.address, *info.group_addresses):
+            check_side_channel_address(address)
     except ValueError as exc:
         raise ValueError(f"registration: {exc}") from None
+    if info.group_addresses and info.group_addresses[0] != info.address:
+        raise ValueError(
+            f"registration: group_addresses {info.group_addresses[:4]} must start with address "
+            f"{info.address!r} (KV cache group 0's side channel)"
+        )
     return info
 
 

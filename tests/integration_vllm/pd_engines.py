@@ -153,6 +153,9 @@ class EngineSpec:
     dp_rank: int = 0  # this engine's DP rank, of `dp_size`
     dp_size: int = 1
     pp: int = 1  # pipeline stages, each with `tp` workers
+    # With a window: two KV cache groups (vLLM's hybrid allocator), even layers full attention,
+    # odd layers sliding-window attention over this many tokens.
+    sliding_window: int | None = None
 
     @property
     def engine_id(self) -> str:
@@ -231,27 +234,51 @@ def stage_layers(config: Any, pp_rank: int = 0) -> range:
     return range(start, end)
 
 
-def layer_names(layers: range) -> list[str]:
+def layer_names(layers: Sequence[int]) -> list[str]:
     """The attention layers' names, as vLLM's Llama registers them."""
     return [f"model.layers.{i}.self_attn.attn" for i in layers]
 
 
-def kv_cache_config(spec: EngineSpec, config: Any, pp_rank: int = 0) -> Any:
-    """One full-attention group holding a stage's layers (every layer without pipeline
-    parallelism), planned by vLLM for `num_blocks` blocks. vLLM's scheduler gets the first
-    stage's (`generate_scheduler_kv_cache_config`: the stages differ in layer names only)."""
-    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+def layer_groups(spec: EngineSpec, layers: range) -> list[tuple[list[int], int | None]]:
+    """A stage's model layers by KV cache group, each with its sliding window (None: full
+    attention): one group, or with `spec.sliding_window` the even layers and the odd ones."""
+    if spec.sliding_window is None:
+        return [(list(layers), None)]
+    return [
+        ([layer for layer in layers if layer % 2 == 0], None),
+        ([layer for layer in layers if layer % 2 == 1], spec.sliding_window),
+    ]
 
-    attention = FullAttentionSpec(
-        block_size=spec.block_size,
-        num_kv_heads=max(1, config.model_config.get_total_num_kv_heads() // spec.tp),
-        head_size=HEAD_DIM,
-        dtype=torch.bfloat16,
+
+def kv_cache_config(spec: EngineSpec, config: Any, pp_rank: int = 0) -> Any:
+    """A stage's layers (every layer without pipeline parallelism) in one full-attention
+    group, or a full-attention and a sliding-window group (`spec.sliding_window`), planned by
+    vLLM for `num_blocks` blocks. vLLM's scheduler gets the first stage's
+    (`generate_scheduler_kv_cache_config`: the stages differ in layer names only)."""
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
     )
-    names = layer_names(stage_layers(config, pp_rank))
-    memory = attention.page_size_bytes * spec.num_blocks * len(names)
-    groups = [KVCacheGroupSpec(names, attention)]
+
+    shape = {
+        "block_size": spec.block_size,
+        "num_kv_heads": max(1, config.model_config.get_total_num_kv_heads() // spec.tp),
+        "head_size": HEAD_DIM,
+        "dtype": torch.bfloat16,
+    }
+    groups = [
+        KVCacheGroupSpec(
+            layer_names(layers),
+            FullAttentionSpec(**shape)
+            if window is None
+            else SlidingWindowSpec(**shape, sliding_window=window),
+        )
+        for layers, window in layer_groups(spec, stage_layers(config, pp_rank))
+    ]
+    widest = max(len(g.layer_names) for g in groups)
+    memory = groups[0].kv_cache_spec.page_size_bytes * spec.num_blocks * widest
     return get_kv_cache_config_from_groups(config, groups, memory)
 
 
@@ -320,33 +347,66 @@ class Worker:
         return cls(rank, pp_rank, tp_rank, heads, stage_layers(config, pp_rank))
 
 
-def write_kv(caches, spec, worker: Worker, token_ids, block_ids, start, end) -> None:
-    """The stand-in forward pass of one worker: write its KV of positions `[start, end)`."""
+@dataclass(frozen=True)
+class Group:
+    """One KV cache group of a worker: its model layers, their tensors and its window."""
+
+    layers: list[int]
+    caches: list[torch.Tensor]
+    window: int | None
+
+    def first_token(self, num_tokens: int) -> int:
+        """The first of `num_tokens` tokens this group keeps for the next query: vLLM's
+        sliding-window manager drops the blocks of earlier ones (0 for full attention)."""
+        return 0 if self.window is None else max(0, num_tokens - self.window + 1)
+
+
+def worker_groups(spec: EngineSpec, registered: dict[str, torch.Tensor], layers) -> list[Group]:
+    """A worker's KV cache groups, from its registered tensors."""
+    return [
+        Group(group_layers, [registered[n] for n in layer_names(group_layers)], window)
+        for group_layers, window in layer_groups(spec, layers)
+    ]
+
+
+def write_kv(groups: list[Group], spec, worker: Worker, token_ids, tables, start, end) -> None:
+    """The stand-in forward pass of one worker: write its KV of positions `[start, end)` in
+    every group (`tables[g]`: group `g`'s block table)."""
     if end <= start:
         return
-    values = expected_kv(token_ids, range(start, end), worker.heads, worker.layers)
     positions = torch.arange(start, end)
-    ids = torch.as_tensor(block_ids, dtype=torch.int64)
-    blocks, slots = ids[positions // spec.block_size], positions % spec.block_size
-    for layer, cache in enumerate(caches):
-        for plane in (0, 1):  # advanced indexing reads copies: write through the index
-            dims = slice(plane * HEAD_DIM, (plane + 1) * HEAD_DIM)
-            cache.view(torch.int16)[blocks, :, slots, dims] = values[layer, plane]
+    for group, table in zip(groups, tables, strict=True):
+        values = expected_kv(token_ids, range(start, end), worker.heads, group.layers)
+        ids = torch.as_tensor(table, dtype=torch.int64)
+        blocks, slots = ids[positions // spec.block_size], positions % spec.block_size
+        for layer, cache in enumerate(group.caches):
+            for plane in (0, 1):  # advanced indexing reads copies: write through the index
+                dims = slice(plane * HEAD_DIM, (plane + 1) * HEAD_DIM)
+                cache.view(torch.int16)[blocks, :, slots, dims] = values[layer, plane]
 
 
-def mismatched_tokens(caches, spec, worker: Worker, token_ids, block_ids, num_tokens) -> list[int]:
+def mismatched_tokens(groups: list[Group], spec, worker: Worker, token_ids, tables, num_tokens):
     """Positions in `[0, num_tokens)` whose cells differ from the model's bits on a worker
-    (every layer and head it holds)."""
-    expected = expected_kv(token_ids, range(num_tokens), worker.heads, worker.layers)
-    positions = torch.arange(num_tokens)
-    ids = torch.as_tensor(block_ids, dtype=torch.int64)
-    blocks, slots = ids[positions // spec.block_size], positions % spec.block_size
+    (every layer and head it holds; in a window group, only the positions it keeps)."""
     bad = torch.zeros(num_tokens, dtype=torch.bool)
-    for layer, cache in enumerate(caches):
-        for plane in (0, 1):
-            got = _cells(cache, blocks, slots, plane)
-            bad |= (got != expected[layer, plane]).flatten(1).any(dim=1)
+    for group, table in zip(groups, tables, strict=True):
+        first = group.first_token(num_tokens)
+        expected = expected_kv(token_ids, range(first, num_tokens), worker.heads, group.layers)
+        positions = torch.arange(first, num_tokens)
+        ids = torch.as_tensor(table, dtype=torch.int64)
+        blocks, slots = ids[positions // spec.block_size], positions % spec.block_size
+        for layer, cache in enumerate(group.caches):
+            for plane in (0, 1):
+                got = _cells(cache, blocks, slots, plane)
+                bad[first:] |= (got != expected[layer, plane]).flatten(1).any(dim=1)
     return [int(p) for p in torch.nonzero(bad).flatten()]
+
+
+def _as_tables(block_ids: list) -> list[list[int]]:
+    """A request's block tables per group (a flat list is one group's)."""
+    if block_ids and isinstance(block_ids[0], (list, tuple)):
+        return [list(table) for table in block_ids]
+    return [list(block_ids)]
 
 
 def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int, hold: bool) -> None:
@@ -370,7 +430,7 @@ def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int, hold: bo
     )
     registered = allocate_caches(spec, config, worker.pp_rank)
     connector.register_kv_caches(registered)
-    caches = [registered[name] for name in layer_names(worker.layers)]
+    groups = worker_groups(spec, registered, worker.layers)
     conn.send(("ready", rank))
     while True:
         command, *args = conn.recv()
@@ -382,8 +442,8 @@ def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int, hold: bo
             metadata, finished_ids, compute = args
             connector.bind_connector_metadata(metadata)
             connector.start_load_kv(None)
-            for token_ids, block_ids, start, end in compute:
-                write_kv(caches, spec, worker, token_ids, block_ids, start, end)
+            for token_ids, tables, start, end in compute:
+                write_kv(groups, spec, worker, token_ids, tables, start, end)
             connector.wait_for_save()
             sending, recving = connector.get_finished(set(finished_ids))
             invalid = connector.get_block_ids_with_load_errors()
@@ -391,7 +451,12 @@ def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int, hold: bo
             connector.clear_connector_metadata()
             conn.send((sending, recving, invalid, None if stats is None else stats.data))
         elif command == "check":
-            conn.send(mismatched_tokens(caches, spec, worker, *args))
+            token_ids, block_ids, num_tokens = args
+            tables = _as_tables(block_ids)
+            conn.send(mismatched_tokens(groups, spec, worker, token_ids, tables, num_tokens))
+        elif command == "null_block_untouched":
+            # vLLM's null block (id 0) stands for a window's dropped blocks: never written.
+            conn.send(all(bool((g.caches[0][0].view(torch.uint8) == POISON).all()) for g in groups))
 
 
 class Engine:
@@ -526,10 +591,10 @@ class Engine:
         self.last_scheduled = dict(out.num_scheduled_tokens)
         for req_id, count in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
-            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            tables = [list(t) for t in self.scheduler.kv_cache_manager.get_block_ids(req_id)]
             start = started[req_id]
             tokens = list(request.all_token_ids)
-            compute.append((tokens, list(block_ids), start, start + count))
+            compute.append((tokens, tables, start, start + count))
             if start + count >= request.num_prompt_tokens:
                 sampled[req_id] = [(start + count) * 7 % VOCAB]
         for conn in self.conns:
@@ -581,11 +646,18 @@ class Engine:
         engine_outputs = self.scheduler.update_from_output(out, merged)
         return [o for group in engine_outputs.values() for o in group.outputs]
 
-    def check(self, token_ids: list[int], block_ids: list[int], num_tokens: int) -> list[list]:
+    def check(self, token_ids: list[int], block_ids: list, num_tokens: int) -> list[list]:
         """Every worker's mismatching positions for a request's first `num_tokens` tokens, by
-        worker rank (pp-major)."""
+        worker rank (pp-major); `block_ids`: one table, or one per KV cache group."""
         for conn in self.conns:
             conn.send(("check", token_ids, block_ids, num_tokens))
+        return [conn.recv() for conn in self.conns]
+
+    def null_block_untouched(self) -> list[bool]:
+        """Per worker: whether vLLM's null block (id 0, which stands for a window's dropped
+        blocks) still holds only poison in every group's first layer."""
+        for conn in self.conns:
+            conn.send(("null_block_untouched",))
         return [conn.recv() for conn in self.conns]
 
     def free_blocks(self) -> int:

@@ -10,6 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvxfer.integrations.settings import ConnectorSettings
@@ -28,8 +29,12 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class KvxferConnector(KVConnectorBase_V1):
+class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector over kvxfer, for both roles (`kv_producer`, `kv_consumer`, `kv_both`).
+
+    It supports vLLM's hybrid memory allocator (`SupportsHMA`): full-attention and
+    sliding-window KV cache groups, each moved with its own block table, a window group only
+    inside its window.
 
     The scheduler-side instance decides what moves (`SchedulerSide`); each worker-side
     instance moves its rank's heads (`WorkerSide`). Settings come from
@@ -114,6 +119,12 @@ class KvxferConnector(KVConnectorBase_V1):
         """Prefill side: keep the blocks until decoders are done; hand back the params.
         Decode side: a request finished before its KV was loaded is aborted on the prefill
         engine, which frees its blocks at once."""
+        return self._scheduler_side().request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`request_finished` with the hybrid allocator: one block table per KV cache group."""
         return self._scheduler_side().request_finished(request, block_ids)
 
     # ---- worker side ----

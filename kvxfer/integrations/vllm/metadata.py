@@ -90,22 +90,24 @@ def _count(params: dict[str, Any], key: str, default: int | None, *, lowest: int
 
 @dataclass
 class LoadSpec:
-    """A decode worker's order: fetch tokens `[start_token, num_tokens)` of a remote request."""
+    """A decode worker's order: fetch tokens `[start_token, num_tokens)` of a remote request
+    into `block_ids[g]`, the block table of KV cache group `g`."""
 
     request_id: str
     remote_request_id: str
     remote: RemoteEngine
-    block_ids: list[int]
+    block_ids: list[list[int]]
     num_tokens: int
     start_token: int
 
 
 @dataclass
 class SendSpec:
-    """A prefill worker's order: offer tokens `[0, num_tokens)` in `block_ids` to decoders."""
+    """A prefill worker's order: offer tokens `[0, num_tokens)` in `block_ids` (one table per KV
+    cache group) to decoders."""
 
     request_id: str
-    block_ids: list[int]
+    block_ids: list[list[int]]
     num_tokens: int
 
 

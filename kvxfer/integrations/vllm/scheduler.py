@@ -109,7 +109,7 @@ class SchedulerSide:
                 request_id=request.request_id,
                 remote_request_id=remote.remote_request_id,
                 remote=remote.remote,
-                block_ids=[int(b) for b in blocks.get_block_ids()[0]],
+                block_ids=[[int(b) for b in group] for group in blocks.get_block_ids()],
                 num_tokens=num_tokens,
                 start_token=num_tokens - num_external_tokens,
             )
@@ -127,10 +127,13 @@ class SchedulerSide:
             self._loading.pop(request_id, None)
 
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: list[int] | tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """Prefill: hand the request's blocks over (`block_ids`: one table, or one per KV cache
+        group with vLLM's hybrid allocator). Decode: abort a load that never finished."""
         from vllm.v1.request import RequestStatus
 
+        tables = _block_tables(block_ids)
         params = request.kv_transfer_params
         if not params:
             return False, None
@@ -141,10 +144,10 @@ class SchedulerSide:
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         )
-        if not finished_normally or not block_ids or request.num_computed_tokens <= 0:
+        if not finished_normally or not any(tables) or request.num_computed_tokens <= 0:
             return False, None  # aborted or empty: nothing to hand over, free now
         num_tokens = request.num_computed_tokens
-        self._sends.append(SendSpec(request.request_id, [int(b) for b in block_ids], num_tokens))
+        self._sends.append(SendSpec(request.request_id, tables, num_tokens))
         handed = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -153,7 +156,8 @@ class SchedulerSide:
             "remote_bootstrap_addr": self._bootstrap_url,
             "remote_dp_rank": self._dp_rank,
             "remote_host": self._settings.side_channel_host,
-            "remote_block_ids": [int(b) for b in block_ids],
+            # One list, or one per KV cache group (as vLLM's connectors pass them with HMA).
+            "remote_block_ids": tables[0] if len(tables) == 1 else tables,
             "remote_num_tokens": num_tokens,
             "tp_size": self._tp_size,
             "pp_size": self._pp_size,
@@ -180,6 +184,15 @@ class SchedulerSide:
                 remote = _abort_spec(request.request_id, params)
         if remote is not None:
             self._aborts.append(remote)
+
+
+def _block_tables(block_ids: list[int] | tuple[list[int], ...]) -> list[list[int]]:
+    """One block table per KV cache group: vLLM passes a tuple of per-group lists to
+    `request_finished_all_groups` (hybrid allocator), one list to `request_finished`."""
+    groups: list[Any] = list(block_ids)
+    if groups and isinstance(groups[0], (list, tuple)):
+        return [[int(b) for b in group] for group in groups]
+    return [[int(b) for b in groups]]
 
 
 def _abort_spec(request_id: str, params: dict[str, Any]) -> AbortSpec:

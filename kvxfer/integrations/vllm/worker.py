@@ -1,10 +1,16 @@
-"""The worker side of `KvxferConnector`: one `KVProducer` per prefill worker, registered with
-the engine's bootstrap service; `KVConsumer`s per remote engine (one DP rank of a prefill
-engine) on decode workers, found through that service; fetches off the engine's step."""
+"""The worker side of `KvxferConnector`: one `GroupedProducer` per prefill worker, registered
+with the engine's bootstrap service; `GroupedConsumer`s per remote engine (one DP rank of a
+prefill engine) on decode workers, found through that service; fetches off the engine's step.
+
+Each of vLLM's KV cache groups (hybrid memory allocator: full-attention and sliding-window
+layers, each group with its own block table) is moved by a producer and consumer of its own
+(`kvxfer.connector.groups`); a sliding-window group moves only the tokens inside its window.
+A worker registers one side channel per group, in vLLM's group order."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import time
@@ -15,7 +21,14 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from kvxfer.connector import FetchHandle, KVConsumer, KVProducer, TransferResult
+from kvxfer.connector import (
+    CacheGroup,
+    GroupedConsumer,
+    GroupedFetch,
+    GroupedProducer,
+    TransferResult,
+    window_start,
+)
 from kvxfer.integrations.bootstrap import BootstrapClient, Registration, new_worker_info
 from kvxfer.integrations.kv_tensors import EngineGeometry, spec_from_layers
 from kvxfer.integrations.settings import ConnectorSettings
@@ -28,7 +41,6 @@ from kvxfer.integrations.vllm.metadata import (
 from kvxfer.integrations.vllm.scheduler import data_parallel_rank
 from kvxfer.integrations.vllm.stats import KvxferConnectorStats
 from kvxfer.plan.layout import blocks_of_tokens
-from kvxfer.spec import KVCacheSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,7 +77,7 @@ class _Load:
     spec: LoadSpec
     route: _Route
     deadline: float  # `fetch_timeout_s` after vLLM ordered it, connect included
-    handle: FetchHandle | None = None
+    handle: GroupedFetch | None = None
     result: TransferResult | None = None  # set when it ended without a fetch
     aborted: bool = False  # vLLM finished the request: nothing to report but the end
 
@@ -73,13 +85,14 @@ class _Load:
 @dataclass
 class _Remote:
     """One DP rank of a prefill engine this rank loads from. Only the engine's thread touches
-    it; its `KVConsumer` is created, its ranks looked up and connected on the worker's thread
+    it; its `GroupedConsumer` is created, its ranks looked up and connected on the worker's thread
     pool (see `WorkerSide`)."""
 
     engine_id: str
     dp_rank: int
-    consumer: KVConsumer | None = None
-    connected: tuple[str, ...] | None = None  # the addresses `consumer` is connected to
+    consumer: GroupedConsumer | None = None
+    # The ranks `consumer` is connected to: each rank's side channels (`_rank_channels`).
+    connected: tuple[str, ...] | None = None
     route: _Route | None = None  # how `connected` was found
     fingerprint: _Fingerprint | None = None  # the registrations `connected` came from
     stale: bool = False  # a load failed since: look the engine up again before the next
@@ -104,13 +117,14 @@ class _Connected:
     route: _Route
     addresses: tuple[str, ...]
     fingerprint: _Fingerprint | None
-    consumer: KVConsumer | None
+    consumer: GroupedConsumer | None
     error: Exception | None
 
 
 class WorkerSide:
-    """One worker (a TP rank of a pipeline stage): a `KVProducer` (prefill) and a
-    `KVConsumer` per remote engine (decode), over the layers of its stage.
+    """One worker (a TP rank of a pipeline stage): a `GroupedProducer` (prefill) and a
+    `GroupedConsumer` per remote engine (decode), over the layers of its stage, one producer
+    or consumer per KV cache group.
 
     A prefill worker binds its side channel (a free port by default) and registers it with
     the engine's bootstrap service under (engine id, DP rank, TP rank, PP rank); the
@@ -144,10 +158,10 @@ class WorkerSide:
         self._settings = settings
         self._engine_id = engine_id
         self._geometry = _engine_geometry(vllm_config, kv_cache_config)
+        self._kv_cache_config = kv_cache_config
         self._produces, self._consumes = produces, consumes
-        self._spec: KVCacheSpec | None = None
-        self._caches: list[torch.Tensor] = []
-        self._producer: KVProducer | None = None
+        self._groups: list[CacheGroup] = []
+        self._producer: GroupedProducer | None = None
         parallel = vllm_config.parallel_config
         self._dp_rank = data_parallel_rank(vllm_config)
         self._pp_rank, self._pp_size = self._geometry.pp_rank, self._geometry.pp_size
@@ -162,7 +176,7 @@ class WorkerSide:
             thread_name_prefix=f"kvxfer-dp{self._dp_rank}-pp{self._pp_rank}-tp{self.tp_rank}",
         )
         self._tasks: list[concurrent.futures.Future[Any]] = []  # in flight
-        self._spare: KVConsumer | None = None  # created, never connected (see `_keep_spare`)
+        self._spare: GroupedConsumer | None = None  # created, never connected (see `_keep_spare`)
         self._loading: dict[str, _Load] = {}
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._unreported_releases: set[str] = set()
@@ -182,17 +196,16 @@ class WorkerSide:
         return self._geometry.tp_rank
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Read this worker's spec from its layer tensors (with pipeline parallelism: its
-        stage's layers, placed by their names); start serving (prefill)."""
-        indices = _layer_indices(list(kv_caches), self._geometry.pp_size)
-        spec, self._caches = spec_from_layers(list(kv_caches.values()), self._geometry, indices)
-        self._spec = spec
-        log.info("kvxfer %s: %s", spec.rank_name, spec)
+        """Read this worker's KV cache groups from its layer tensors (with pipeline
+        parallelism: its stage's layers, placed by their names); start serving (prefill)."""
+        self._groups = cache_groups(kv_caches, self._kv_cache_config, self._geometry)
+        for index, group in enumerate(self._groups):
+            window = "" if group.sliding_window is None else f", window {group.sliding_window}"
+            log.info("kvxfer %s group %d%s: %s", group.spec.rank_name, index, window, group.spec)
         if self._produces:
             s = self._settings
-            self._producer = KVProducer(
-                spec,
-                self._caches,
+            self._producer = GroupedProducer(
+                self._groups,
                 self._engine_id,
                 s.side_channel_host,
                 self._side_channel_port(),
@@ -204,7 +217,7 @@ class WorkerSide:
                 request_timeout_s=s.request_timeout_s,
                 backend=s.backend,
             )
-            self._register(spec, self._producer.address)
+            self._register(self._producer.addresses)
 
     def _side_channel_port(self) -> int:
         """0 (a free port, registered), or this worker's fixed port: distinct for every
@@ -222,7 +235,7 @@ class WorkerSide:
             )
         return port
 
-    def _register(self, spec: KVCacheSpec, address: str) -> None:
+    def _register(self, addresses: list[str]) -> None:
         """Register this worker's side channel with the bootstrap service, and keep it
         registered, in the background (the service may start after the workers: vLLM creates
         the scheduler, which runs it, once every worker registered its caches)."""
@@ -231,10 +244,11 @@ class WorkerSide:
             self._dp_rank,
             self.tp_rank,
             self._pp_rank,
-            address,
+            addresses[0],
             self._geometry.tp_size,
             self._pp_size,
-            geometry=msgspec.to_builtins(spec),
+            geometry=msgspec.to_builtins(self._groups[0].spec),
+            group_addresses=addresses if len(addresses) > 1 else None,
         )
         client = BootstrapClient(self._bootstrap_url, secret=self._settings.secret, timeout_s=3.0)
         self._registration = Registration(client, info).start()
@@ -339,8 +353,17 @@ class WorkerSide:
             spec.remote,
             why,
         )
-        failed = blocks_of_tokens(
-            spec.block_ids, self._geometry.block_size, spec.start_token, spec.num_tokens
+        failed = sorted(
+            {
+                block
+                for group, table in zip(self._groups, spec.block_ids, strict=True)
+                for block in blocks_of_tokens(
+                    table,
+                    group.spec.block_size,
+                    max(spec.start_token, window_start(spec.num_tokens, group.sliding_window)),
+                    spec.num_tokens,
+                )
+            }
         )
         return TransferResult(False, failed, 0, 0, "", 0.0, [why])
 
@@ -368,7 +391,7 @@ class WorkerSide:
     def _connect_task(
         self,
         remote: _Remote,
-        consumer: KVConsumer | None,
+        consumer: GroupedConsumer | None,
         route: _Route,
         current: tuple[tuple[str, ...] | None, _Fingerprint | None],
     ) -> None:
@@ -386,7 +409,10 @@ class WorkerSide:
                 consumer = self._new_consumer()
             same = fingerprint is None or known is None or fingerprint == known
             if connected != addresses or not same:
-                consumer.connect(list(addresses), timeout=self._settings.handshake_timeout_s)
+                consumer.connect(
+                    [_split_channels(a) for a in addresses],
+                    timeout=self._settings.handshake_timeout_s,
+                )
         except Exception as exc:
             error = exc
         self._connected.put(_Connected(remote, route, addresses, fingerprint, consumer, error))
@@ -405,16 +431,15 @@ class WorkerSide:
         client = BootstrapClient(bootstrap, secret=s.secret, timeout_s=s.handshake_timeout_s)
         workers = client.lookup(remote.engine_id, remote.dp_rank, s.handshake_timeout_s)
         return (
-            tuple(w.address for w in workers),
+            tuple(_rank_channels(w.group_addresses or [w.address]) for w in workers),
             tuple((w.address, w.generation) for w in workers),
         )
 
-    def _new_consumer(self) -> KVConsumer:
-        assert self._spec is not None, "register_kv_caches() comes first"
+    def _new_consumer(self) -> GroupedConsumer:
+        assert self._groups, "register_kv_caches() comes first"
         s = self._settings
-        return KVConsumer(
-            self._spec,
-            self._caches,
+        return GroupedConsumer(
+            self._groups,
             self._engine_id,
             s.side_channel_host,
             secret=s.secret,
@@ -479,7 +504,7 @@ class WorkerSide:
             elif remote.consumer is None:
                 del self._remotes[remote.key]  # never connected: keep nothing
 
-    def _keep_spare(self, consumer: KVConsumer) -> None:
+    def _keep_spare(self, consumer: GroupedConsumer) -> None:
         """Keep a consumer whose first connect failed for the next remote engine: destroying
         a Mooncake engine stalls the whole process for about a second (it holds the GIL), so
         a decode engine pointed at a dead prefill engine must not create and destroy one per
@@ -594,15 +619,83 @@ class WorkerSide:
             self._producer = None
 
 
-def _every_session_alive(consumer: KVConsumer | None) -> bool:
-    """Whether `consumer` has lost no producer rank (a dead session: the rank went silent or
-    restarted). Its monitoring snapshot takes no lock and makes no call."""
+def _every_session_alive(consumer: GroupedConsumer | None) -> bool:
+    """Whether `consumer` has lost no producer rank in any group (a dead session: the rank
+    went silent or restarted). Its monitoring snapshots take no lock and make no call."""
     if consumer is None:
         return False
     try:
-        return int(consumer.stats_snapshot()["dead_sessions"]) == 0  # type: ignore[call-overload]
+        return consumer.dead_sessions() == 0
     except Exception:  # a snapshot taken while the consumer changes: look up again
         return False
+
+
+def _rank_channels(addresses: list[str]) -> str:
+    """A producer rank's side channels, one per KV cache group, as one string (comma
+    separated: addresses hold none), so that ranks compare and log as plain strings."""
+    return ",".join(addresses)
+
+
+def _split_channels(channels: str) -> list[str]:
+    """The per-group side channels of `_rank_channels`."""
+    return channels.split(",")
+
+
+def cache_groups(
+    kv_caches: dict[str, torch.Tensor],
+    kv_cache_config: KVCacheConfig | None,
+    geometry: EngineGeometry,
+) -> list[CacheGroup]:
+    """This worker's KV cache groups, in vLLM's group order: each group's registered layers
+    with its own spec (block size included) and its sliding window, if any. Without a
+    `kv_cache_config` (or with one group), every registered layer is one group.
+
+    Raises:
+        ValueError: a group kvxfer cannot move (Mamba state, cross-layer sharing), or several
+            groups with pipeline parallelism, naming the group and the fix.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
+    if len(groups) <= 1:
+        layers = list(kv_caches)
+        window = _window_of(groups[0].kv_cache_spec) if groups else None
+        spec, caches = spec_from_layers(
+            list(kv_caches.values()), geometry, _layer_indices(layers, geometry.pp_size)
+        )
+        return [CacheGroup(spec, caches, window)]
+    if geometry.pp_size > 1:
+        raise ValueError(
+            f"kvxfer: {len(groups)} KV cache groups with pipeline parallelism are not "
+            "supported; run the model with pipeline_parallel_size 1, or disable the hybrid "
+            "KV cache manager (--disable-hybrid-kv-cache-manager)"
+        )
+    result = []
+    for index, group in enumerate(groups):
+        kind = group.kv_cache_spec
+        if not isinstance(kind, (FullAttentionSpec, SlidingWindowSpec)):
+            raise ValueError(
+                f"kvxfer: KV cache group {index} is a {type(kind).__name__}; kvxfer moves "
+                "full-attention and sliding-window groups (Mamba state is not supported yet)"
+            )
+        names = [name for name in group.layer_names if name in kv_caches]
+        if not names:
+            raise ValueError(
+                f"kvxfer: none of KV cache group {index}'s layers ({group.layer_names[:4]}) "
+                "was registered; register every attention layer's cache"
+            )
+        own = dataclasses.replace(geometry, block_size=int(kind.block_size))
+        spec, caches = spec_from_layers(
+            [kv_caches[n] for n in names], own, _layer_indices(names, geometry.pp_size)
+        )
+        result.append(CacheGroup(spec, caches, _window_of(kind)))
+    return result
+
+
+def _window_of(kind: Any) -> int | None:
+    """A vLLM group spec's sliding window in tokens (None: full attention)."""
+    window = getattr(kind, "sliding_window", None)
+    return int(window) if window else None
 
 
 def _engine_geometry(

@@ -1,0 +1,339 @@
+"""Several KV cache groups per rank (vLLM's hybrid memory allocator): full-attention and
+sliding-window layers, each group with its own geometry, layer tensors and block table.
+
+A group is moved by a `KVProducer`/`KVConsumer` of its own (its own side channel and planner;
+the groups of a request are fetched in parallel), and the request is whole only when every
+group is: `GroupedProducer` releases a request once every group's producer did,
+`GroupedFetch` reports one result with the failed blocks of every group (vLLM's groups share
+one block pool, so their block ids never collide).
+
+A sliding-window group moves only the tokens a query can still attend:
+- the consumer fetches `[window_start(num_tokens, window), num_tokens)`: the next position
+  computed (`num_tokens`, the first token not loaded) attends to the `window - 1` tokens before
+  it; vLLM has already replaced the blocks of earlier tokens by its null block;
+- the producer holds `[num_tokens - window, num_tokens)` (`held_from`): one token more than a
+  decode rank ever asks for when it recomputes the prompt's last token, which is what vLLM's
+  sliding-window manager keeps after the prefill (it drops blocks below the tokens the last
+  chunk attends to). A fetch below that fails with its blocks named, never reading a block
+  that another request now owns.
+
+Groups pair by index: both engines serve the same model, so vLLM builds the same groups in
+the same order on both sides; `connect` checks that every producer rank has as many groups.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvxfer.connector.consumer import FetchHandle, KVConsumer, TransferResult
+from kvxfer.connector.producer import KVProducer
+from kvxfer.plan import PairPlan
+from kvxfer.spec import KVCacheSpec
+from kvxfer.validation import check_block_ids, check_num_tokens, check_request_id
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One KV cache group of a rank.
+
+    Attributes:
+        spec: the group's geometry (its layers only: `num_layers` counts the group's layers).
+        caches: its layer tensors, in the spec's shape.
+        sliding_window: the attention window in tokens (vLLM's `sliding_window`), or None for
+            full attention.
+    """
+
+    spec: KVCacheSpec
+    caches: Sequence[torch.Tensor]
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+            raise ValueError(f"CacheGroup.sliding_window: {window!r} is not an int or None")
+        if window is not None and window < 1:
+            raise ValueError(
+                f"CacheGroup.sliding_window: {window} tokens; pass a window >= 1, or None for "
+                "full attention"
+            )
+
+
+def window_start(num_tokens: int, sliding_window: int | None) -> int:
+    """The first of `num_tokens` tokens that the query at position `num_tokens` attends to
+    with a sliding window of `sliding_window` tokens (0 for full attention)."""
+    if sliding_window is None:
+        return 0
+    return max(0, num_tokens - sliding_window + 1)
+
+
+def held_from(num_tokens: int, sliding_window: int | None) -> int:
+    """The first token whose KV a prefill rank still holds when it hands a request of
+    `num_tokens` tokens over (see the module docstring; 0 for full attention)."""
+    if sliding_window is None:
+        return 0
+    return max(0, num_tokens - sliding_window)
+
+
+def _group_tables(
+    groups: Sequence[CacheGroup], block_ids: Sequence[Sequence[int] | np.ndarray], who: str
+) -> list[Sequence[int] | np.ndarray]:
+    """`block_ids` checked to hold one table per group."""
+    if isinstance(block_ids, np.ndarray) or len(block_ids) != len(groups):
+        count = "an array" if isinstance(block_ids, np.ndarray) else f"{len(block_ids)} tables"
+        raise ValueError(
+            f"{who}: block_ids must hold one block table per KV cache group ({len(groups)}), "
+            f"got {count}; pass a list of per-group lists"
+        )
+    return list(block_ids)
+
+
+class GroupedProducer:
+    """A prefill rank's KV cache groups, each served by a `KVProducer` of its own.
+
+    Args:
+        groups: the rank's groups, in the engine's group order.
+        engine_id, host: as `KVProducer`.
+        port: group 0's side-channel port (0: a free one); the other groups always listen on
+            free ports (`addresses` says where).
+        release: called once per request, when every group released it.
+        **options: every other `KVProducer` option, for each group.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[CacheGroup],
+        engine_id: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        release: Callable[[str], None] | None = None,
+        **options: Any,
+    ) -> None:
+        if not groups:
+            raise ValueError("GroupedProducer: no KV cache groups; pass at least one")
+        self.groups = list(groups)
+        self._release_cb = release
+        self._lock = threading.Lock()
+        self._released: dict[str, int] = {}  # request id -> groups that released it
+        self.producers: list[KVProducer] = []
+        try:
+            for index, group in enumerate(self.groups):
+                self.producers.append(
+                    KVProducer(
+                        group.spec,
+                        group.caches,
+                        engine_id,
+                        host,
+                        port if index == 0 else 0,
+                        release=self._group_released,
+                        **options,
+                    )
+                )
+        except Exception:
+            self.close()
+            raise
+
+    @property
+    def addresses(self) -> list[str]:
+        """Each group's side channel, in group order."""
+        return [p.address for p in self.producers]
+
+    @property
+    def expired_requests(self) -> int:
+        """Requests released at their deadline, over every group (a request counts once per
+        group it expired in)."""
+        return sum(p.expired_requests for p in self.producers)
+
+    def publish(
+        self,
+        request_id: str,
+        block_ids: Sequence[Sequence[int] | np.ndarray],
+        num_tokens: int,
+        deadline_s: float | None = None,
+    ) -> None:
+        """Offer a request's KV: `block_ids[g]` is group `g`'s block table. A sliding-window
+        group offers the tokens it still holds (`held_from`). Every table is checked before
+        any group publishes.
+
+        Raises:
+            ValueError: a bad id, token count or table (naming the group), or an id already
+                published.
+        """
+        request_id = check_request_id(request_id, "publish")
+        tokens = check_num_tokens(num_tokens, f"publish({request_id!r}): num_tokens")
+        tables = _group_tables(self.groups, block_ids, f"publish({request_id!r})")
+        firsts = [held_from(tokens, g.sliding_window) for g in self.groups]
+        checks = zip(self.groups, tables, firsts, strict=True)
+        for index, (group, table, first) in enumerate(checks):
+            where = f"publish({request_id!r}) group {index}"
+            check_block_ids(group.spec, table, tokens, where, first)
+        for producer, table, first in zip(self.producers, tables, firsts, strict=True):
+            producer.publish(request_id, table, tokens, deadline_s, first_token=first)
+
+    def _group_released(self, request_id: str) -> None:
+        with self._lock:
+            count = self._released.get(request_id, 0) + 1
+            whole = count == len(self.producers)
+            if whole:
+                self._released.pop(request_id, None)
+            else:
+                self._released[request_id] = count
+        if whole and self._release_cb is not None:
+            self._release_cb(request_id)
+
+    def close(self) -> None:
+        """Close every group's producer (each releases what it still holds)."""
+        for producer in self.producers:
+            producer.close()
+
+
+class GroupedFetch:
+    """A fetch of every group of a request; one result for all of them."""
+
+    def __init__(self, request_id: str, handles: Sequence[FetchHandle | None]) -> None:
+        self.request_id = request_id
+        self.handles = list(handles)  # None: the group had nothing to move
+
+    def done(self) -> bool:
+        """Whether every group's fetch has finished."""
+        return all(h is None or h.done() for h in self.handles)
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        """Every group's result, merged: ok only if every group's is; the failed blocks of
+        every group; bytes and operations summed; the slowest group's time. `timeout`
+        applies to the whole (see `FetchHandle.wait`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results = []
+        for handle in self.handles:
+            if handle is None:
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            results.append(handle.wait(left))
+        return merge_results(results)
+
+    def cancel(self) -> None:
+        """Abandon every group's fetch (see `FetchHandle.cancel`)."""
+        for handle in self.handles:
+            if handle is not None:
+                handle.cancel()
+
+
+def merge_results(results: Sequence[TransferResult]) -> TransferResult:
+    """One result for the groups of a request (an empty list: nothing to move, ok)."""
+    strategies = [r.strategy for r in results if r.strategy]
+    return TransferResult(
+        ok=all(r.ok for r in results),
+        failed_block_ids=sorted({b for r in results for b in r.failed_block_ids}),
+        bytes=sum(r.bytes for r in results),
+        num_ops=sum(r.num_ops for r in results),
+        strategy=",".join(dict.fromkeys(",".join(strategies).split(","))) if strategies else "",
+        seconds=max((r.seconds for r in results), default=0.0),
+        errors=[e for r in results for e in r.errors],
+    )
+
+
+class GroupedConsumer:
+    """A decode rank's KV cache groups, each fetched by a `KVConsumer` of its own.
+
+    Args:
+        groups: the rank's groups, in the engine's group order (the producer's).
+        engine_id, host: as `KVConsumer`.
+        **options: every other `KVConsumer` option, for each group.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[CacheGroup],
+        engine_id: str,
+        host: str = "127.0.0.1",
+        **options: Any,
+    ) -> None:
+        if not groups:
+            raise ValueError("GroupedConsumer: no KV cache groups; pass at least one")
+        self.groups = list(groups)
+        self.consumers: list[KVConsumer] = []
+        try:
+            for group in self.groups:
+                self.consumers.append(
+                    KVConsumer(group.spec, group.caches, engine_id, host, **options)
+                )
+        except Exception:
+            self.close()
+            raise
+
+    def connect(
+        self, producer_addresses: Sequence[str | Sequence[str]], timeout: float = 10.0
+    ) -> list[list[PairPlan]]:
+        """Connect every group to the prefill engine: `producer_addresses[r]` is producer rank
+        `r`'s side channels, one per group in group order (`GroupedProducer.addresses`; a
+        plain address for an engine of one group). Returns each group's pair plans.
+
+        Raises:
+            ValueError: a producer rank with another number of groups than this rank.
+            ConnectionError, TimeoutError: as `KVConsumer.connect`.
+        """
+        per_rank = [[a] if isinstance(a, str) else list(a) for a in producer_addresses]
+        for rank, addresses in enumerate(per_rank):
+            if len(addresses) != len(self.groups):
+                raise ValueError(
+                    f"connect: producer rank {rank} serves {len(addresses)} KV cache group(s) "
+                    f"at {addresses}, this rank has {len(self.groups)}; both engines must run "
+                    "the same model with the same hybrid-allocator setting"
+                )
+        return [
+            consumer.connect([addresses[g] for addresses in per_rank], timeout)
+            for g, consumer in enumerate(self.consumers)
+        ]
+
+    def fetch(
+        self,
+        request_id: str,
+        block_ids: Sequence[Sequence[int] | np.ndarray],
+        num_tokens: int,
+        start_token: int = 0,
+        timeout: float | None = None,
+    ) -> GroupedFetch:
+        """Start fetching tokens `[start_token, num_tokens)` of every group: `block_ids[g]`
+        is group `g`'s table; a sliding-window group fetches only from `window_start`.
+
+        Raises:
+            ValueError: a bad id, range or table (nothing starts), as `KVConsumer.fetch`.
+        """
+        request_id = check_request_id(request_id, "fetch")
+        num_tokens = check_num_tokens(num_tokens, f"fetch({request_id!r}): num_tokens")
+        tables = _group_tables(self.groups, block_ids, f"fetch({request_id!r})")
+        handles: list[FetchHandle | None] = []
+        try:
+            for group, consumer, table in zip(self.groups, self.consumers, tables, strict=True):
+                start = max(start_token, window_start(num_tokens, group.sliding_window))
+                if start >= num_tokens:
+                    handles.append(None)  # a full prefix hit: nothing of this group moves
+                    continue
+                handles.append(consumer.fetch(request_id, table, num_tokens, start, timeout))
+        except Exception:
+            for handle in handles:
+                if handle is not None:
+                    handle.cancel()
+            raise
+        return GroupedFetch(request_id, handles)
+
+    def abort(self, request_id: str) -> None:
+        """Tell every group's producers that this engine will never load the request."""
+        for consumer in self.consumers:
+            consumer.abort(request_id)
+
+    def dead_sessions(self) -> int:
+        """Producer sessions lost (a rank went silent or restarted), over every group."""
+        return sum(int(c.stats_snapshot()["dead_sessions"]) for c in self.consumers)  # type: ignore[call-overload]
+
+    def close(self) -> None:
+        """Close every group's consumer."""
+        for consumer in self.consumers:
+            consumer.close()

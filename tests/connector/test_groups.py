@@ -1,0 +1,202 @@
+"""Several KV cache groups per rank over real Mooncake TCP on 127.0.0.1: a full-attention group
+and a sliding-window group, each with its own block table, prefill TP 2 (blocks of 16, NHD)
+-> decode TP 3 (blocks of 32, HND). Tables hold vLLM's null block (id 0) where the window
+dropped blocks. Checked bit for bit on poisoned destinations: the full group gets every token,
+the window group exactly the tokens the next query attends to and nothing else; a rank asking
+a window group for tokens the prefill no longer holds fails with its blocks named, writing
+nothing; a request is released once, when every group released it."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from helpers import POISON_BYTE, bits, side_specs
+
+from kvxfer import allocate_kv_caches
+from kvxfer.connector import CacheGroup, GroupedConsumer, GroupedProducer, window_start
+from kvxfer.connector.groups import held_from
+from kvxfer.reference import random_global_kv, write_rank_cells
+
+NULL_BLOCK = 0  # vLLM's null block: never holds a token of a request
+NUM_TOKENS, WINDOW, HEADS = 70, 20, 6
+
+
+def _table(spec, num_tokens: int, first_token: int, rng: np.random.Generator) -> np.ndarray:
+    """A scattered block table whose blocks wholly before `first_token` are the null block."""
+    needed = -(-num_tokens // spec.block_size)
+    ids = rng.permutation(np.arange(1, spec.num_blocks))[:needed].astype(np.int64)
+    ids[: first_token // spec.block_size] = NULL_BLOCK
+    return ids
+
+
+class Side:
+    """One engine's ranks, each with a full-attention group and a window group."""
+
+    def __init__(self, tp: int, block_size: int, layout: str, windows, seed: int) -> None:
+        placement = "kv_first" if layout == "NHD" else "blocks_first"
+        self.specs = side_specs(
+            tp, heads=HEADS, block_size=block_size, layout=layout, placement=placement
+        )
+        self.windows = windows
+        self.caches = [[allocate_kv_caches(s) for _ in windows] for s in self.specs]
+        self.rng = np.random.default_rng(seed)
+
+    def groups(self, rank: int) -> list[CacheGroup]:
+        return [
+            CacheGroup(self.specs[rank], caches, window)
+            for caches, window in zip(self.caches[rank], self.windows, strict=True)
+        ]
+
+
+@pytest.fixture
+def request_kv():
+    """The request's global KV per group (layers 0 and 2 full, 1 and 3 windowed: two groups)."""
+    (spec,) = side_specs(1, heads=HEADS)
+    return [random_global_kv(spec, NUM_TOKENS, seed=seed) for seed in (1, 2)]
+
+
+def _prefill(request_kv) -> tuple[Side, list[list[np.ndarray]]]:
+    side = Side(2, 16, "NHD", [None, WINDOW], seed=3)
+    tables = []
+    for rank, spec in enumerate(side.specs):
+        per_group = []
+        for caches, window, kv in zip(side.caches[rank], side.windows, request_kv, strict=True):
+            for tensor in caches:
+                tensor.copy_(torch.randn(tensor.shape))  # other requests' bytes
+            first = held_from(NUM_TOKENS, window)
+            ids = _table(spec, NUM_TOKENS, first, side.rng)
+            write_rank_cells(spec, caches, ids, kv, first, NUM_TOKENS)
+            per_group.append(ids)
+        tables.append(per_group)
+    return side, tables
+
+
+def _decode(windows) -> tuple[Side, list[list[np.ndarray]]]:
+    side = Side(3, 32, "HND", windows, seed=4)
+    tables = []
+    for rank, spec in enumerate(side.specs):
+        per_group = []
+        for caches, window in zip(side.caches[rank], windows, strict=True):
+            for tensor in caches:
+                bits(tensor).fill_(POISON_BYTE)
+            per_group.append(_table(spec, NUM_TOKENS, window_start(NUM_TOKENS, window), side.rng))
+        tables.append(per_group)
+    return side, tables
+
+
+def _expected(side: Side, tables, request_kv, windows) -> list[list[list[torch.Tensor]]]:
+    """Each decode rank's caches per group as they must be: poison, plus the moved tokens."""
+    expected = []
+    for rank, spec in enumerate(side.specs):
+        per_group = []
+        for caches, ids, kv, window in zip(
+            side.caches[rank], tables[rank], request_kv, windows, strict=True
+        ):
+            want = [torch.full_like(bits(t), POISON_BYTE).view(t.dtype) for t in caches]
+            write_rank_cells(spec, want, ids, kv, window_start(NUM_TOKENS, window), NUM_TOKENS)
+            per_group.append(want)
+        expected.append(per_group)
+    return expected
+
+
+def _assert_equal(side: Side, expected) -> None:
+    for rank, per_group in enumerate(expected):
+        for group, want in enumerate(per_group):
+            for layer, (got, w) in enumerate(zip(side.caches[rank][group], want, strict=True)):
+                assert torch.equal(bits(got), bits(w)), f"rank {rank} group {group} layer {layer}"
+
+
+def test_full_and_window_groups_move_exactly_their_tokens(request_kv):
+    prefill, src_tables = _prefill(request_kv)
+    released: list[list[str]] = [[] for _ in prefill.specs]
+    producers = [
+        GroupedProducer(prefill.groups(r), "prefill", release=released[r].append)
+        for r in range(len(prefill.specs))
+    ]
+    windows = [None, WINDOW]
+    decode, dst_tables = _decode(windows)
+    consumers = [GroupedConsumer(decode.groups(r), "decode") for r in range(len(decode.specs))]
+    try:
+        for consumer in consumers:
+            consumer.connect([p.addresses for p in producers], timeout=10)
+        for producer, tables in zip(producers, src_tables, strict=True):
+            producer.publish("r", tables, NUM_TOKENS)
+        handles = [
+            c.fetch("r", tables, NUM_TOKENS)
+            for c, tables in zip(consumers, dst_tables, strict=True)
+        ]
+        results = [h.wait(30) for h in handles]
+        assert all(r.ok for r in results), [r.errors for r in results]
+        _assert_equal(decode, _expected(decode, dst_tables, request_kv, windows))
+        # The window group moved fewer bytes than the full group: only its window.
+        for handle in handles:
+            full, windowed = (h.wait() for h in handle.handles)
+            assert windowed.bytes < full.bytes
+        deadline = time.monotonic() + 10
+        while not all(released) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert released == [["r"], ["r"]]  # once each, after every group was done
+    finally:
+        for c in consumers:
+            c.close()
+        for p in producers:
+            p.close()
+
+
+def test_a_rank_asking_for_dropped_window_tokens_fails_with_its_blocks(request_kv):
+    prefill, src_tables = _prefill(request_kv)
+    producers = [GroupedProducer(prefill.groups(r), "prefill") for r in range(2)]
+    # A decode engine that takes the window group for full attention: it asks for every token.
+    windows = [None, None]
+    decode, dst_tables = _decode(windows)
+    consumers = [GroupedConsumer(decode.groups(r), "decode") for r in range(3)]
+    try:
+        for consumer in consumers:
+            consumer.connect([p.addresses for p in producers], timeout=10)
+        for producer, tables in zip(producers, src_tables, strict=True):
+            producer.publish("r", tables, NUM_TOKENS)
+        for rank, consumer in enumerate(consumers):
+            result = consumer.fetch("r", dst_tables[rank], NUM_TOKENS).wait(30)
+            assert not result.ok
+            window_blocks = set(dst_tables[rank][1].tolist())
+            assert window_blocks <= set(result.failed_block_ids)
+            assert any("sliding window" in e for e in result.errors), result.errors
+            for layer, tensor in enumerate(decode.caches[rank][1]):
+                assert (bits(tensor) == POISON_BYTE).all(), f"rank {rank} layer {layer} written"
+    finally:
+        for c in consumers:
+            c.close()
+        for p in producers:
+            p.close()
+
+
+def test_group_counts_must_match_and_tables_come_per_group(request_kv):
+    prefill, src_tables = _prefill(request_kv)
+    producer = GroupedProducer(prefill.groups(0), "prefill")
+    decode, _ = _decode([None, WINDOW])
+    consumer = GroupedConsumer(decode.groups(0)[:1], "decode")
+    try:
+        with pytest.raises(ValueError, match="serves 2 KV cache group"):
+            consumer.connect([producer.addresses], timeout=5)
+        with pytest.raises(ValueError, match="one block table per KV cache group"):
+            producer.publish("r", src_tables[0][0], NUM_TOKENS)
+        # A table with a dropped block inside the held window names the group.
+        bad = [src_tables[0][0], np.zeros_like(src_tables[0][1])]
+        with pytest.raises(ValueError, match="group 1"):
+            producer.publish("r", bad, NUM_TOKENS)
+        assert producer.producers[0].pending_requests == []  # nothing half-published
+    finally:
+        consumer.close()
+        producer.close()
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "window", "start", "held"),
+    [(70, None, 0, 0), (70, 20, 51, 50), (10, 20, 0, 0), (20, 20, 1, 0), (21, 20, 2, 1)],
+)
+def test_window_bounds(num_tokens, window, start, held):
+    assert window_start(num_tokens, window) == start
+    assert held_from(num_tokens, window) == held
