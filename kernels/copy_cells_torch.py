@@ -9,6 +9,9 @@ views (benchmarks/RESULTS.md).
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from kvxfer.kernels.layout import KVBuffer, check_cell_copy
@@ -45,14 +48,21 @@ def _word_for(views: list[torch.Tensor], granule_bytes: int) -> tuple[int, torch
     """
     sizes = [granule_bytes]
     for v in views:
-        sizes += [v.storage_offset() * v.element_size(), v.numel() * v.element_size()]
+        sizes += [v.storage_offset() * v.element_size(), _span(v) * v.element_size()]
     return next((w, t) for w, t in _WORDS if all(n % w == 0 for n in sizes))
 
 
+def _span(view: torch.Tensor) -> int:
+    """Elements from a view's first element to its last, inclusive: `numel` for a permuted
+    contiguous tensor, more for a layer whose blocks sit further apart (`block_stride`)."""
+    return 1 + sum((n - 1) * s for n, s in zip(view.shape, view.stride(), strict=True) if s)
+
+
 def _flat_words(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The memory under a canonical view, flat, as `dtype` words. The view permutes a
-    contiguous tensor, so its elements fill one dense range."""
-    flat = view.as_strided((view.numel(),), (1,))
+    """The memory under a canonical view, flat, as `dtype` words: the dense range from its
+    first element to its last (a permuted contiguous tensor, or a layer with `block_stride`,
+    whose gaps are then addressable but never written)."""
+    flat = view.as_strided((_span(view),), (1,))
     return flat if flat.dtype == dtype else flat.view(torch.uint8).view(dtype)
 
 
@@ -81,7 +91,16 @@ def copy_cells_torch(
     src_off = cell_offsets(src_layers[0], *src.token_cells(tokens), src.head_offset, num_heads)
     dst_off = cell_offsets(dst_layers[0], *dst.token_cells(tokens), dst.head_offset, num_heads)
     unit = head_dim
-    if (
+    grain = _grain(head_dim, src_off, dst_off)
+    if grain < head_dim:
+        # Cells off the head_dim grid (a layer with a block_stride that head_dim does not
+        # divide): rows of the largest grain that divides every cell's start and head_dim.
+        src_off, dst_off = (
+            _split_cells(src_off, head_dim, grain),
+            _split_cells(dst_off, head_dim, grain),
+        )
+        unit = grain
+    elif (
         num_heads > 1
         and src_layers[0].stride(3) == head_dim == dst_layers[0].stride(3)
         and bool((dst_off[..., 0] % (num_heads * head_dim) == 0).all())
@@ -95,7 +114,7 @@ def copy_cells_torch(
     src_rows = (src_off // src_step).reshape(-1)
     dst_rows = (dst_off // unit).reshape(-1)
     itemsize = src_layers[0].element_size()
-    word, dtype = _word_for([*src_layers, *dst_layers], head_dim * itemsize)
+    word, dtype = _word_for([*src_layers, *dst_layers], min(grain, head_dim) * itemsize)
     unit_words, src_step_words = unit * itemsize // word, src_step * itemsize // word
     # One pass where one side's rows are consecutive (a dense staging buffer: the wire layout
     # of pack+unpack): gather straight into it, or scatter straight from it, instead of through
@@ -111,6 +130,23 @@ def copy_cells_torch(
             writes.index_copy_(0, dst_rows, reads[src_run : src_run + n])
         else:
             writes.index_copy_(0, dst_rows, reads.index_select(0, src_rows))
+
+
+def _grain(head_dim: int, *offsets: torch.Tensor) -> int:
+    """`head_dim` when every cell starts on a multiple of it (every dense layout), else the
+    largest divisor of `head_dim` that every cell start is a multiple of."""
+    if all(bool((off % head_dim == 0).all()) for off in offsets):
+        return head_dim
+    grain = head_dim
+    for off in offsets:
+        grain = math.gcd(grain, int(np.gcd.reduce(off.reshape(-1).cpu().numpy())))
+    return grain
+
+
+def _split_cells(offsets: torch.Tensor, head_dim: int, grain: int) -> torch.Tensor:
+    """Each cell's `head_dim // grain` pieces of `grain` elements, in order: `[..., pieces]`."""
+    pieces = torch.arange(0, head_dim, grain, device=offsets.device)
+    return offsets[..., None] + pieces
 
 
 def _first_of_run(rows: torch.Tensor) -> int | None:

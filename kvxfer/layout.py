@@ -110,8 +110,10 @@ def canonical_strides(
     layout: str,
     kv_placement: str,
     mla: bool,
+    block_stride: int = 0,
 ) -> tuple[int, int, int, int]:
-    """Element strides of the canonical axes (plane, block, slot, head) of a contiguous layer.
+    """Element strides of the canonical axes (plane, block, slot, head) of a contiguous layer,
+    or of one whose blocks sit `block_stride` elements apart (blocks outermost; 0: dense).
 
     `dim` has stride 1 in every layout. The axes an MLA layer lacks (`plane`, `head`) have
     stride 0, as in `canonical_view`: only their index 0 exists. Pure integer arithmetic,
@@ -124,6 +126,8 @@ def canonical_strides(
     for axis in reversed(memory_axes(layout, kv_placement, mla)):
         strides[axis] = step
         step *= sizes[axis]
+    if block_stride:
+        strides[BLOCK] = block_stride
     return strides[PLANE], strides[BLOCK], strides[SLOT], strides[HEAD]
 
 

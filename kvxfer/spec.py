@@ -55,6 +55,7 @@ INT_FIELDS: tuple[str, ...] = (
     "pp_rank",
     "layer_start",
     "total_layers",
+    "block_stride",
 )
 
 
@@ -120,6 +121,11 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
         total_layers: the model's layers over every stage. Required with `pp_size > 1`; 0 (the
             default) without pipeline parallelism, where it reads as `num_layers`
             (`model_layers`).
+        block_stride: elements from one block to the next in a layer tensor; 0 (the default):
+            the dense layout of the contract. Larger: each layer tensor is a view whose blocks
+            sit `block_stride` elements apart, the rest of each stride holding other data
+            (vLLM's Mamba state pages: one sub-projection of a page that holds several). Only
+            where blocks are the outermost axis (`blocks_first`, `kv_inner`, MLA).
 
     Head ownership (DESIGN.md): with `H >= T`, `T` divides `H` and rank `r` holds heads
     `[r*H/T, (r+1)*H/T)`; with `H < T`, `H` divides `T` and rank `r` holds head `r // (T/H)`.
@@ -145,6 +151,7 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
     pp_rank: int = 0
     layer_start: int = 0
     total_layers: int = 0
+    block_stride: int = 0
 
     def __post_init__(self) -> None:
         for name in INT_FIELDS:
@@ -185,6 +192,8 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.pp_size != 1 or self.pp_rank or self.layer_start or self.total_layers:
             self._check_pipeline()
+        if self.block_stride:
+            self._check_block_stride()
         heads, tp = self.num_kv_heads, self.tp_size
         if heads >= tp and heads % tp != 0:
             _fail(
@@ -197,6 +206,24 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
                 "num_kv_heads",
                 f"{heads} KV heads cannot be replicated evenly over tp_size {tp}",
                 "use a tp_size that is a multiple of num_kv_heads",
+            )
+
+    def _check_block_stride(self) -> None:
+        if self.block_stride < 0:
+            _fail("block_stride", f"must be >= 0, got {self.block_stride}", "pass 0 or more")
+        if not (self.mla or self.kv_placement in ("blocks_first", "kv_inner")):
+            _fail(
+                "block_stride",
+                f"needs blocks as the outermost axis, but kv_placement {self.kv_placement!r} "
+                "puts K and V planes outside the blocks",
+                "use blocks_first or kv_inner, or block_stride=0",
+            )
+        if self.block_stride < self.block_elements:
+            _fail(
+                "block_stride",
+                f"{self.block_stride} elements is less than one block's "
+                f"{self.block_elements}, so blocks would overlap",
+                f"pass at least {self.block_elements}, or 0 for the dense layout",
             )
 
     def _check_pipeline(self) -> None:
@@ -327,11 +354,41 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def layer_bytes(self) -> int:
-        """Bytes of one layer tensor."""
+        """Bytes of one layer tensor's elements (with `block_stride`, not counting the gaps
+        between blocks: see `layer_extent_bytes`)."""
         n = self.itemsize
         for dim in self.layer_shape:
             n *= dim
         return n
+
+    @property
+    def block_elements(self) -> int:
+        """Elements of one block of one layer."""
+        n = 1
+        for dim in self.layer_shape:
+            n *= dim
+        return n // self.num_blocks
+
+    @property
+    def layer_extent_bytes(self) -> int:
+        """Bytes from a layer tensor's first element to the end of its last one: what a
+        transport registers (`layer_bytes` without `block_stride`)."""
+        if not self.block_stride:
+            return self.layer_bytes
+        return ((self.num_blocks - 1) * self.block_stride + self.block_elements) * self.itemsize
+
+    @property
+    def layer_strides(self) -> tuple[int, ...]:
+        """Element strides of a layer tensor: dense, or with `block_stride` on the outermost
+        (block) axis."""
+        strides, step = [], 1
+        for dim in reversed(self.layer_shape):
+            strides.append(step)
+            step *= dim
+        strides.reverse()
+        if self.block_stride:
+            strides[0] = self.block_stride
+        return tuple(strides)
 
     def with_rank(self, tp_rank: int) -> KVCacheSpec:
         """The same geometry as seen by another TP rank of the same pipeline stage."""

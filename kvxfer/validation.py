@@ -34,8 +34,13 @@ def check_caches(spec: KVCacheSpec, caches: Sequence[torch.Tensor], who: str) ->
             raise ValueError(
                 f"{who}: layer {layer} has dtype {tensor.dtype}, the spec says {spec.dtype}"
             )
-        if not tensor.is_contiguous():
-            raise ValueError(f"{who}: layer {layer} is not contiguous; pass contiguous tensors")
+        if tuple(tensor.stride()) != spec.layer_strides:
+            if not spec.block_stride:
+                raise ValueError(f"{who}: layer {layer} is not contiguous; pass contiguous tensors")
+            raise ValueError(
+                f"{who}: layer {layer} has strides {tuple(tensor.stride())}, but the spec's "
+                f"block_stride {spec.block_stride} needs {spec.layer_strides}"
+            )
 
 
 def check_num_tokens(num_tokens: object, where: str = "num_tokens") -> int:

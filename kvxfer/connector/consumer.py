@@ -696,7 +696,7 @@ class KVConsumer:
         try:
             endpoint = check_transport_endpoint(reply.endpoint)
             if len(reply.cache_regions) != reply.spec.num_layers or any(
-                r.nbytes < reply.spec.layer_bytes for r in reply.cache_regions
+                r.nbytes < reply.spec.layer_extent_bytes for r in reply.cache_regions
             ):
                 raise ValueError("its advertised regions do not cover its cache")
         except ValueError as exc:

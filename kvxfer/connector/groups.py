@@ -48,11 +48,14 @@ class CacheGroup:
         caches: its layer tensors, in the spec's shape.
         sliding_window: the attention window in tokens (vLLM's `sliding_window`), or None for
             full attention.
+        state: a recurrent state group (`kvxfer.state`): a request's state is token 0 of the
+            first block of its table, moved whatever the request's length.
     """
 
     spec: KVCacheSpec
     caches: Sequence[torch.Tensor]
     sliding_window: int | None = None
+    state: bool = False
 
     def __post_init__(self) -> None:
         window = self.sliding_window
@@ -63,6 +66,23 @@ class CacheGroup:
                 f"CacheGroup.sliding_window: {window} tokens; pass a window >= 1, or None for "
                 "full attention"
             )
+        if self.state and window is not None:
+            raise ValueError("CacheGroup: a state group has no sliding window; pass None")
+
+    def fetched_tokens(self, num_tokens: int, start_token: int = 0) -> tuple[int, int]:
+        """The token range a decode rank fetches of this group for a request of `num_tokens`
+        tokens of which it holds the first `start_token`: the window's, or the state's
+        `(0, 1)`; empty (start == end) when nothing moves."""
+        if self.state:
+            return (0, 1) if start_token < num_tokens else (1, 1)
+        return max(start_token, window_start(num_tokens, self.sliding_window)), num_tokens
+
+    def held_tokens(self, num_tokens: int) -> tuple[int, int]:
+        """The token range a prefill rank offers of this group (`held_from`; the state's
+        `(0, 1)`)."""
+        if self.state:
+            return 0, 1
+        return held_from(num_tokens, self.sliding_window), num_tokens
 
 
 def window_start(num_tokens: int, sliding_window: int | None) -> int:
@@ -169,13 +189,13 @@ class GroupedProducer:
         request_id = check_request_id(request_id, "publish")
         tokens = check_num_tokens(num_tokens, f"publish({request_id!r}): num_tokens")
         tables = _group_tables(self.groups, block_ids, f"publish({request_id!r})")
-        firsts = [held_from(tokens, g.sliding_window) for g in self.groups]
-        checks = zip(self.groups, tables, firsts, strict=True)
-        for index, (group, table, first) in enumerate(checks):
+        held = [g.held_tokens(tokens) for g in self.groups]
+        checks = zip(self.groups, tables, held, strict=True)
+        for index, (group, table, (first, end)) in enumerate(checks):
             where = f"publish({request_id!r}) group {index}"
-            check_block_ids(group.spec, table, tokens, where, first)
-        for producer, table, first in zip(self.producers, tables, firsts, strict=True):
-            producer.publish(request_id, table, tokens, deadline_s, first_token=first)
+            check_block_ids(group.spec, table, end, where, first)
+        for producer, table, (first, end) in zip(self.producers, tables, held, strict=True):
+            producer.publish(request_id, table, end, deadline_s, first_token=first)
 
     def _group_released(self, request_id: str) -> None:
         with self._lock:
@@ -312,11 +332,11 @@ class GroupedConsumer:
         handles: list[FetchHandle | None] = []
         try:
             for group, consumer, table in zip(self.groups, self.consumers, tables, strict=True):
-                start = max(start_token, window_start(num_tokens, group.sliding_window))
-                if start >= num_tokens:
+                start, end = group.fetched_tokens(num_tokens, start_token)
+                if start >= end:
                     handles.append(None)  # a full prefix hit: nothing of this group moves
                     continue
-                handles.append(consumer.fetch(request_id, table, num_tokens, start, timeout))
+                handles.append(consumer.fetch(request_id, table, end, start, timeout))
         except Exception:
             for handle in handles:
                 if handle is not None:

@@ -35,6 +35,7 @@ class BlockGeometry:
     num_heads: int  # heads held in this buffer
     head_dim: int
     itemsize: int
+    block_stride: int = 0  # elements between blocks; 0: dense (KVCacheSpec.block_stride)
 
     @classmethod
     def of_spec(cls, spec: KVCacheSpec) -> BlockGeometry:
@@ -52,6 +53,7 @@ class BlockGeometry:
             num_heads=spec.heads_per_rank,
             head_dim=spec.head_dim,
             itemsize=spec.itemsize,
+            block_stride=spec.block_stride,
         )
         if len(_GEOMETRIES) >= _GEOMETRIES_MAX:
             _GEOMETRIES.clear()
@@ -100,6 +102,7 @@ class BlockGeometry:
             self.layout,
             self.kv_placement,
             self.mla,
+            self.block_stride,
         )
 
 

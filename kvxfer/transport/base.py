@@ -99,6 +99,25 @@ def check_segments_in_regions(
             )
 
 
+def tensor_memory(tensor: torch.Tensor) -> torch.Tensor:
+    """The memory a tensor spans, from its first element to the end of its last, as a flat
+    uint8 view: the tensor's own bytes when it is contiguous, the gaps between its blocks too
+    when it is a view with a wider outer stride (`KVCacheSpec.block_stride`).
+
+    Raises:
+        ValueError: an empty tensor, or negative strides.
+    """
+    if tensor.numel() == 0:
+        raise ValueError("tensor: empty; register a tensor with at least one element")
+    if tensor.is_contiguous():
+        return tensor.reshape(-1).view(torch.uint8)
+    if any(s < 0 for s in tensor.stride()):
+        raise ValueError(f"tensor: negative strides {tensor.stride()} cannot be registered")
+    span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    flat = tensor.as_strided((span,), (1,))
+    return flat.view(torch.uint8)
+
+
 def completed(error: BaseException | None = None) -> Future[None]:
     """A future that is already done (for transports that write synchronously)."""
     future: Future[None] = Future()

@@ -15,7 +15,13 @@ import numpy as np
 import torch
 
 from kvxfer.plan.segments import Segments
-from kvxfer.transport.base import Peer, Region, check_segments_in_regions, completed
+from kvxfer.transport.base import (
+    Peer,
+    Region,
+    check_segments_in_regions,
+    completed,
+    tensor_memory,
+)
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 # Above this many words per segment, one slice copy per segment (memcpy) beats index arithmetic.
@@ -39,12 +45,11 @@ class LocalTransport:
         return Peer(self.endpoint, dict(self._regions))
 
     def register(self, tensor: torch.Tensor) -> Region:
-        """Register a contiguous tensor's memory and return its region."""
-        if not tensor.is_contiguous():
-            raise ValueError("tensor: must be contiguous to be registered; call .contiguous()")
+        """Register the memory a tensor spans (`tensor_memory`) and return its region."""
+        memory = tensor_memory(tensor)
         region_id = next(self._ids)
-        self._bytes[region_id] = tensor.reshape(-1).view(torch.uint8)
-        region = Region(region_id, tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        self._bytes[region_id] = memory
+        region = Region(region_id, memory.data_ptr(), memory.numel())
         self._regions[region_id] = region
         return region
 

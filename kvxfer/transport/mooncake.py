@@ -33,7 +33,13 @@ import torch
 
 from kvxfer.plan.segments import Segments
 from kvxfer.rdma import infiniband_sysfs, rdma_devices
-from kvxfer.transport.base import Peer, Region, TransferError, check_segments_in_regions
+from kvxfer.transport.base import (
+    Peer,
+    Region,
+    TransferError,
+    check_segments_in_regions,
+    tensor_memory,
+)
 from kvxfer.transport.completion import CompletionPump
 from kvxfer.validation import check_host
 
@@ -187,15 +193,15 @@ class MooncakeTransport:
         return dict(self._regions)
 
     def register(self, tensor: torch.Tensor) -> Region:
-        """Register a contiguous tensor's memory (CPU, or GPU with the CUDA wheel)."""
-        if not tensor.is_contiguous():
-            raise ValueError("tensor: must be contiguous to be registered; call .contiguous()")
-        nbytes = tensor.numel() * tensor.element_size()
-        code = self._engine.register_memory(tensor.data_ptr(), nbytes)
+        """Register the memory a tensor spans (`tensor_memory`: CPU, or GPU with the CUDA
+        wheel)."""
+        memory = tensor_memory(tensor)
+        nbytes = memory.numel()
+        code = self._engine.register_memory(memory.data_ptr(), nbytes)
         if code != 0:
             raise TransferError(f"Mooncake register_memory of {nbytes} bytes returned {code}")
         with self._lock:
-            region = Region(next(self._ids), tensor.data_ptr(), nbytes)
+            region = Region(next(self._ids), memory.data_ptr(), nbytes)
             self._regions[region.region_id] = region
         return region
 

@@ -27,7 +27,6 @@ from kvxfer.connector import (
     GroupedFetch,
     GroupedProducer,
     TransferResult,
-    window_start,
 )
 from kvxfer.integrations.bootstrap import BootstrapClient, Registration, new_worker_info
 from kvxfer.integrations.kv_tensors import EngineGeometry, spec_from_layers
@@ -360,8 +359,7 @@ class WorkerSide:
                 for block in blocks_of_tokens(
                     table,
                     group.spec.block_size,
-                    max(spec.start_token, window_start(spec.num_tokens, group.sliding_window)),
-                    spec.num_tokens,
+                    *group.fetched_tokens(spec.num_tokens, spec.start_token),
                 )
             }
         )
