@@ -22,13 +22,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import torch
 
 from kvxfer.connector.groups import CacheGroup
 from kvxfer.spec import KVCacheSpec
 
-_BYTES = "float8_e4m3fn"  # one-byte items: the state moves as raw bytes, whatever its dtype
+# One-byte items: the state moves as raw bytes, whatever its dtype.
+_BYTES: Final = "float8_e4m3fn"
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ def test_fields_are_exactly_the_public_contract():
         "pp_rank",
         "layer_start",
         "total_layers",
+        "block_stride",
     )
 
 

@@ -18,8 +18,9 @@ from kvxfer.spec import KVCacheSpec
 # handshake proof (an HMAC over the encoded spec) would fail as if the secret were wrong: the
 # version tells it apart clearly instead. 4: `ChunkReady` carries the block ids of its chunk's
 # tokens only (none when the chunk is read from staging), not the request's whole table: a
-# version-3 consumer would refuse every chunk as "too few block ids".
-PROTOCOL_VERSION = 4
+# version-3 consumer would refuse every chunk as "too few block ids". 5: `KVCacheSpec` carries
+# `block_stride` (recurrent state groups), which a version-4 peer would drop (as in 3).
+PROTOCOL_VERSION = 5
 MAX_FRAME_BYTES = 8 << 20  # a chunk's block ids, even a 128k-token chunk's, under 1 MiB
 
 

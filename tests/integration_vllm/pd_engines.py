@@ -156,6 +156,9 @@ class EngineSpec:
     # With a window: two KV cache groups (vLLM's hybrid allocator), even layers full attention,
     # odd layers sliding-window attention over this many tokens.
     sliding_window: int | None = None
+    # A hybrid attention/Mamba2 model: even layers full attention, odd layers Mamba2 (a group
+    # of recurrent state, `MAMBA_*` below), conv state stored channels first (DS).
+    mamba: bool = False
 
     @property
     def engine_id(self) -> str:
@@ -186,7 +189,8 @@ def vllm_config(model_dir: str, spec: EngineSpec, rank: int = 0) -> Any:
     )
     config = VllmConfig(
         model_config=model,
-        cache_config=CacheConfig(block_size=spec.block_size),
+        # Mamba state without prefix caching (vLLM's mamba_cache_mode "none" requires it).
+        cache_config=CacheConfig(block_size=spec.block_size, enable_prefix_caching=not spec.mamba),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=1024,
             max_num_seqs=16,
@@ -239,15 +243,61 @@ def layer_names(layers: Sequence[int]) -> list[str]:
     return [f"model.layers.{i}.self_attn.attn" for i in layers]
 
 
-def layer_groups(spec: EngineSpec, layers: range) -> list[tuple[list[int], int | None]]:
-    """A stage's model layers by KV cache group, each with its sliding window (None: full
-    attention): one group, or with `spec.sliding_window` the even layers and the odd ones."""
-    if spec.sliding_window is None:
+# The Mamba2 layers of `EngineSpec.mamba`: x = heads x head_dim conv channels, then B and C
+# (n_groups x d_state each), a conv window of MAMBA_CONV - 1 tokens; SSM state per head
+# [head_dim, d_state] in fp32. Every size splits over TP 1, 2, 3 and 6.
+MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_D_STATE, MAMBA_BC, MAMBA_CONV = 6, 4, 8, 12, 4
+MAMBA_X = MAMBA_HEADS * MAMBA_HEAD_DIM
+MAMBA = "mamba"
+
+
+def layer_groups(spec: EngineSpec, layers: range) -> list[tuple[list[int], int | str | None]]:
+    """A stage's model layers by KV cache group, each with its kind: None (full attention), a
+    sliding window in tokens, or `MAMBA`. One group, or the even layers (full attention) and
+    the odd ones (`spec.sliding_window` or `spec.mamba`)."""
+    odd: int | str | None = MAMBA if spec.mamba else spec.sliding_window
+    if odd is None:
         return [(list(layers), None)]
     return [
         ([layer for layer in layers if layer % 2 == 0], None),
-        ([layer for layer in layers if layer % 2 == 1], spec.sliding_window),
+        ([layer for layer in layers if layer % 2 == 1], odd),
     ]
+
+
+def mamba_names(layers: Sequence[int]) -> list[str]:
+    """The Mamba layers' names, as vLLM's hybrid models register their mixers."""
+    return [f"model.layers.{i}.mixer" for i in layers]
+
+
+def group_names(layers: Sequence[int], kind: int | str | None) -> list[str]:
+    """A group's registered layer names."""
+    return mamba_names(layers) if kind == MAMBA else layer_names(layers)
+
+
+def mamba_state(token_ids, num_tokens: int, layer: int, tp: int, rank: int) -> torch.Tensor:
+    """The stand-in Mamba2 layer's state after `num_tokens` tokens, as one rank's page bytes
+    (vLLM's packing: its slices of x, B and C of the conv state `[channels, MAMBA_CONV - 1]`
+    bf16, then its SSM heads `[head_dim, d_state]` fp32), a hash of (tokens so far, layer,
+    state, global row, element)."""
+    last = token_ids[num_tokens - 1]
+
+    def bits(state: int, rows: int, per_row: int, dtype) -> np.ndarray:
+        row = np.arange(rows, dtype=np.uint64)[:, None]
+        elem = np.arange(per_row, dtype=np.uint64)[None, :]
+        with np.errstate(over="ignore"):
+            x = np.uint64(last * 1000003 + num_tokens * 7919 + layer * 104729 + state * 31)
+            x = (x + row * np.uint64(32452843) + elem * np.uint64(49979687)) * np.uint64(2654435761)
+        return ((x >> np.uint64(7)) & np.uint64(np.iinfo(dtype).max)).astype(dtype)
+
+    conv = bits(0, MAMBA_X + 2 * MAMBA_BC, MAMBA_CONV - 1, np.uint16)
+    ssm = bits(1, MAMBA_HEADS, MAMBA_HEAD_DIM * MAMBA_D_STATE, np.uint32)
+    parts = []
+    for start, size in ((0, MAMBA_X), (MAMBA_X, MAMBA_BC), (MAMBA_X + MAMBA_BC, MAMBA_BC)):
+        per = size // tp
+        parts.append(conv[start + rank * per : start + (rank + 1) * per])
+    per = MAMBA_HEADS // tp
+    local = [np.concatenate(parts).tobytes(), ssm[rank * per : (rank + 1) * per].tobytes()]
+    return torch.frombuffer(bytearray(b"".join(local)), dtype=torch.uint8)
 
 
 def kv_cache_config(spec: EngineSpec, config: Any, pp_rank: int = 0) -> Any:
@@ -255,10 +305,12 @@ def kv_cache_config(spec: EngineSpec, config: Any, pp_rank: int = 0) -> Any:
     group, or a full-attention and a sliding-window group (`spec.sliding_window`), planned by
     vLLM for `num_blocks` blocks. vLLM's scheduler gets the first stage's
     (`generate_scheduler_kv_cache_config`: the stages differ in layer names only)."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheGroupSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
 
@@ -268,14 +320,27 @@ def kv_cache_config(spec: EngineSpec, config: Any, pp_rank: int = 0) -> Any:
         "head_size": HEAD_DIM,
         "dtype": torch.bfloat16,
     }
-    groups = [
-        KVCacheGroupSpec(
-            layer_names(layers),
-            FullAttentionSpec(**shape)
-            if window is None
-            else SlidingWindowSpec(**shape, sliding_window=window),
+    page = FullAttentionSpec(**shape).page_size_bytes
+
+    def group_spec(kind: int | str | None) -> Any:
+        if kind is None:
+            return FullAttentionSpec(**shape)
+        if kind != MAMBA:
+            return SlidingWindowSpec(**shape, sliding_window=kind)
+        return MambaSpec(
+            block_size=spec.block_size,
+            shapes=(
+                ((MAMBA_X + 2 * MAMBA_BC) // spec.tp, MAMBA_CONV - 1),
+                (MAMBA_HEADS // spec.tp, MAMBA_HEAD_DIM, MAMBA_D_STATE),
+            ),
+            dtypes=(torch.bfloat16, torch.float32),
+            page_size_padded=page,  # vLLM pads a hybrid model's state pages to the KV page
+            mamba_type=MambaAttentionBackendEnum.MAMBA2,
         )
-        for layers, window in layer_groups(spec, stage_layers(config, pp_rank))
+
+    groups = [
+        KVCacheGroupSpec(group_names(layers, kind), group_spec(kind))
+        for layers, kind in layer_groups(spec, stage_layers(config, pp_rank))
     ]
     widest = max(len(g.layer_names) for g in groups)
     memory = groups[0].kv_cache_spec.page_size_bytes * spec.num_blocks * widest
@@ -349,24 +414,30 @@ class Worker:
 
 @dataclass(frozen=True)
 class Group:
-    """One KV cache group of a worker: its model layers, their tensors and its window."""
+    """One KV cache group of a worker: its model layers, their tensors and its kind (None:
+    full attention; a window; `MAMBA`)."""
 
     layers: list[int]
     caches: list[torch.Tensor]
-    window: int | None
+    kind: int | str | None
 
     def first_token(self, num_tokens: int) -> int:
         """The first of `num_tokens` tokens this group keeps for the next query: vLLM's
         sliding-window manager drops the blocks of earlier ones (0 for full attention)."""
-        return 0 if self.window is None else max(0, num_tokens - self.window + 1)
+        return 0 if not isinstance(self.kind, int) else max(0, num_tokens - self.kind + 1)
 
 
 def worker_groups(spec: EngineSpec, registered: dict[str, torch.Tensor], layers) -> list[Group]:
     """A worker's KV cache groups, from its registered tensors."""
     return [
-        Group(group_layers, [registered[n] for n in layer_names(group_layers)], window)
-        for group_layers, window in layer_groups(spec, layers)
+        Group(group_layers, [registered[n] for n in group_names(group_layers, kind)], kind)
+        for group_layers, kind in layer_groups(spec, layers)
     ]
+
+
+def _state_pages(group: Group) -> list[torch.Tensor]:
+    """A Mamba group's `[blocks, page content]` bytes per layer (vLLM's `[B, 1, 1, C]`)."""
+    return [cache.view(torch.uint8).flatten(1) for cache in group.caches]
 
 
 def write_kv(groups: list[Group], spec, worker: Worker, token_ids, tables, start, end) -> None:
@@ -376,6 +447,11 @@ def write_kv(groups: list[Group], spec, worker: Worker, token_ids, tables, start
         return
     positions = torch.arange(start, end)
     for group, table in zip(groups, tables, strict=True):
+        if group.kind == MAMBA:  # the state after `end` tokens, in its last token's block
+            for layer, page in zip(group.layers, _state_pages(group), strict=True):
+                state = mamba_state(token_ids, end, layer, spec.tp, worker.tp_rank)
+                page[table[(end - 1) // spec.block_size], : state.numel()] = state
+            continue
         values = expected_kv(token_ids, range(start, end), worker.heads, group.layers)
         ids = torch.as_tensor(table, dtype=torch.int64)
         blocks, slots = ids[positions // spec.block_size], positions % spec.block_size
@@ -390,6 +466,13 @@ def mismatched_tokens(groups: list[Group], spec, worker: Worker, token_ids, tabl
     (every layer and head it holds; in a window group, only the positions it keeps)."""
     bad = torch.zeros(num_tokens, dtype=torch.bool)
     for group, table in zip(groups, tables, strict=True):
+        if group.kind == MAMBA:  # a wrong state marks the last position
+            for layer, page in zip(group.layers, _state_pages(group), strict=True):
+                state = mamba_state(token_ids, num_tokens, layer, spec.tp, worker.tp_rank)
+                block = table[(num_tokens - 1) // spec.block_size]
+                if not torch.equal(page[block, : state.numel()], state):
+                    bad[num_tokens - 1] = True
+            continue
         first = group.first_token(num_tokens)
         expected = expected_kv(token_ids, range(first, num_tokens), worker.heads, group.layers)
         positions = torch.arange(first, num_tokens)
@@ -576,7 +659,8 @@ class Engine:
 
         extra = {"kv_transfer_params": params} if params is not None else None
         sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
-        request = Request(request_id, prompt, sampling, None, block_hasher=self.block_hasher)
+        # A copy, as the engine makes one: a connector may truncate it (a hybrid prefill).
+        request = Request(request_id, list(prompt), sampling, None, block_hasher=self.block_hasher)
         self.scheduler.add_request(request)
 
     def step(self) -> list[Any]:

@@ -55,7 +55,11 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
-                vllm_config, settings, engine_id, produces=bool(transfer.is_kv_producer)
+                vllm_config,
+                settings,
+                engine_id,
+                produces=bool(transfer.is_kv_producer),
+                kv_cache_config=kv_cache_config,
             )
         else:
             self._worker = WorkerSide(
@@ -91,6 +95,12 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         return KvxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- scheduler side ----
+
+    def on_new_request(self, request: Request) -> None:
+        """A hybrid model's prefill computes all but the last prompt token (its recurrent
+        state is handed over as it is after `N - 1` tokens)."""
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -42,8 +42,11 @@ class SchedulerSide:
         engine_id: str,
         *,
         produces: bool = False,
+        kv_cache_config: Any = None,
     ):
         self._settings = settings
+        # A hybrid model's recurrent state (Mamba groups): see `on_new_request`.
+        self._has_state = bool(getattr(kv_cache_config, "has_mamba_layers", False))
         self._engine_id = engine_id
         parallel = vllm_config.parallel_config
         self._tp_size = parallel.tensor_parallel_size
@@ -69,6 +72,26 @@ class SchedulerSide:
         self._sends: list[SendSpec] = []
         self._aborts: list[AbortSpec] = []
         self._loading: dict[str, AbortSpec] = {}  # loads not finished on every worker yet
+
+    def on_new_request(self, request: Request) -> None:
+        """Prefill of a model with recurrent state (Mamba layers): drop the prompt's last
+        token, so that the state handed over is the one after `N - 1` tokens; the decode
+        engine loads `N - 1` tokens (`remote_num_tokens`) and computes the last one from that
+        state, as it must (a state cannot be rewound). vLLM's own connectors do the same. Once
+        per request (a preempted request is not truncated again)."""
+        params = request.kv_transfer_params
+        if not (self._has_state and params and params.get("do_remote_decode")):
+            return
+        if params.get("_kvxfer_truncated") or request.num_prompt_tokens <= 1:
+            return
+        if request.prompt_token_ids is None:  # prompt embeddings: computed whole, not sent
+            params["do_remote_decode"] = False
+            return
+        request.prompt_token_ids.pop()
+        request._all_token_ids.pop()
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_kvxfer_truncated"] = True
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

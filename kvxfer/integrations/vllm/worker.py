@@ -40,6 +40,7 @@ from kvxfer.integrations.vllm.metadata import (
 from kvxfer.integrations.vllm.scheduler import data_parallel_rank
 from kvxfer.integrations.vllm.stats import KvxferConnectorStats
 from kvxfer.plan.layout import blocks_of_tokens
+from kvxfer.state import StateComponent, StateLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -160,6 +161,9 @@ class WorkerSide:
         self._kv_cache_config = kv_cache_config
         self._produces, self._consumes = produces, consumes
         self._groups: list[CacheGroup] = []
+        # Per group: the vLLM KV cache group whose table it uses, and for a state group that
+        # group's block size (its table is positional: the state is in the last token's block).
+        self._tables_of: list[tuple[int, int | None]] = []
         self._producer: GroupedProducer | None = None
         parallel = vllm_config.parallel_config
         self._dp_rank = data_parallel_rank(vllm_config)
@@ -197,7 +201,9 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Read this worker's KV cache groups from its layer tensors (with pipeline
         parallelism: its stage's layers, placed by their names); start serving (prefill)."""
-        self._groups = cache_groups(kv_caches, self._kv_cache_config, self._geometry)
+        self._groups, self._tables_of = cache_groups(
+            kv_caches, self._kv_cache_config, self._geometry
+        )
         for index, group in enumerate(self._groups):
             window = "" if group.sliding_window is None else f", window {group.sliding_window}"
             log.info("kvxfer %s group %d%s: %s", group.spec.rank_name, index, window, group.spec)
@@ -260,7 +266,8 @@ class WorkerSide:
                     "KvxferConnector: asked to send KV but this engine's kv_role is not "
                     "kv_producer or kv_both"
                 )
-            self._producer.publish(send.request_id, send.block_ids, send.num_tokens)
+            tables = self._group_tables(send.block_ids, send.num_tokens)
+            self._producer.publish(send.request_id, tables, send.num_tokens)
             self._published.add(send.request_id)
         for load in metadata.loads:
             if not self._consumes:
@@ -304,13 +311,26 @@ class WorkerSide:
         try:
             load.handle = remote.consumer.fetch(
                 spec.remote_request_id,
-                spec.block_ids,
+                self._group_tables(spec.block_ids, spec.num_tokens),
                 spec.num_tokens,
                 spec.start_token,
                 timeout=max(0.0, load.deadline - time.monotonic()),
             )
         except Exception as exc:  # refused before any transfer: every block fails
             load.result = self._failed(spec, exc)
+
+    def _group_tables(self, vllm_tables: list[list[int]], num_tokens: int) -> list[list[int]]:
+        """Each of this worker's groups' block table, from vLLM's per-group tables: a Mamba
+        group's table serves each of its state groups, as the one block holding the state
+        after `num_tokens` tokens (vLLM's mamba_cache_mode "none" keeps it in the block of
+        the last token; the entries before it are the null block)."""
+        tables = []
+        for index, state_block_size in self._tables_of:
+            table = vllm_tables[index]
+            if state_block_size is not None:
+                table = [table[(num_tokens - 1) // state_block_size]]
+            tables.append(table)
+        return tables
 
     def _abort(self, abort: AbortSpec) -> None:
         """Give up the load of a request vLLM finished (if one runs here) and tell its prefill
@@ -355,7 +375,9 @@ class WorkerSide:
         failed = sorted(
             {
                 block
-                for group, table in zip(self._groups, spec.block_ids, strict=True)
+                for group, table in zip(
+                    self._groups, self._group_tables(spec.block_ids, spec.num_tokens), strict=True
+                )
                 for block in blocks_of_tokens(
                     table,
                     group.spec.block_size,
@@ -643,16 +665,19 @@ def cache_groups(
     kv_caches: dict[str, torch.Tensor],
     kv_cache_config: KVCacheConfig | None,
     geometry: EngineGeometry,
-) -> list[CacheGroup]:
-    """This worker's KV cache groups, in vLLM's group order: each group's registered layers
-    with its own spec (block size included) and its sliding window, if any. Without a
-    `kv_cache_config` (or with one group), every registered layer is one group.
+) -> tuple[list[CacheGroup], list[tuple[int, int | None]]]:
+    """This worker's KV cache groups, in vLLM's group order, and the vLLM group whose block
+    table each uses (with a state group's block size: see `WorkerSide._group_tables`): each
+    attention group's
+    registered layers with its own spec (block size included) and its sliding window, if any;
+    a Mamba group becomes one state group per (state, sub-projection) (`mamba_state_layout`).
+    Without a `kv_cache_config` (or with one group), every registered layer is one group.
 
     Raises:
-        ValueError: a group kvxfer cannot move (Mamba state, cross-layer sharing), or several
-            groups with pipeline parallelism, naming the group and the fix.
+        ValueError: a group kvxfer cannot move, or several groups with pipeline parallelism,
+            naming the group and the fix.
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
     if len(groups) <= 1:
@@ -661,33 +686,103 @@ def cache_groups(
         spec, caches = spec_from_layers(
             list(kv_caches.values()), geometry, _layer_indices(layers, geometry.pp_size)
         )
-        return [CacheGroup(spec, caches, window)]
+        return [CacheGroup(spec, caches, window)], [(0, None)]
     if geometry.pp_size > 1:
         raise ValueError(
             f"kvxfer: {len(groups)} KV cache groups with pipeline parallelism are not "
             "supported; run the model with pipeline_parallel_size 1, or disable the hybrid "
             "KV cache manager (--disable-hybrid-kv-cache-manager)"
         )
-    result = []
+    result: list[CacheGroup] = []
+    tables: list[tuple[int, int | None]] = []
     for index, group in enumerate(groups):
         kind = group.kv_cache_spec
-        if not isinstance(kind, (FullAttentionSpec, SlidingWindowSpec)):
-            raise ValueError(
-                f"kvxfer: KV cache group {index} is a {type(kind).__name__}; kvxfer moves "
-                "full-attention and sliding-window groups (Mamba state is not supported yet)"
-            )
         names = [name for name in group.layer_names if name in kv_caches]
         if not names:
             raise ValueError(
                 f"kvxfer: none of KV cache group {index}'s layers ({group.layer_names[:4]}) "
-                "was registered; register every attention layer's cache"
+                "was registered; register every layer's cache"
+            )
+        if isinstance(kind, MambaSpec):
+            state = mamba_state_layout(kind, geometry.tp_size, geometry.tp_rank, index)
+            added = state.groups([kv_caches[n] for n in names])
+            result.extend(added)
+            tables.extend([(index, int(kind.block_size))] * len(added))
+            continue
+        if not isinstance(kind, (FullAttentionSpec, SlidingWindowSpec)):
+            raise ValueError(
+                f"kvxfer: KV cache group {index} is a {type(kind).__name__}; kvxfer moves "
+                "full-attention, sliding-window and Mamba groups"
             )
         own = dataclasses.replace(geometry, block_size=int(kind.block_size))
         spec, caches = spec_from_layers(
             [kv_caches[n] for n in names], own, _layer_indices(names, geometry.pp_size)
         )
         result.append(CacheGroup(spec, caches, _window_of(kind)))
-    return result
+        tables.append((index, None))
+    return result, tables
+
+
+def mamba_state_layout(kind: Any, tp_size: int, tp_rank: int, index: int = 0) -> StateLayout:
+    """How a vLLM `MambaSpec` group keeps its states in its pages, with the conv state's
+    sub-projections: Mamba1 `[x]`, Mamba2 `[x, B, C]` (x from the SSM state: heads x
+    head_dim; B and C share the rest), gated delta net `[Q, K, V]` (V from the SSM state: value
+    heads x value head dim; Q and K share the rest).
+
+    Raises:
+        ValueError: a layout kvxfer cannot move, naming the fix: the conv state stored
+            state-len-major (`VLLM_SSM_CONV_STATE_LAYOUT=DS` stores it channel-major, as vLLM's
+            own heterogeneous-TP transfers require), a `mamba_cache_mode` other than "none",
+            speculative state blocks, a state replicated over the ranks, another Mamba type.
+    """
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    where = f"kvxfer: KV cache group {index} (Mamba)"
+    if not is_conv_state_dim_first():
+        raise ValueError(
+            f"{where}: the conv state is stored (state_len, channels); set "
+            "VLLM_SSM_CONV_STATE_LAYOUT=DS on both engines (channels first: each rank's slice "
+            "of a sub-projection is then one run of bytes)"
+        )
+    if kind.mamba_cache_mode != "none" or kind.num_speculative_blocks:
+        raise ValueError(
+            f"{where}: mamba_cache_mode {kind.mamba_cache_mode!r} with "
+            f"{kind.num_speculative_blocks} speculative blocks; kvxfer moves the one state "
+            "block of mamba_cache_mode 'none' without speculative decoding"
+        )
+    if getattr(kind, "tp_replicated", False):
+        raise ValueError(f"{where}: a state replicated over TP ranks is not supported")
+    if len(kind.shapes) != 2:
+        raise ValueError(f"{where}: {len(kind.shapes)} states per layer; kvxfer moves conv + SSM")
+    (conv_local, state_len), ssm_shape = kind.shapes
+    conv_rows, ssm_rows = conv_local * tp_size, ssm_shape[0] * tp_size
+    mamba = MambaAttentionBackendEnum
+    if kind.mamba_type == mamba.MAMBA1:
+        segments: tuple[int, ...] = (conv_rows,)
+    elif kind.mamba_type == mamba.MAMBA2:
+        x = ssm_rows * ssm_shape[1]
+        segments = (x, (conv_rows - x) // 2, (conv_rows - x) // 2)
+    elif kind.mamba_type == mamba.GDN_ATTN:
+        v = ssm_rows * ssm_shape[1]
+        segments = ((conv_rows - v) // 2, (conv_rows - v) // 2, v)
+    else:
+        raise ValueError(f"{where}: mamba_type {kind.mamba_type} is not supported")
+    if sum(segments) != conv_rows or min(segments) <= 0:
+        raise ValueError(
+            f"{where}: conv channels {conv_rows} do not split into sub-projections "
+            f"{segments} for {kind.mamba_type}"
+        )
+    conv_dtype, ssm_dtype = kind.dtypes
+    return StateLayout(
+        (
+            StateComponent(conv_rows, (state_len,), conv_dtype, segments),
+            StateComponent(ssm_rows, tuple(ssm_shape[1:]), ssm_dtype),
+        ),
+        int(kind.page_size_bytes),
+        tp_size,
+        tp_rank,
+    )
 
 
 def _window_of(kind: Any) -> int | None:
