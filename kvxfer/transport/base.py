@@ -105,14 +105,21 @@ def tensor_memory(tensor: torch.Tensor) -> torch.Tensor:
     when it is a view with a wider outer stride (`KVCacheSpec.block_stride`).
 
     Raises:
-        ValueError: an empty tensor, or negative strides.
+        ValueError: an empty tensor, or one that is neither contiguous nor contiguous within
+            its outermost axis with that axis's items apart (a transposed view, say).
     """
     if tensor.numel() == 0:
         raise ValueError("tensor: empty; register a tensor with at least one element")
     if tensor.is_contiguous():
         return tensor.reshape(-1).view(torch.uint8)
-    if any(s < 0 for s in tensor.stride()):
-        raise ValueError(f"tensor: negative strides {tensor.stride()} cannot be registered")
+    if not (
+        tensor.dim() > 1 and tensor[0].is_contiguous() and tensor.stride(0) >= tensor[0].numel()
+    ):
+        raise ValueError(
+            f"tensor: must be contiguous to be registered (or contiguous within its outermost "
+            f"axis, as a layer view with block_stride), got strides {tensor.stride()}; call "
+            ".contiguous()"
+        )
     span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
     flat = tensor.as_strided((span,), (1,))
     return flat.view(torch.uint8)
