@@ -1,5 +1,6 @@
 """Heterogeneous pipeline parallelism under vLLM's Scheduler: prefill PP 2 x TP 2 -> decode
-PP 1 x TP 4, prefill PP 1 x TP 2 -> decode PP 2 x TP 1, and PP 2 -> PP 2 (TP 2 -> 1), over a
+PP 1 x TP 4, prefill PP 1 x TP 2 -> decode PP 2 x TP 1, PP 2 -> PP 2 (TP 2 -> 1), and prefill
+DP 2 x PP 2 x TP 1 -> decode PP 1 x TP 4 (data and pipeline parallelism together), over a
 5-layer model that vLLM splits 3 + 2, with 8 KV heads, different block sizes and layouts.
 
 Each engine runs vLLM's Scheduler once, and a worker process per (PP rank, TP rank) that
@@ -91,7 +92,8 @@ def _prefill(prefill: Engine, prompts: dict[str, list[int]]) -> dict[str, dict]:
     prefill.step()  # the step whose metadata publishes them
     for request_id, prompt in prompts.items():
         handed = params[request_id]
-        assert handed["remote_engine_id"] == prefill.spec.name
+        assert handed["remote_engine_id"] == prefill.spec.engine_id
+        assert handed["remote_dp_rank"] == prefill.spec.dp_rank
         assert (handed["tp_size"], handed["pp_size"]) == (prefill.spec.tp, prefill.spec.pp)
         assert handed["remote_num_tokens"] == len(prompt)
     return params
@@ -196,3 +198,51 @@ def test_prefill_pp2_to_decode_pp2_at_fixed_ports_without_the_bootstrap_service(
         del handed["remote_bootstrap_addr"]
     loads = {r: (prompts[r], params[r]) for r in prompts}
     _decode(engines.decode_pp2, engines.prefill_pp2, loads)
+
+
+@pytest.fixture(scope="module")
+def dp_pp_prefill(tmp_path_factory):
+    """A prefill engine with DP 2 x PP 2 x TP 1: one engine per DP rank (as vLLM runs them),
+    each with a worker per stage, both DP ranks registering with one bootstrap service."""
+    model = write_model(tmp_path_factory.mktemp("dp-pp-model"), PP_MODEL)
+    extra = {**COMMON, "bootstrap_port": free_port_base(1)}
+    started = [
+        Engine(
+            model,
+            EngineSpec(
+                "prefill-dppp",
+                1,
+                16,
+                "kv_producer",
+                64,
+                "LBNHC",
+                extra,
+                dp_rank=dp,
+                dp_size=2,
+                pp=2,
+            ),
+        )
+        for dp in range(2)
+    ]
+    try:
+        for engine in started:
+            engine.wait_ready()
+        yield started
+    finally:
+        for engine in started[::-1]:
+            engine.close()
+
+
+def test_prefill_dp2_pp2_to_decode_pp1_tp4(engines, dp_pp_prefill):
+    """Data and pipeline parallelism together: each request's parameters name its DP rank; a
+    decode rank finds that DP rank's two stages through the bootstrap service and reads layers
+    0-2 from stage 0 and 3-4 from stage 1, its 2 heads of 8 from the one TP rank."""
+    bootstrap = f"http://127.0.0.1:{dp_pp_prefill[0].spec.extra['bootstrap_port']}"
+    client = BootstrapClient(bootstrap)
+    for dp, prefill in enumerate(dp_pp_prefill):
+        workers = client.lookup(prefill.spec.engine_id, dp, timeout_s=30)
+        assert [(w.pp_rank, w.tp_rank) for w in workers] == [(0, 0), (1, 0)]
+        prompts = {f"dppp{dp}-a": random_prompt(40 + dp, 52), f"dppp{dp}-b": random_prompt(50, 23)}
+        params = _prefill(prefill, prompts)
+        assert {p["remote_bootstrap_addr"] for p in params.values()} == {bootstrap}
+        _decode(engines.decode_tp4, prefill, {r: (prompts[r], params[r]) for r in prompts})
