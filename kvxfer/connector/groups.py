@@ -35,6 +35,7 @@ import torch
 from kvxfer.connector.consumer import FetchHandle, KVConsumer, TransferResult
 from kvxfer.connector.producer import KVProducer
 from kvxfer.plan import PairPlan
+from kvxfer.plan.layout import blocks_of_tokens
 from kvxfer.spec import KVCacheSpec
 from kvxfer.validation import check_block_ids, check_num_tokens, check_request_id
 
@@ -243,6 +244,21 @@ class GroupedFetch:
         for handle in self.handles:
             if handle is not None:
                 handle.cancel()
+
+
+def fetched_blocks(
+    groups: Sequence[CacheGroup],
+    block_ids: Sequence[Sequence[int] | np.ndarray],
+    num_tokens: int,
+    start_token: int = 0,
+) -> list[int]:
+    """Every block a fetch of the request fills, over its groups (`CacheGroup.fetched_tokens`):
+    what a fetch that fails before any transfer reports, for the engine to recompute."""
+    blocks: set[int] = set()
+    for group, table in zip(groups, block_ids, strict=True):
+        start, end = group.fetched_tokens(num_tokens, start_token)
+        blocks.update(blocks_of_tokens(table, group.spec.block_size, start, end))
+    return sorted(blocks)
 
 
 def merge_results(results: Sequence[TransferResult]) -> TransferResult:

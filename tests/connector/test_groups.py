@@ -17,7 +17,7 @@ from helpers import POISON_BYTE, bits, side_specs
 
 from kvxfer import allocate_kv_caches
 from kvxfer.connector import CacheGroup, GroupedConsumer, GroupedProducer, window_start
-from kvxfer.connector.groups import held_from
+from kvxfer.connector.groups import fetched_blocks, held_from
 from kvxfer.reference import random_global_kv, write_rank_cells
 
 NULL_BLOCK = 0  # vLLM's null block: never holds a token of a request
@@ -200,3 +200,28 @@ def test_group_counts_must_match_and_tables_come_per_group(request_kv):
 def test_window_bounds(num_tokens, window, start, held):
     assert window_start(num_tokens, window) == start
     assert held_from(num_tokens, window) == held
+
+
+def test_fetched_blocks_are_those_a_fetch_fills():
+    """What a fetch failing before any transfer reports: every block of the full group from
+    `start_token`, the window group's from its window, the state group's one block."""
+    (spec,) = side_specs(1, heads=HEADS, block_size=16, num_blocks=64)
+    (state_spec,) = side_specs(1, heads=HEADS, block_size=1, num_blocks=64)
+    groups = [
+        CacheGroup(spec, []),
+        CacheGroup(spec, [], sliding_window=WINDOW),
+        CacheGroup(state_spec, [], state=True),
+    ]
+    full, windowed, state = [10, 11, 12, 13, 14], [0, 0, 0, 23, 24], [40]
+    # 70 tokens: the window keeps tokens 51..69, blocks 3 and 4 of 16 tokens.
+    assert fetched_blocks(groups, [full, windowed, state], NUM_TOKENS, 20) == [
+        11,
+        12,
+        13,
+        14,
+        23,
+        24,
+        40,
+    ]
+    # Everything held already: nothing to fill.
+    assert fetched_blocks(groups, [full, windowed, state], NUM_TOKENS, NUM_TOKENS) == []

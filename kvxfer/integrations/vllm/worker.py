@@ -28,6 +28,7 @@ from kvxfer.connector import (
     GroupedProducer,
     TransferResult,
 )
+from kvxfer.connector.groups import fetched_blocks
 from kvxfer.integrations.bootstrap import BootstrapClient, Registration, new_worker_info
 from kvxfer.integrations.kv_tensors import EngineGeometry, spec_from_layers
 from kvxfer.integrations.settings import ConnectorSettings
@@ -39,7 +40,6 @@ from kvxfer.integrations.vllm.metadata import (
 )
 from kvxfer.integrations.vllm.scheduler import data_parallel_rank
 from kvxfer.integrations.vllm.stats import KvxferConnectorStats
-from kvxfer.plan.layout import blocks_of_tokens
 from kvxfer.state import StateComponent, StateLayout
 
 if TYPE_CHECKING:
@@ -372,19 +372,8 @@ class WorkerSide:
             spec.remote,
             why,
         )
-        failed = sorted(
-            {
-                block
-                for group, table in zip(
-                    self._groups, self._group_tables(spec.block_ids, spec.num_tokens), strict=True
-                )
-                for block in blocks_of_tokens(
-                    table,
-                    group.spec.block_size,
-                    *group.fetched_tokens(spec.num_tokens, spec.start_token),
-                )
-            }
-        )
+        tables = self._group_tables(spec.block_ids, spec.num_tokens)
+        failed = fetched_blocks(self._groups, tables, spec.num_tokens, spec.start_token)
         return TransferResult(False, failed, 0, 0, "", 0.0, [why])
 
     # ---- remote engines: look-ups and connects off the engine's thread ----
