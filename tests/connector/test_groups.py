@@ -8,6 +8,7 @@ nothing; a request is released once, when every group released it."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -109,21 +110,35 @@ def _assert_equal(side: Side, expected) -> None:
                 assert torch.equal(bits(got), bits(w)), f"rank {rank} group {group} layer {layer}"
 
 
-def test_full_and_window_groups_move_exactly_their_tokens(request_kv):
-    prefill, src_tables = _prefill(request_kv)
-    released: list[list[str]] = [[] for _ in prefill.specs]
-    producers = [
-        GroupedProducer(prefill.groups(r), "prefill", release=released[r].append)
-        for r in range(len(prefill.specs))
-    ]
-    windows = [None, WINDOW]
-    decode, dst_tables = _decode(windows)
-    consumers = [GroupedConsumer(decode.groups(r), "decode") for r in range(len(decode.specs))]
+@contextlib.contextmanager
+def _published(prefill: Side, src_tables, decode: Side, released=None):
+    """A producer per prefill rank, publishing request "r", and a consumer per decode rank,
+    connected to them; all closed at the end."""
+    producers, consumers = [], []
     try:
+        for rank in range(len(prefill.specs)):
+            release = released[rank].append if released is not None else None
+            producers.append(GroupedProducer(prefill.groups(rank), "prefill", release=release))
+        for rank in range(len(decode.specs)):
+            consumers.append(GroupedConsumer(decode.groups(rank), "decode"))
         for consumer in consumers:
             consumer.connect([p.addresses for p in producers], timeout=10)
         for producer, tables in zip(producers, src_tables, strict=True):
             producer.publish("r", tables, NUM_TOKENS)
+        yield consumers
+    finally:
+        for c in consumers:
+            c.close()
+        for p in producers:
+            p.close()
+
+
+def test_full_and_window_groups_move_exactly_their_tokens(request_kv):
+    prefill, src_tables = _prefill(request_kv)
+    released: list[list[str]] = [[] for _ in prefill.specs]
+    windows = [None, WINDOW]
+    decode, dst_tables = _decode(windows)
+    with _published(prefill, src_tables, decode, released) as consumers:
         handles = [
             c.fetch("r", tables, NUM_TOKENS)
             for c, tables in zip(consumers, dst_tables, strict=True)
@@ -139,25 +154,13 @@ def test_full_and_window_groups_move_exactly_their_tokens(request_kv):
         while not all(released) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert released == [["r"], ["r"]]  # once each, after every group was done
-    finally:
-        for c in consumers:
-            c.close()
-        for p in producers:
-            p.close()
 
 
 def test_a_rank_asking_for_dropped_window_tokens_fails_with_its_blocks(request_kv):
     prefill, src_tables = _prefill(request_kv)
-    producers = [GroupedProducer(prefill.groups(r), "prefill") for r in range(2)]
     # A decode engine that takes the window group for full attention: it asks for every token.
-    windows = [None, None]
-    decode, dst_tables = _decode(windows)
-    consumers = [GroupedConsumer(decode.groups(r), "decode") for r in range(3)]
-    try:
-        for consumer in consumers:
-            consumer.connect([p.addresses for p in producers], timeout=10)
-        for producer, tables in zip(producers, src_tables, strict=True):
-            producer.publish("r", tables, NUM_TOKENS)
+    decode, dst_tables = _decode([None, None])
+    with _published(prefill, src_tables, decode) as consumers:
         for rank, consumer in enumerate(consumers):
             result = consumer.fetch("r", dst_tables[rank], NUM_TOKENS).wait(30)
             assert not result.ok
@@ -166,11 +169,6 @@ def test_a_rank_asking_for_dropped_window_tokens_fails_with_its_blocks(request_k
             assert any("sliding window" in e for e in result.errors), result.errors
             for layer, tensor in enumerate(decode.caches[rank][1]):
                 assert (bits(tensor) == POISON_BYTE).all(), f"rank {rank} layer {layer} written"
-    finally:
-        for c in consumers:
-            c.close()
-        for p in producers:
-            p.close()
 
 
 def test_group_counts_must_match_and_tables_come_per_group(request_kv):

@@ -24,6 +24,7 @@ own Scheduler and workers) per DP rank, configured as vLLM's engine core configu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -33,7 +34,7 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,33 @@ def free_port_base(count: int) -> int:
             for s in sockets:
                 s.close()
     raise RuntimeError("no run of free ports on 127.0.0.1")
+
+
+@contextlib.contextmanager
+def running(engines: list[Any]) -> Iterator[list[Any]]:
+    """Engines started together (their workers import vLLM at once), ready; closed in reverse
+    order at the end, whatever happens."""
+    try:
+        for engine in engines:
+            engine.wait_ready()
+        yield engines
+    finally:
+        for engine in engines[::-1]:
+            engine.close()
+
+
+def prefill_remote(prefill: Any, prompts: dict[str, list[int]], timeout: float) -> dict[str, dict]:
+    """Prefill prompts for remote decode (one token each, as a P/D proxy asks); the
+    kv_transfer_params vLLM hands back for each when it finishes it."""
+    params: dict[str, dict] = {}
+
+    def collect(_, outputs):
+        params.update({o.request_id: o.kv_transfer_params for o in outputs if o.finish_reason})
+
+    for request_id, prompt in prompts.items():
+        prefill.add(request_id, prompt, max_tokens=1, params={"do_remote_decode": True})
+    run_until(lambda: set(params) >= set(prompts), [prefill], timeout, on_step=collect)
+    return params
 
 
 def random_prompt(seed: int, length: int) -> list[int]:

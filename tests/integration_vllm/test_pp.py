@@ -25,8 +25,10 @@ from pd_engines import (
     Engine,
     EngineSpec,
     free_port_base,
+    prefill_remote,
     random_prompt,
     run_until,
+    running,
     write_model,
 )
 
@@ -81,14 +83,7 @@ def engines(tmp_path_factory):
 def _prefill(prefill: Engine, prompts: dict[str, list[int]]) -> dict[str, dict]:
     """Prefill prompts for remote decode; their kv_transfer_params once every prefill worker
     (every stage) has published them."""
-    params: dict[str, dict] = {}
-
-    def collect(_, outputs):
-        params.update({o.request_id: o.kv_transfer_params for o in outputs if o.finish_reason})
-
-    for request_id, prompt in prompts.items():
-        prefill.add(request_id, prompt, max_tokens=1, params={"do_remote_decode": True})
-    _run_until(lambda: set(params) >= set(prompts), [prefill], on_step=collect)
+    params = prefill_remote(prefill, prompts, timeout=60.0)
     prefill.step()  # the step whose metadata publishes them
     for request_id, prompt in prompts.items():
         handed = params[request_id]
@@ -224,13 +219,8 @@ def dp_pp_prefill(tmp_path_factory):
         )
         for dp in range(2)
     ]
-    try:
-        for engine in started:
-            engine.wait_ready()
-        yield started
-    finally:
-        for engine in started[::-1]:
-            engine.close()
+    with running(started) as engines:
+        yield engines
 
 
 def test_prefill_dp2_pp2_to_decode_pp1_tp4(engines, dp_pp_prefill):
