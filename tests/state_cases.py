@@ -15,25 +15,26 @@ PAGE_BYTES, NUM_BLOCKS, NUM_LAYERS = 1024, 6, 2
 POISON = 0xA5
 
 
-def components() -> tuple[StateComponent, ...]:
-    """Conv state `[x + 2 * groups_ss, state_len]` bf16, SSM state `[heads, hd, d_state]` fp32."""
+def components(state_len: int = STATE_LEN) -> tuple[StateComponent, ...]:
+    """Conv state `[x + 2 * groups_ss, state_len]` bf16, SSM state `[heads, hd, d_state]` fp32
+    (`state_len` 3: 6-byte rows, vLLM's usual; 8: 16-byte rows, every slice 16-byte aligned)."""
     return (
-        StateComponent(X + 2 * GROUPS_SS, (STATE_LEN,), torch.bfloat16, (X, GROUPS_SS, GROUPS_SS)),
+        StateComponent(X + 2 * GROUPS_SS, (state_len,), torch.bfloat16, (X, GROUPS_SS, GROUPS_SS)),
         StateComponent(SSM_HEADS, (HEAD_DIM, D_STATE), torch.float32),
     )
 
 
-def layout(tp: int, rank: int) -> StateLayout:
+def layout(tp: int, rank: int, state_len: int = STATE_LEN) -> StateLayout:
     """One rank's layout."""
-    return StateLayout(components(), PAGE_BYTES, tp, rank)
+    return StateLayout(components(state_len), PAGE_BYTES, tp, rank)
 
 
-def global_states(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def global_states(seed: int, state_len: int = STATE_LEN) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(conv, ssm) of every layer: the model's whole state after some prompt."""
     gen = torch.Generator().manual_seed(seed)
     return [
         (
-            torch.randn(X + 2 * GROUPS_SS, STATE_LEN, generator=gen).to(torch.bfloat16),
+            torch.randn(X + 2 * GROUPS_SS, state_len, generator=gen).to(torch.bfloat16),
             torch.randn(SSM_HEADS, HEAD_DIM, D_STATE, generator=gen),
         )
         for _ in range(NUM_LAYERS)
@@ -52,22 +53,21 @@ def rank_page(conv: torch.Tensor, ssm: torch.Tensor, tp: int, rank: int) -> torc
     return torch.cat([local_conv, local_ssm])
 
 
-def pages(fill: int | None = None, seed: int = 0) -> list[torch.Tensor]:
+def pages(fill: int | None = None, seed: int = 0, device: str = "cpu") -> list[torch.Tensor]:
     """A rank's page tensors, one per layer: poison (`fill`) or random bytes."""
     gen = torch.Generator().manual_seed(seed)
     result = []
     for _ in range(NUM_LAYERS):
         if fill is None:
-            result.append(
-                torch.randint(0, 256, (NUM_BLOCKS, PAGE_BYTES), generator=gen).to(torch.uint8)
-            )
+            page = torch.randint(0, 256, (NUM_BLOCKS, PAGE_BYTES), generator=gen).to(torch.uint8)
         else:
-            result.append(torch.full((NUM_BLOCKS, PAGE_BYTES), fill, dtype=torch.uint8))
+            page = torch.full((NUM_BLOCKS, PAGE_BYTES), fill, dtype=torch.uint8)
+        result.append(page.to(device))
     return result
 
 
 def write_state(layer_pages, states, tp: int, rank: int, block: int) -> None:
     """Put a request's state (in block `block`) into a rank's pages."""
     for page, (conv, ssm) in zip(layer_pages, states, strict=True):
-        data = rank_page(conv, ssm, tp, rank)
+        data = rank_page(conv, ssm, tp, rank).to(page.device)
         page[block, : data.numel()] = data
