@@ -321,7 +321,9 @@ class GroupedConsumer:
                 raise ValueError(
                     f"connect: producer rank {rank} serves {len(addresses)} KV cache group(s) "
                     f"at {addresses}, this rank has {len(self.groups)}; both engines must run "
-                    "the same model with the same hybrid-allocator setting"
+                    "the same model with the same hybrid-allocator setting, and several groups "
+                    "are found through the bootstrap service (fixed addresses name one side "
+                    "channel per rank)"
                 )
         return [
             consumer.connect([addresses[g] for addresses in per_rank], timeout)
