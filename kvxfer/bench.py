@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from kvxfer.connector import KVConsumer, KVProducer
-from kvxfer.plan import CostModel, Segments, route_heads
+from kvxfer.plan import DEFAULT_STAGING_SLOTS, CostModel, Segments, route_heads
 from kvxfer.spec import KVCacheSpec, allocate_kv_caches
 from kvxfer.transport import Peer
 
@@ -44,7 +44,7 @@ class BenchConfig:
     dst_block_size: int = 32
     protocol: str = "tcp"
     staging_bytes: int = 64 << 20
-    staging_slots: int = 4
+    staging_slots: int = DEFAULT_STAGING_SLOTS
     strategy: str | None = None
     repeat: int = 3
 

@@ -19,6 +19,7 @@ import torch
 
 from kvxfer import KVCacheSpec, allocate_kv_caches
 from kvxfer.layout import canonical_view
+from kvxfer.plan import DEFAULT_STAGING_SLOTS
 from kvxfer.reference import random_global_kv, write_rank_cells
 from kvxfer.spec import pp_layer_ranges
 
@@ -139,7 +140,7 @@ def producer_main(side: dict, ranks: list[int], requests: list[dict], options: d
             "releases": releases,
             "pending": {p.spec.engine_rank: p.pending_requests for p in producers},
             "free_slots": {p.spec.engine_rank: p.staging_free_slots() for p in producers},
-            "slots": options.get("staging_slots", 4),
+            "slots": options.get("staging_slots", DEFAULT_STAGING_SLOTS),
         }
         for p in producers:
             p.close()

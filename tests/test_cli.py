@@ -371,3 +371,12 @@ def test_readme_documents_every_json_key_of_plan_and_demo(capsys):
     demo = json.loads(json.dumps(demo, default=str))
     for key in json_keys(demo):
         assert f"`{key}`" in section, f"demo: {key}"
+
+
+def test_bench_defaults_are_the_connectors():
+    """The CLI keeps its parsing light, so it spells the staging default out: the same value."""
+    from kvxfer.bench import BenchConfig
+    from kvxfer.plan import DEFAULT_STAGING_SLOTS
+
+    args = parse_args(["bench"])
+    assert args.staging_slots == DEFAULT_STAGING_SLOTS == BenchConfig.staging_slots

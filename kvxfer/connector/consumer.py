@@ -75,7 +75,7 @@ from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.stats import TransferRecord, TransferStats
 from kvxfer.connector.streams import Fence, copy_stream_for
 from kvxfer.execute import resolve_backend, run_cell_copy, warm_up
-from kvxfer.plan import CostModel, PairPlan, check_side, plan_pairs_into
+from kvxfer.plan import DEFAULT_STAGING_SLOTS, CostModel, PairPlan, check_side, plan_pairs_into
 from kvxfer.plan.cost import Chunking, choose_chunking
 from kvxfer.plan.layout import STAGING_REGION, blocks_of_tokens
 from kvxfer.plan.program import (
@@ -313,7 +313,7 @@ class KVConsumer:
         transport: Transport | None = None,
         protocol: str = "tcp",
         staging_bytes: int = 32 << 20,
-        staging_slots: int = 4,
+        staging_slots: int = DEFAULT_STAGING_SLOTS,
         cost_model: CostModel | None = None,
         strategy: str | None = None,
         chunk_tokens: int | None = None,

@@ -64,7 +64,7 @@ from kvxfer.connector.sidechannel import SideChannelServer
 from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.streams import Fence, copy_stream_for
 from kvxfer.execute import resolve_backend, run_cell_copy, warm_up
-from kvxfer.plan import HeadRoute, check_pairable, route_pair
+from kvxfer.plan import DEFAULT_STAGING_SLOTS, HeadRoute, check_pairable, route_pair
 from kvxfer.plan.program import (
     CellCopy,
     check_strategy,
@@ -164,7 +164,7 @@ class KVProducer:
         transport: Transport | None = None,
         protocol: str = "tcp",
         staging_bytes: int = 32 << 20,
-        staging_slots: int = 4,
+        staging_slots: int = DEFAULT_STAGING_SLOTS,
         request_timeout_s: float = 300.0,
         session_timeout_s: float = 10.0,
         released_ttl_s: float = 600.0,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.integrations.bootstrap import bootstrap_url
-from kvxfer.plan import STRATEGIES, CostModel
+from kvxfer.plan import DEFAULT_STAGING_SLOTS, STRATEGIES, CostModel
 from kvxfer.rdma import PROTOCOLS, ProtocolChoice, choose_protocol
 
 _COST_PRESETS = {"rdma": CostModel, "tcp_loopback": CostModel.tcp_loopback}
@@ -65,7 +65,7 @@ class ConnectorSettings:
     fetch_timeout_s: float = 60.0
     handshake_timeout_s: float = 10.0
     staging_bytes: int = 32 << 20
-    staging_slots: int = 4
+    staging_slots: int = DEFAULT_STAGING_SLOTS
     backend: str = "auto"
 
     @classmethod

@@ -1,6 +1,12 @@
 """Pure planning: head routes, cell addresses, byte segments, strategies and their costs."""
 
-from kvxfer.plan.cost import CostModel, StrategyEstimate, estimate_strategies, estimate_strategy
+from kvxfer.plan.cost import (
+    DEFAULT_STAGING_SLOTS,
+    CostModel,
+    StrategyEstimate,
+    estimate_strategies,
+    estimate_strategy,
+)
 from kvxfer.plan.heads import (
     HeadRoute,
     heads_of_rank,
@@ -15,6 +21,7 @@ from kvxfer.plan.program import STRATEGIES, CellCopy, Strategy, TransferProgram,
 from kvxfer.plan.segments import Segments, coalesce
 
 __all__ = [
+    "DEFAULT_STAGING_SLOTS",
     "STRATEGIES",
     "BlockGeometry",
     "CellCopy",

@@ -244,6 +244,15 @@ def chunk_cost(
     )
 
 
+DEFAULT_STAGING_SLOTS = 2
+"""Staging slots per peer and side by default. Two on each side keep all three stages of a
+chunk busy at once (the producer packs chunk i+1 into its second slot while chunk i is read
+from its first; the consumer reads chunk i+1 while it copies chunk i out of its other slot),
+and at a given `staging_bytes` they are twice the size of four: half the chunks, so half the
+per-chunk host work (`seconds_per_chunk`). Measured with `kvxfer bench` on the project's CPU
+machine at 32 MiB: 1.26-1.43 GB/s with 2 slots against 0.78-0.97 with 4 (benchmarks/RESULTS.md)."""
+
+
 def choose_chunking(
     strategy: Strategy,
     route: HeadRoute,

@@ -40,6 +40,7 @@ import zmq
 
 from kvxfer import KVCacheSpec, allocate_kv_caches
 from kvxfer.layout import BLOCK, layer_axes
+from kvxfer.plan import DEFAULT_STAGING_SLOTS
 from kvxfer.reference import random_global_kv, write_rank_cells
 
 POISON = 0xA5  # consumer caches before anything lands
@@ -895,7 +896,7 @@ def leaks(
             if p.gone or not p.alive():
                 continue
             report = p.report()
-            slots = p.options.get("staging_slots", 4)
+            slots = p.options.get("staging_slots", DEFAULT_STAGING_SLOTS)
             if not pools_whole(report, slots):
                 found.append(f"{p.name}: staging free slots {report['free_slots']} of {slots}")
             if report["pending"]:
@@ -914,7 +915,7 @@ def leaks(
             if c.gone or c.closed or c.options is None or not c.alive():
                 continue
             report = c.report()
-            slots = c.options.get("staging_slots", 4)
+            slots = c.options.get("staging_slots", DEFAULT_STAGING_SLOTS)
             if not pools_whole(report, slots):
                 found.append(f"{c.name}: staging free slots {report['free_slots']} of {slots}")
         return found
