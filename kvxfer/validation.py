@@ -34,13 +34,23 @@ def check_caches(spec: KVCacheSpec, caches: Sequence[torch.Tensor], who: str) ->
             raise ValueError(
                 f"{who}: layer {layer} has dtype {tensor.dtype}, the spec says {spec.dtype}"
             )
-        if tuple(tensor.stride()) != spec.layer_strides:
-            if not spec.block_stride:
+        if not spec.block_stride:
+            if not tensor.is_contiguous():
                 raise ValueError(f"{who}: layer {layer} is not contiguous; pass contiguous tensors")
+        elif not _strides_match(tensor, spec.layer_strides):
             raise ValueError(
                 f"{who}: layer {layer} has strides {tuple(tensor.stride())}, but the spec's "
                 f"block_stride {spec.block_stride} needs {spec.layer_strides}"
             )
+
+
+def _strides_match(tensor: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    """Whether `tensor` has these strides on every axis longer than 1 (an axis of one element
+    may have any stride, as for `is_contiguous`)."""
+    return all(
+        n == 1 or have == want
+        for n, have, want in zip(tensor.shape, tensor.stride(), strides, strict=True)
+    )
 
 
 def check_num_tokens(num_tokens: object, where: str = "num_tokens") -> int:
