@@ -139,6 +139,81 @@ def prefill_remote(prefill: Any, prompts: dict[str, list[int]], timeout: float) 
     return params
 
 
+@dataclass
+class Loaded:
+    """What `load_and_check` saw."""
+
+    checked: dict[str, list[list[int]]]  # per request, each decode worker's mismatches
+    first_compute: dict[str, int]  # per request, the tokens vLLM scheduled in its first step
+
+
+def load_and_check(
+    decode: Any,
+    prefills: Sequence[Any],
+    loads: dict[str, tuple[list[int], dict]],
+    timeout: float,
+    loaded: Callable[[list[int]], int] = len,
+    on_loaded: Callable[[list[int], list[list[int]]], None] | None = None,
+    what: str = "",
+) -> Loaded:
+    """Add each request (its prompt and the prefill's kv_transfer_params) to the decode engine,
+    two tokens to generate; as soon as vLLM learns a request's load finished, before the decode
+    engine computes anything for it, check its first `loaded(prompt)` tokens on every decode
+    worker, in every KV cache group (`on_loaded(prompt, tables)` first, if given); step the
+    engines until every request finished and the prefill engines report them sent."""
+    for request_id, (prompt, params) in loads.items():
+        decode.add(request_id, prompt, max_tokens=2, params=params)
+    seen = Loaded({}, {})
+    finished: set[str] = set()
+
+    def follow(engine, outputs):
+        if engine is not decode:
+            return
+        for request_id, count in engine.last_scheduled.items():
+            seen.first_compute.setdefault(request_id, count)
+        finished.update(o.request_id for o in outputs if o.finish_reason is not None)
+        for request_id in (decode.finished_recving & set(loads)) - set(seen.checked):
+            tables = [list(t) for t in decode.scheduler.kv_cache_manager.get_block_ids(request_id)]
+            prompt = loads[request_id][0]
+            if on_loaded is not None:
+                on_loaded(prompt, tables)
+            seen.checked[request_id] = decode.check(prompt, tables, loaded(prompt))
+
+    sent = lambda: set().union(*(p.finished_sending for p in prefills))  # noqa: E731
+    run_until(
+        lambda: finished >= set(loads) and sent() >= set(loads),
+        [decode, *prefills],
+        timeout,
+        on_step=follow,
+        what=what,
+    )
+    return seen
+
+
+def failed_load(
+    decode: Any, request_id: str, prompt: list[int], params: dict, timeout: float = 30.0
+) -> tuple[list[set[int]], list[int]]:
+    """Add a request whose load must fail before any transfer; once vLLM learned the load
+    ended, the load errors reported since it was added, and the blocks vLLM allocated for it;
+    then step until the request finished (recomputed locally)."""
+    errors = len(decode.invalid_block_ids)
+    decode.add(request_id, prompt, max_tokens=1, params=params)
+    decode.step()
+    blocks = list(decode.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
+    run_until(lambda: request_id in decode.finished_recving, [decode], timeout)
+    reported = decode.invalid_block_ids[errors:]
+    finished: set[str] = set()
+    run_until(
+        lambda: request_id in finished,
+        [decode],
+        timeout,
+        on_step=lambda _, outs: finished.update(
+            o.request_id for o in outs if o.finish_reason is not None
+        ),
+    )
+    return reported, blocks
+
+
 def random_prompt(seed: int, length: int) -> list[int]:
     """`length` token ids drawn from the model's vocabulary, the same for the same seed."""
     rng = random.Random(seed)

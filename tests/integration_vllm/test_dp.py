@@ -16,7 +16,10 @@ import pytest
 from pd_engines import (
     Engine,
     EngineSpec,
+    failed_load,
     free_port_base,
+    load_and_check,
+    prefill_remote,
     random_prompt,
     run_until,
     write_model,
@@ -75,13 +78,7 @@ def cluster(tmp_path_factory):
 def _prefilled(prefill: Engine, request_id: str, prompt: list[int]) -> dict:
     """Prefill a prompt for remote decode; its kv_transfer_params once every prefill rank of
     that DP rank has published it."""
-    params: dict[str, dict] = {}
-
-    def collect(_, outputs):
-        params.update({o.request_id: o.kv_transfer_params for o in outputs if o.finish_reason})
-
-    prefill.add(request_id, prompt, max_tokens=1, params={"do_remote_decode": True})
-    _run_until(lambda: request_id in params, [prefill], on_step=collect)
+    params = prefill_remote(prefill, {request_id: prompt}, timeout=60.0)
     prefill.step()  # the step whose metadata publishes it
     return params[request_id]
 
@@ -91,28 +88,9 @@ def _decode(decode: Engine, prefills: list[Engine], loads: dict[str, tuple[list,
     learns a load finished, no load error; then finish them, and their prefill engines report
     them finished sending (`_all_blocks_free` checks that the blocks came back)."""
     errors = len(decode.invalid_block_ids)
-    for request_id, (prompt, params) in loads.items():
-        decode.add(request_id, prompt, max_tokens=2, params=params)
-    checked: dict[str, list[list[int]]] = {}
-    finished: set[str] = set()
-
-    def follow(engine, outputs):
-        if engine is not decode:
-            return
-        finished.update(o.request_id for o in outputs if o.finish_reason is not None)
-        for request_id in (decode.finished_recving & set(loads)) - set(checked):
-            block_ids = decode.scheduler.kv_cache_manager.get_block_ids(request_id)[0]
-            prompt = loads[request_id][0]
-            checked[request_id] = decode.check(prompt, list(block_ids), len(prompt))
-
-    sent = lambda: set().union(*(p.finished_sending for p in prefills))  # noqa: E731
-    _run_until(
-        lambda: finished >= set(loads) and sent() >= set(loads),
-        [decode, *prefills],
-        on_step=follow,
-        what=f"(loads {sorted(loads)} on {decode.spec.engine_id})",
-    )
-    assert checked == {r: [[]] * DECODE_TP for r in loads}, "KV differs on a decode rank"
+    what = f"(loads {sorted(loads)} on {decode.spec.engine_id})"
+    seen = load_and_check(decode, prefills, loads, 60.0, what=what)
+    assert seen.checked == {r: [[]] * DECODE_TP for r in loads}, "KV differs on a decode rank"
     assert decode.invalid_block_ids[errors:] == [], "a load failed"
     assert decode.free_blocks() == decode.free_blocks_at_start
 
@@ -208,20 +186,9 @@ def test_a_dp_rank_the_service_does_not_know_fails_the_load_and_vllm_recomputes(
         "remote_num_tokens": len(prompt),
         "tp_size": PREFILL_TP,
     }
-    errors = len(decode.invalid_block_ids)
-    decode.add("req-unknown-dp", prompt, max_tokens=1, params=nowhere)
-    decode.step()
-    blocks = list(decode.scheduler.kv_cache_manager.get_block_ids("req-unknown-dp")[0])
     # The look-up waits handshake_timeout_s (3 s) for ranks that may still register.
-    _run_until(lambda: "req-unknown-dp" in decode.finished_recving, [decode], timeout=30)
-    reported = decode.invalid_block_ids[errors:]
+    reported, blocks = failed_load(decode, "req-unknown-dp", prompt, nowhere)
     assert reported and set().union(*reported) == set(blocks[:2])  # 40 tokens, blocks of 32
-    finished: set[str] = set()
-    _run_until(
-        lambda: "req-unknown-dp" in finished,
-        [decode],
-        on_step=lambda _, outs: finished.update(o.request_id for o in outs if o.finish_reason),
-    )
     assert decode.free_blocks() == decode.free_blocks_at_start
 
 

@@ -15,7 +15,6 @@ sides. Runs in the vLLM environment (`make test-vllm`)."""
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -25,14 +24,12 @@ from pd_engines import (
     MODEL,
     Engine,
     EngineSpec,
+    load_and_check,
     prefill_remote,
     random_prompt,
-    run_until,
     running,
     write_model,
 )
-
-_run_until = functools.partial(run_until, timeout=90.0)
 
 LAYERS, WINDOW = 4, 24  # layers 0 and 2: full attention; 1 and 3: a window of 24 tokens
 HYBRID_MODEL = {**MODEL, "num_hidden_layers": LAYERS}
@@ -91,33 +88,11 @@ def _decode(prefill: Engine, decode: Engine, prompts, params, loaded, on_loaded=
     """Load every request on the decode engine; as soon as vLLM learns a load finished (before
     any decode compute), check its first `loaded(prompt)` tokens on every decode rank; finish
     the requests. Then: no load error, only the last prompt token computed, every block back."""
-    for request_id, prompt in prompts.items():
-        decode.add(request_id, prompt, max_tokens=2, params=params[request_id])
-    checked: dict[str, list[list[int]]] = {}
-    first_compute: dict[str, int] = {}
-    finished: set[str] = set()
-
-    def follow(engine, outputs):
-        if engine is not decode:
-            return
-        for request_id, count in engine.last_scheduled.items():
-            first_compute.setdefault(request_id, count)
-        finished.update(o.request_id for o in outputs if o.finish_reason is not None)
-        for request_id in decode.finished_recving - set(checked):
-            tables = [list(t) for t in decode.scheduler.kv_cache_manager.get_block_ids(request_id)]
-            prompt = prompts[request_id]
-            if on_loaded is not None:
-                on_loaded(prompt, tables)
-            checked[request_id] = decode.check(prompt, tables, loaded(prompt))
-
-    _run_until(
-        lambda: finished == set(prompts) and prefill.finished_sending >= set(prompts),
-        [decode, prefill],
-        on_step=follow,
-    )
-    assert checked == {r: [[]] * DECODE_TP for r in prompts}, "KV differs on a decode rank"
+    loads = {r: (prompt, params[r]) for r, prompt in prompts.items()}
+    seen = load_and_check(decode, [prefill], loads, 90.0, loaded, on_loaded)
+    assert seen.checked == {r: [[]] * DECODE_TP for r in prompts}, "KV differs on a decode rank"
     assert decode.invalid_block_ids == []
-    assert first_compute == {r: 1 for r in prompts}, "only the last prompt token is computed"
+    assert seen.first_compute == {r: 1 for r in prompts}, "only the last prompt token is computed"
     assert prefill.free_blocks() == prefill.free_blocks_at_start
     assert decode.free_blocks() == decode.free_blocks_at_start
 

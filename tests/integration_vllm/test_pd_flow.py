@@ -16,6 +16,7 @@ from pd_engines import (
     LAYERS,
     Engine,
     EngineSpec,
+    failed_load,
     free_port_base,
     random_prompt,
     run_until,
@@ -216,21 +217,8 @@ def test_unreachable_prefill_engine_fails_every_block_of_the_load(engines):
     prompt = random_prompt(8, 40)
     # Nothing listens where this engine is said to be.
     nowhere = _remote_params("gone-engine", "req-x", free_port_base(PREFILL_TP), len(prompt))
-    decode.add("req-nowhere", prompt, max_tokens=1, params=nowhere)
-    errors_before = len(decode.invalid_block_ids)
-    decode.step()
-    load_blocks = list(decode.scheduler.kv_cache_manager.get_block_ids("req-nowhere")[0])
-    _run_until(lambda: "req-nowhere" in decode.finished_recving, [decode], timeout=30)
-    reported = decode.invalid_block_ids[errors_before:]
+    reported, load_blocks = failed_load(decode, "req-nowhere", prompt, nowhere)
     assert reported and set().union(*reported) == set(load_blocks[:2])  # 40 tokens, blocks of 32
-    finished: set[str] = set()
-    _run_until(
-        lambda: "req-nowhere" in finished,
-        [decode],
-        on_step=lambda _, outs: finished.update(
-            o.request_id for o in outs if o.finish_reason is not None
-        ),
-    )
     assert decode.free_blocks() == decode.free_blocks_at_start
 
 

@@ -25,6 +25,7 @@ from pd_engines import (
     Engine,
     EngineSpec,
     free_port_base,
+    load_and_check,
     prefill_remote,
     random_prompt,
     run_until,
@@ -102,28 +103,10 @@ def _decode(decode: Engine, prefill: Engine, loads: dict[str, tuple[list, dict]]
     once, and vLLM let it through in the step of the last report, not before."""
     errors = len(decode.invalid_block_ids)
     stats_before = len(decode.stats)
-    for request_id, (prompt, params) in loads.items():
-        decode.add(request_id, prompt, max_tokens=2, params=params)
-    checked: dict[str, list[list[int]]] = {}
-    finished: set[str] = set()
-
-    def follow(engine, outputs):
-        if engine is not decode:
-            return
-        finished.update(o.request_id for o in outputs if o.finish_reason is not None)
-        for request_id in (decode.finished_recving & set(loads)) - set(checked):
-            block_ids = decode.scheduler.kv_cache_manager.get_block_ids(request_id)[0]
-            prompt = loads[request_id][0]
-            checked[request_id] = decode.check(prompt, list(block_ids), len(prompt))
-
-    _run_until(
-        lambda: finished >= set(loads) and prefill.finished_sending >= set(loads),
-        [decode, prefill],
-        on_step=follow,
-        what=f"(loads {sorted(loads)} on {decode.spec.name} from {prefill.spec.name})",
-    )
+    what = f"(loads {sorted(loads)} on {decode.spec.name} from {prefill.spec.name})"
+    seen = load_and_check(decode, [prefill], loads, 60.0, what=what)
     world = decode.spec.world_size
-    assert checked == {r: [[]] * world for r in loads}, "KV differs on a decode worker"
+    assert seen.checked == {r: [[]] * world for r in loads}, "KV differs on a decode worker"
     assert decode.invalid_block_ids[errors:] == [], "a load failed"
     for engine, kind in ((decode, "recving"), (prefill, "sending")):
         for request_id in loads:
