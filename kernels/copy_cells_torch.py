@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from kvxfer.kernels.layout import KVBuffer, check_cell_copy
@@ -91,7 +90,7 @@ def copy_cells_torch(
     src_off = cell_offsets(src_layers[0], *src.token_cells(tokens), src.head_offset, num_heads)
     dst_off = cell_offsets(dst_layers[0], *dst.token_cells(tokens), dst.head_offset, num_heads)
     unit = head_dim
-    grain = _grain(head_dim, src_off, dst_off)
+    grain = _grain(head_dim, src_layers[0], dst_layers[0])
     if grain < head_dim:
         # Cells off the head_dim grid (a layer with a block_stride that head_dim does not
         # divide): rows of the largest grain that divides every cell's start and head_dim.
@@ -132,14 +131,17 @@ def copy_cells_torch(
             writes.index_copy_(0, dst_rows, reads.index_select(0, src_rows))
 
 
-def _grain(head_dim: int, *offsets: torch.Tensor) -> int:
-    """`head_dim` when every cell starts on a multiple of it (every dense layout), else the
-    largest divisor of `head_dim` that every cell start is a multiple of."""
-    if all(bool((off % head_dim == 0).all()) for off in offsets):
-        return head_dim
+def _grain(head_dim: int, *views: torch.Tensor) -> int:
+    """A divisor of `head_dim` that every cell start of the canonical `views` is a multiple of:
+    the gcd of `head_dim` and their strides along every axis longer than one (a cell start is a
+    sum of multiples of those). `head_dim` itself for every dense layout; smaller for a layer
+    whose blocks sit `block_stride` apart when head_dim does not divide it. Integers only: no
+    work on the cells."""
     grain = head_dim
-    for off in offsets:
-        grain = math.gcd(grain, int(np.gcd.reduce(off.reshape(-1).cpu().numpy())))
+    for view in views:
+        for size, stride in zip(view.shape[:4], view.stride()[:4], strict=True):
+            if size > 1:
+                grain = math.gcd(grain, stride)
     return grain
 
 
