@@ -432,7 +432,17 @@ def prepare_cell_copy(
     Host work is O(1) per launch apart from reading each layer's address once: layer tables
     are cached per set of layer tensors, staging buffers (`StackedLayers`) need none, and
     nothing is copied to the device or synchronized.
+
+    Raises:
+        ValueError: a `k_transposed` buffer (vLLM CPU attention's layout: only CPU engines
+            have it, and the torch backend moves it), or buffers `check_copy_pair` refuses.
     """
+    for name, buf in (("src", src), ("dst", dst)):
+        if buf.k_transposed:
+            raise ValueError(
+                f"{name}: kv_placement 'k_transposed' (vLLM CPU attention, K dim-major) has no "
+                "Triton kernel: it exists on CPU engines only; use backend='torch'"
+            )
     src_geo, dst_geo = _SideGeometry.of(src), _SideGeometry.of(dst)
     check_copy_pair(src, dst, src_geo.shape, dst_geo.shape, token_start, token_end, num_heads)
     itemsize = src_geo.itemsize

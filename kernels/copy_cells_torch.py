@@ -14,6 +14,7 @@ import math
 import torch
 
 from kvxfer.kernels.layout import KVBuffer, check_cell_copy
+from kvxfer.layout import plane_views
 
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
@@ -83,6 +84,9 @@ def copy_cells_torch(
     one row: 1/num_heads of the index work.
     """
     check_cell_copy(src, dst, token_start, token_end, num_heads)
+    if src.k_transposed or dst.k_transposed:
+        copy_elements_torch(src, dst, token_start, token_end, num_heads)
+        return
     device = src.layers[0].device
     tokens = torch.arange(token_start, token_end, device=device)
     src_layers, dst_layers = src.canonical_layers(), dst.canonical_layers()
@@ -129,6 +133,33 @@ def copy_cells_torch(
             writes.index_copy_(0, dst_rows, reads[src_run : src_run + n])
         else:
             writes.index_copy_(0, dst_rows, reads.index_select(0, src_rows))
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copy_elements_torch(
+    src: KVBuffer, dst: KVBuffer, token_start: int, token_end: int, num_heads: int
+) -> None:
+    """`copy_cells_torch` element by element, through each side's per-plane views
+    (`kvxfer.layout.plane_views`): for layers whose cells are not contiguous rows, vLLM CPU
+    attention's `k_transposed` (K's elements of one token sit `block_size` apart). Bit-exact
+    (the elements move as integers of their width); other elements keep their bytes.
+    """
+    device = src.layers[0].device
+    tokens = torch.arange(token_start, token_end, device=device)
+    src_blocks, src_slots = src.token_cells(tokens)
+    dst_blocks, dst_slots = dst.token_cells(tokens)
+    src_heads = slice(src.head_offset, src.head_offset + num_heads)
+    dst_heads = slice(dst.head_offset, dst.head_offset + num_heads)
+    bits = _BITS[src.layers[0].element_size()]
+    for s_layer, d_layer in zip(src.layers, dst.layers, strict=True):
+        s_planes = plane_views(s_layer, src.layout, src.kv_placement, src.mla)
+        d_planes = plane_views(d_layer, dst.layout, dst.kv_placement, dst.mla)
+        for s_plane, d_plane in zip(s_planes, d_planes, strict=True):
+            # [tokens, heads, head_dim]: advanced indices on (block, slot), the heads sliced
+            values = s_plane.view(bits)[src_blocks, src_slots, src_heads]
+            d_plane.view(bits)[dst_blocks, dst_slots, dst_heads] = values
 
 
 def _grain(head_dim: int, *views: torch.Tensor) -> int:

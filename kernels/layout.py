@@ -8,7 +8,7 @@ from typing import overload
 
 import torch
 
-from kvxfer.layout import canonical_view
+from kvxfer.layout import K_TRANSPOSED, canonical_shape, canonical_view
 
 
 def canonical_kv_view(
@@ -58,7 +58,8 @@ class KVBuffer:
     head_offset: int = 0
 
     def canonical_layers(self) -> list[torch.Tensor]:
-        """Every layer as `[plane, block, slot, head, head_dim]`."""
+        """Every layer as `[plane, block, slot, head, head_dim]` (not for `k_transposed`,
+        which has a view per plane: `kvxfer.layout.plane_views`)."""
         return [canonical_kv_view(t, self.layout, self.kv_placement, self.mla) for t in self.layers]
 
     @property
@@ -69,10 +70,12 @@ class KVBuffer:
     @property
     def canonical_shape(self) -> tuple[int, int, int, int, int]:
         """(planes, blocks, block_size, heads, head_dim)."""
-        p, b, s, h, d = canonical_kv_view(
-            self.layers[0], self.layout, self.kv_placement, self.mla
-        ).shape
-        return p, b, s, h, d
+        return canonical_shape(self.layers[0], self.layout, self.kv_placement, self.mla)
+
+    @property
+    def k_transposed(self) -> bool:
+        """Whether the layers are vLLM CPU attention's `k_transposed` layout (torch only)."""
+        return self.kv_placement == K_TRANSPOSED and not self.mla
 
     def token_cells(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, slot) of each token."""

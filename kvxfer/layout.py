@@ -16,6 +16,15 @@ The rest follows from it: the tensor's shape (`layer_shape`), the canonical view
 `[plane, block, slot, head, head_dim]` every kernel reads (`canonical_view`) and the element
 strides of that view on a contiguous layer (`canonical_strides`, pure integers for the planner).
 
+One engine layout has no single axis order: vLLM's CPU attention (`k_transposed`, HND only).
+Its layer tensor is registered as `[blocks, heads, block_size, 2 * head_dim]`, the shape and
+strides of HND `kv_inner`, but inside each (block, head) the `2 * block_size * head_dim`
+elements hold K dim-major, `[head_dim, block_size]`, then V slot-major, `[block_size,
+head_dim]` (vLLM's `cpu_attn_reshape_and_cache`, docs/engine-layouts.md). K's elements of one
+token are then `block_size` apart, so no `head_dim` row of K is contiguous: such a layer has a
+view per plane (`plane_views`), no canonical view, and is read and written only by the torch
+cell copy, never by byte segments or the Triton kernels (`kvxfer.plan.program.strategies_for`).
+
 The spec, the planner, the kernels, the vLLM tensor reader and the test cluster derive their
 layouts from here. `kvxfer/reference.py` does not, on purpose: it indexes each layout of
 DESIGN.md's table itself, so that it stays an independent oracle for the tests.
@@ -28,10 +37,16 @@ from typing import Literal
 import torch
 
 Layout = Literal["NHD", "HND"]
-KVPlacement = Literal["kv_first", "blocks_first", "kv_inner"]
+KVPlacement = Literal["kv_first", "blocks_first", "kv_inner", "k_transposed"]
 
 LAYOUTS: tuple[str, ...] = ("NHD", "HND")
+# Placements whose every (plane, token, head) cell is `head_dim` contiguous elements: every
+# strategy, both backends and every kernel move them.
 KV_PLACEMENTS: tuple[str, ...] = ("kv_first", "blocks_first", "kv_inner")
+# vLLM CPU attention's layout (the module docstring): K dim-major, V slot-major inside each
+# (block, head); HND only, torch backend only, never addressed by byte segments.
+K_TRANSPOSED = "k_transposed"
+ALL_KV_PLACEMENTS: tuple[str, ...] = (*KV_PLACEMENTS, K_TRANSPOSED)
 
 PLANE, BLOCK, SLOT, HEAD, DIM, CELL = "plane", "block", "slot", "head", "dim", "cell"
 CANONICAL_AXES: tuple[str, ...] = (PLANE, BLOCK, SLOT, HEAD, DIM)
@@ -54,10 +69,17 @@ def memory_axes(layout: str, kv_placement: str, mla: bool) -> tuple[str, ...]:
     `layout` and `kv_placement` are ignored when `mla`.
 
     Raises:
-        ValueError: an unknown layout or placement.
+        ValueError: an unknown layout or placement, or `k_transposed`, which has no single
+            order (its planes differ: `plane_views`).
     """
     if mla:
         return _MLA_MEMORY_AXES
+    if kv_placement == K_TRANSPOSED:
+        raise ValueError(
+            "kv_placement 'k_transposed' (vLLM CPU attention) keeps K dim-major and V "
+            "slot-major: no single axis order describes it; use kvxfer.layout.plane_views, "
+            "or a strategy that copies it with the torch backend (strategies_for)"
+        )
     axes = _KV_MEMORY_AXES.get((layout, kv_placement))
     if axes is None:
         raise ValueError(
@@ -69,7 +91,10 @@ def memory_axes(layout: str, kv_placement: str, mla: bool) -> tuple[str, ...]:
 
 def layer_axes(layout: str, kv_placement: str, mla: bool) -> tuple[str, ...]:
     """The axes of a layer tensor, in the tensor's order (kv_inner merges `plane, dim` into
-    `cell`)."""
+    `cell`; a `k_transposed` layer is registered in HND kv_inner's shape)."""
+    if kv_placement == K_TRANSPOSED and not mla:
+        _check_k_transposed_layout(layout)
+        return (BLOCK, HEAD, SLOT, CELL)
     axes = memory_axes(layout, kv_placement, mla)
     if axes[-2:] == (PLANE, DIM):
         return (*axes[:-2], CELL)
@@ -143,9 +168,11 @@ def canonical_view(tensor: torch.Tensor, layout: str, kv_placement: str, mla: bo
             and stride 0.
 
     Raises:
-        ValueError: `tensor` has the wrong number of axes (or an odd kv_inner row), or the
-            layout is unknown.
+        ValueError: `tensor` has the wrong number of axes (or an odd kv_inner row), the
+            layout is unknown, or it is `k_transposed` (no canonical view: `plane_views`).
     """
+    if kv_placement == K_TRANSPOSED and not mla:
+        memory_axes(layout, kv_placement, mla)  # raises, naming plane_views
     axes = layer_axes(layout, kv_placement, mla)
     if tensor.dim() != len(axes):
         kind = "an MLA" if mla else f"a {layout}/{kv_placement}"
@@ -166,3 +193,69 @@ def canonical_view(tensor: torch.Tensor, layout: str, kv_placement: str, mla: bo
         tensor = tensor.unflatten(-1, (2, tensor.shape[-1] // 2))
     order = memory_axes(layout, kv_placement, mla)
     return tensor.permute([order.index(axis) for axis in CANONICAL_AXES])
+
+
+def _check_k_transposed_layout(layout: str) -> None:
+    if layout != "HND":
+        raise ValueError(
+            f"kv_placement 'k_transposed' (vLLM CPU attention) is an HND layout, got layout "
+            f"{layout!r}; pass layout='HND'"
+        )
+
+
+def canonical_shape(
+    tensor: torch.Tensor, layout: str, kv_placement: str, mla: bool
+) -> tuple[int, int, int, int, int]:
+    """`(planes, blocks, block_size, heads, head_dim)` of one layer's tensor, for every
+    placement (`k_transposed` included, which has no `canonical_view`).
+
+    Raises:
+        ValueError: as `canonical_view`, or as `plane_views` for `k_transposed`.
+    """
+    if kv_placement == K_TRANSPOSED and not mla:
+        blocks, slots, heads, dim = plane_views(tensor, layout, kv_placement, mla)[0].shape
+        return 2, blocks, slots, heads, dim
+    p, b, s, h, d = canonical_view(tensor, layout, kv_placement, mla).shape
+    return p, b, s, h, d
+
+
+def plane_views(
+    tensor: torch.Tensor, layout: str, kv_placement: str, mla: bool
+) -> list[torch.Tensor]:
+    """One view per plane (K, V; one for an MLA latent) of one layer's tensor, each
+    `[block, slot, head, head_dim]`, without copying: the canonical view's planes for the
+    layouts that have one, and the two differently strided planes of a `k_transposed` layer
+    (K's `head_dim` axis then has stride `block_size`, its slots stride 1).
+
+    Args:
+        tensor: a layer tensor in the layout contract's shape; for `k_transposed`,
+            `[blocks, heads, block_size, 2 * head_dim]` whose last two axes are dense (each
+            (block, head) one run of `2 * block_size * head_dim` elements).
+
+    Raises:
+        ValueError: the tensor does not have the layout's shape, or a `k_transposed` layer's
+            (block, head) planes are not dense.
+    """
+    if kv_placement != K_TRANSPOSED or mla:
+        view = canonical_view(tensor, layout, kv_placement, mla)
+        return [view[p] for p in range(view.shape[0])]
+    axes = layer_axes(layout, kv_placement, mla)
+    if tensor.dim() != len(axes) or tensor.shape[-1] % 2:
+        raise ValueError(
+            f"tensor: a k_transposed layer is [blocks, heads, block_size, 2 * head_dim], got "
+            f"shape {tuple(tensor.shape)}"
+        )
+    blocks, heads, slots, cell = tensor.shape
+    s_block, s_head, s_slot, s_cell = tensor.stride()
+    dim = cell // 2
+    if (slots > 1 and s_slot != cell) or (cell > 1 and s_cell != 1):
+        raise ValueError(
+            f"tensor: a k_transposed layer keeps each (block, head) as one dense run of "
+            f"block_size * 2 * head_dim elements, got strides {tensor.stride()} for shape "
+            f"{tuple(tensor.shape)}; pass the engine's own cache tensor (not a slice of it)"
+        )
+    shape = (blocks, slots, heads, dim)
+    offset = tensor.storage_offset()
+    k = tensor.as_strided(shape, (s_block, 1, s_head, slots), offset)
+    v = tensor.as_strided(shape, (s_block, dim, s_head, 1), offset + slots * dim)
+    return [k, v]

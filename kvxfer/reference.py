@@ -87,7 +87,9 @@ def write_rank_cells(
             for plane in (0, 1):
                 value = global_kv[layer, plane, token_start:token_end, head].to(cache.device)
                 inner = slice(plane * spec.head_dim, (plane + 1) * spec.head_dim)
-                if spec.kv_placement == "kv_inner" and spec.layout == "NHD":
+                if spec.kv_placement == "k_transposed":
+                    _write_k_transposed(spec, cache, blocks, slots, local, plane, value)
+                elif spec.kv_placement == "kv_inner" and spec.layout == "NHD":
                     cache[blocks, slots, local, inner] = value
                 elif spec.kv_placement == "kv_inner":
                     cache[blocks, local, slots, inner] = value
@@ -99,3 +101,29 @@ def write_rank_cells(
                     cache[blocks, plane, slots, local] = value
                 else:
                     cache[blocks, plane, local, slots] = value
+
+
+def _write_k_transposed(
+    spec: KVCacheSpec,
+    cache: torch.Tensor,  # [blocks, heads, block_size, 2 * head_dim], each (block, head) dense
+    blocks: torch.Tensor,
+    slots: torch.Tensor,
+    local: int,
+    plane: int,
+    value: torch.Tensor,  # [tokens, head_dim]
+) -> None:
+    """vLLM CPU attention's layout, as its `cpu_attn_reshape_and_cache` writes it: each
+    (block, head) holds K as `[head_dim, block_size]`, then V as `[block_size, head_dim]`."""
+    bs, dim = spec.block_size, spec.head_dim
+    if cache.stride()[2:] != (2 * dim, 1):
+        raise ValueError(
+            f"cache: a k_transposed layer's (block, head) runs must be dense, got "
+            f"strides {cache.stride()}"
+        )
+    per_head = cache.flatten(2)  # [blocks, heads, 2 * block_size * head_dim]
+    if plane == 0:
+        k = per_head[..., : bs * dim].unflatten(-1, (dim, bs))
+        k[blocks, local, :, slots] = value
+    else:
+        v = per_head[..., bs * dim :].unflatten(-1, (bs, dim))
+        v[blocks, local, slots] = value

@@ -20,7 +20,8 @@ import msgspec
 import numpy as np
 import torch
 
-from kvxfer.layout import KV_PLACEMENTS, LAYOUTS, KVPlacement, Layout
+from kvxfer.layout import ALL_KV_PLACEMENTS, K_TRANSPOSED, LAYOUTS, KVPlacement, Layout
+from kvxfer.layout import KV_PLACEMENTS as KV_PLACEMENTS  # re-exported: the GPU placements
 from kvxfer.layout import layer_shape as _layer_shape
 
 # fp8 caches (vLLM's kv_cache_dtype "fp8", "fp8_e4m3", "fp8_e5m2") are moved as bytes: every
@@ -109,8 +110,11 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
         block_size: tokens per block (page).
         num_blocks: blocks per layer tensor.
         layout: "NHD" (tokens, heads) or "HND" (heads, tokens) inside a block.
-        kv_placement: "kv_first" (`[2, blocks, ...]`), "blocks_first" (`[blocks, 2, ...]`) or
-            "kv_inner" (K then V in each head's row: `[blocks, ..., 2 * head_dim]`, vLLM 0.33).
+        kv_placement: "kv_first" (`[2, blocks, ...]`), "blocks_first" (`[blocks, 2, ...]`),
+            "kv_inner" (K then V in each head's row: `[blocks, ..., 2 * head_dim]`, vLLM 0.33)
+            or "k_transposed" (vLLM CPU attention, HND only: `[blocks, heads, block_size,
+            2 * head_dim]` holding, per (block, head), K as `[head_dim, block_size]` then V as
+            `[block_size, head_dim]`; moved by the torch backend, `kvxfer.layout`).
         mla: one latent plane `[num_blocks, block_size, head_dim]`, the same on every rank;
             `layout` and `kv_placement` are then ignored.
         pp_size: pipeline-parallel size of this engine (1: no pipeline parallelism).
@@ -176,11 +180,18 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
             _fail("dtype", f"unknown dtype {self.dtype!r}", f"use one of {sorted(TORCH_DTYPES)}")
         if self.layout not in LAYOUTS:
             _fail("layout", f"unknown layout {self.layout!r}", f"use one of {list(LAYOUTS)}")
-        if self.kv_placement not in KV_PLACEMENTS:
+        if self.kv_placement not in ALL_KV_PLACEMENTS:
             _fail(
                 "kv_placement",
                 f"unknown placement {self.kv_placement!r}",
-                f"use one of {list(KV_PLACEMENTS)}",
+                f"use one of {list(ALL_KV_PLACEMENTS)}",
+            )
+        if self.kv_placement == K_TRANSPOSED and self.layout != "HND" and not self.mla:
+            _fail(
+                "layout",
+                f"kv_placement 'k_transposed' (vLLM CPU attention) keeps heads outside slots, "
+                f"got layout {self.layout!r}",
+                "pass layout='HND'",
             )
         if not isinstance(self.mla, bool):
             _fail("mla", f"must be a bool, got {self.mla!r}", "pass True or False")

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kvxfer import KVCacheSpec, allocate_kv_caches
-from kvxfer.layout import canonical_view
+from kvxfer.layout import BLOCK, layer_axes
 from kvxfer.plan import DEFAULT_STAGING_SLOTS
 from kvxfer.reference import random_global_kv, write_rank_cells
 from kvxfer.spec import pp_layer_ranges
@@ -99,8 +99,11 @@ def global_kv(side: Side, request: Request) -> torch.Tensor:
 
 
 def block_view(spec: KVCacheSpec, layer: torch.Tensor, block: int) -> torch.Tensor:
-    """One block of a layer tensor, whatever the layout: `[plane, slot, head, head_dim]`."""
-    return canonical_view(layer, spec.layout, spec.kv_placement, spec.mla)[:, block]
+    """One block of a layer tensor, whatever the layout (its axes in the tensor's order, less
+    the block axis): compared as bytes, so `k_transposed` layers need no canonical view."""
+    return layer.movedim(layer_axes(spec.layout, spec.kv_placement, spec.mla).index(BLOCK), 0)[
+        block
+    ]
 
 
 # ---- processes ----------------------------------------------------------------------------

@@ -17,7 +17,14 @@ from kvxfer.plan.heads import (
 )
 from kvxfer.plan.layout import BlockGeometry, PagedView
 from kvxfer.plan.pairs import PairPlan, check_pairable, check_side, plan_pairs, plan_pairs_into
-from kvxfer.plan.program import STRATEGIES, CellCopy, Strategy, TransferProgram, build_program
+from kvxfer.plan.program import (
+    STRATEGIES,
+    CellCopy,
+    Strategy,
+    TransferProgram,
+    build_program,
+    strategies_for,
+)
 from kvxfer.plan.segments import Segments, coalesce
 
 __all__ = [
@@ -46,4 +53,5 @@ __all__ = [
     "route_heads",
     "route_pair",
     "routes_into",
+    "strategies_for",
 ]

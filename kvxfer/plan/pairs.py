@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvxfer.plan.cost import CostModel, StrategyEstimate, estimate_strategies
 from kvxfer.plan.heads import HeadRoute, routes_into
-from kvxfer.plan.program import STRATEGIES, Strategy, check_strategy
+from kvxfer.plan.program import Strategy, check_strategy, check_strategy_for, strategies_for
 from kvxfer.spec import KVCacheSpec
 
 # Fields that must agree between the two sides, and why a mismatch cannot be bridged (the
@@ -217,9 +217,13 @@ def _plan_into(
     landing: bool,
 ) -> list[PairPlan]:
     plans = []
+    source = src[0]
+    strategies = strategies_for(source, d)
+    if forced is not None:
+        check_strategy_for(forced, source, d)
     for route in routes_into(stages, src[0].tp_size, d):
         estimates = estimate_strategies(
-            STRATEGIES, route, src[route.src_rank], d, model, reference_tokens, landing
+            strategies, route, src[route.src_rank], d, model, reference_tokens, landing
         )
         # min() keeps the first of equal costs: STRATEGIES lists the simplest first.
         chosen = forced or min(estimates, key=lambda e: e.seconds).strategy

@@ -61,6 +61,49 @@ def check_strategy(name: str) -> Strategy:
     return cast(Strategy, name)
 
 
+# The strategies whose byte segments address the source's or the destination's cache itself.
+_SEGMENTS_FROM_SOURCE_CACHE: frozenset[Strategy] = frozenset({"direct", "unpack"})
+_SEGMENTS_INTO_DESTINATION_CACHE: frozenset[Strategy] = frozenset({"direct", "pack"})
+
+
+def strategies_for(src_spec: KVCacheSpec, dst_spec: KVCacheSpec) -> tuple[Strategy, ...]:
+    """The strategies that can move KV between these two caches, simplest first.
+
+    Every strategy, except where a side is `k_transposed` (vLLM CPU attention): its K cells
+    are not contiguous rows, so byte segments never address that cache; only a cell copy on
+    its own side (the torch backend) reads or writes it. A `k_transposed` source then needs a
+    pack, a `k_transposed` destination an unpack (landing: `direct` and `pack` would land in a
+    mirror of the destination's blocks, which the segments cannot address either).
+    """
+    excluded: set[Strategy] = set()
+    if _k_transposed(src_spec):
+        excluded |= _SEGMENTS_FROM_SOURCE_CACHE
+    if _k_transposed(dst_spec):
+        excluded |= _SEGMENTS_INTO_DESTINATION_CACHE
+    return tuple(s for s in STRATEGIES if s not in excluded)
+
+
+def check_strategy_for(strategy: Strategy, src_spec: KVCacheSpec, dst_spec: KVCacheSpec) -> None:
+    """Refuse a forced strategy that cannot move KV between these caches (`strategies_for`).
+
+    Raises:
+        ValueError: naming the strategy, the side at fault and the strategies that work.
+    """
+    allowed = strategies_for(src_spec, dst_spec)
+    if strategy in allowed:
+        return
+    side = "source" if _k_transposed(src_spec) else "destination"
+    raise ValueError(
+        f"strategy {strategy!r} cannot move KV here: the {side} cache is 'k_transposed' (vLLM "
+        f"CPU attention), whose K cells byte segments cannot address; use one of "
+        f"{list(allowed)}, or let the cost model choose (strategy=None)"
+    )
+
+
+def _k_transposed(spec: KVCacheSpec) -> bool:
+    return spec.kv_placement == "k_transposed" and not spec.mla
+
+
 @dataclass(frozen=True)
 class CellCopy:
     """A local copy of the moved cells between two buffers of one side (a kernel pass).

@@ -60,6 +60,22 @@ PAIRS = [
         Side(4, heads=4, head_dim=5, block_size=32, layout="HND", dtype="float8_e4m3fn"),
         id="P2-D4-fp8-e4m3-d5",
     ),
+    # vLLM CPU attention's layout (K dim-major) on either side and on both, block sizes changed
+    pytest.param(
+        Side(1, heads=4, block_size=32, layout="HND", placement="k_transposed", num_blocks=32),
+        Side(2, heads=4, block_size=64, layout="HND", placement="k_transposed", num_blocks=16),
+        id="CPU-P1-D2-bs32-bs64",
+    ),
+    pytest.param(
+        Side(2, heads=4, block_size=64, layout="HND", placement="k_transposed", num_blocks=16),
+        Side(4, heads=4, block_size=16),
+        id="CPU-P2-GPU-D4-bs64-bs16",
+    ),
+    pytest.param(
+        Side(4, heads=4, block_size=16, layout="HND", placement="kv_inner"),
+        Side(1, heads=4, block_size=32, layout="HND", placement="k_transposed", num_blocks=32),
+        id="GPU-P4-CPU-D1-bs16-bs32",
+    ),
 ]
 
 

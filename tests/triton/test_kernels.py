@@ -237,3 +237,15 @@ def test_gather_of_heads_that_straddle_rows(dtype):
         wire = _wire(kv, 2, False)
         op(_paged(spec, caches, ids, head_offset=1), wire_kv_buffer(wire, START), START, TOKENS, 2)
         assert torch.equal(bits(wire), bits(kv[:, :, START:TOKENS, 1:3].contiguous())), op.__name__
+
+
+def test_k_transposed_is_refused_by_the_kernels_and_moved_by_torch():
+    """vLLM CPU attention's layout exists on CPU engines only: the Triton kernels refuse it,
+    naming the torch backend, and the torch gather moves it exactly."""
+    _, caches, ids, kv = _cache("HND", "k_transposed", False, "float32", head_dim=8)
+    cache = KVBuffer(caches, "HND", "k_transposed", block_ids=torch.as_tensor(ids))
+    wire = torch.full((len(caches), 2, TOKENS - START, 3, 8), float("nan"))
+    with pytest.raises(ValueError, match=r"k_transposed.*backend='torch'"):
+        gather_kv(cache, wire_kv_buffer(wire, START), START, TOKENS, 3)
+    gather_kv_torch(cache, wire_kv_buffer(wire, START), START, TOKENS, 3)
+    assert torch.equal(bits(wire), bits(kv[:, :, START:TOKENS].contiguous()))
