@@ -178,8 +178,12 @@ def test_settings_defaults_and_parsing():
             "cost_model": {"seconds_per_op": 1e-5, "link_bytes_per_second": 25e9},
             "fetch_timeout_s": 5,
             "secret": "s",
+            "heartbeat_s": 1,
+            "peer_timeout_s": 30,
+            "handshake_timeout_s": 20,
         }
     )
+    assert (parsed.heartbeat_s, parsed.peer_timeout_s, parsed.handshake_timeout_s) == (1, 30, 20)
     assert (parsed.side_channel_host, parsed.side_channel_port) == ("10.0.0.7", 6100)
     assert parsed.strategy == "pack+unpack" and parsed.fetch_timeout_s == 5.0
     assert parsed.cost_model == CostModel(seconds_per_op=1e-5, link_bytes_per_second=25e9)
@@ -190,6 +194,8 @@ def test_settings_defaults_and_parsing():
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
+        ({"peer_timeout_s": 0.5}, "peer_timeout_s 0.5 must be longer than heartbeat_s 0.5"),
+        ({"heartbeat_s": 0}, r"'heartbeat_s'\] = 0; expected a positive number of seconds"),
         ({"side_chanel_port": 1}, r"unknown key\(s\) \['side_chanel_port'\].*side_channel_port"),
         ({"strategy": "fastest"}, "strategy.*one of"),
         ({"cost_model": {"speed": 1}}, "CostModel fields only"),

@@ -42,7 +42,18 @@ from dataclasses import dataclass
 
 import torch
 
-from kvxfer.layout import BLOCK, CELL, DIM, HEAD, KV_PLACEMENTS, LAYOUTS, PLANE, SLOT, layer_axes
+from kvxfer.layout import (
+    BLOCK,
+    CELL,
+    DIM,
+    HEAD,
+    K_TRANSPOSED,
+    KV_PLACEMENTS,
+    LAYOUTS,
+    PLANE,
+    SLOT,
+    layer_axes,
+)
 from kvxfer.spec import KVCacheSpec
 
 # The layout contract's K/V layouts by the axes of their tensors, outermost first (kv_inner:
@@ -88,6 +99,10 @@ class EngineGeometry:
             space (the module's docstring). vLLM: every decoder layer except no-op attention
             layers. Empty: unknown, allowed without pipeline parallelism only (the registered
             layers are then the whole model).
+        k_transposed: the engine's attention keeps K dim-major inside each (block, head)
+            (vLLM's CPU attention: `kv_placement` "k_transposed"), which its strides cannot
+            show: they read as HND kv_inner. The engine's attention-backend table says so
+            (`kvxfer.integrations.vllm.backends`), never the tensors.
     """
 
     total_kv_heads: int
@@ -100,6 +115,7 @@ class EngineGeometry:
     pp_size: int = 1
     pp_rank: int = 0
     kv_layers: tuple[int, ...] = ()
+    k_transposed: bool = False
 
     def __post_init__(self) -> None:
         if self.pp_size < 1 or not 0 <= self.pp_rank < self.pp_size:
@@ -235,6 +251,8 @@ def spec_from_layers(
             "kvxfer needs one geometry per rank (one KV cache group)"
         )
     layout, placement, dtype, _ = layouts[0]
+    if geometry.k_transposed and not geometry.mla:
+        placement = _k_transposed_placement(layout, placement)
     first = views[0]
     num_blocks = first.shape[layer_axes(layout, placement, geometry.mla).index(BLOCK)]
     spec = KVCacheSpec(
@@ -255,6 +273,22 @@ def spec_from_layers(
         total_layers=total_layers,
     )
     return spec, views
+
+
+def _k_transposed_placement(layout: str, placement: str) -> str:
+    """`k_transposed`, for tensors whose strides read as HND kv_inner (the shape and strides
+    vLLM's CPU attention registers).
+
+    Raises:
+        ValueError: the strides read as another layout, so the table's layout cannot hold.
+    """
+    if (layout, placement) != ("HND", "kv_inner"):
+        raise ValueError(
+            f"the attention backend keeps K transposed (k_transposed) in [blocks, heads, "
+            f"block_size, 2 * head_dim] tensors, but these read as {layout}/{placement}; "
+            "kvxfer does not know this backend's layout in this vLLM version: report it"
+        )
+    return K_TRANSPOSED
 
 
 def _place_layers(

@@ -49,6 +49,11 @@ class ConnectorSettings:
             and for its ranks to be registered with its bootstrap service (a look-up and
             connect runs off the engine's step, a task per prefill engine and DP rank on the
             worker's thread pool: loads from other prefill engines go on meanwhile).
+        heartbeat_s: how often a decode rank pings each prefill rank it is connected to.
+        peer_timeout_s: a prefill rank silent this long (and for three pings) is dead: its
+            loads fail at once with their blocks (vLLM recomputes them or fails the requests,
+            by `kv_load_failure_policy`), and the next load looks it up again. Raise it where
+            the engine's own threads can starve kvxfer's (CPU engines pinned to every core).
         staging_bytes, staging_slots: staging pool per remote rank, and chunks in flight.
         backend: pack/unpack backend, "auto", "torch" or "triton".
     """
@@ -64,6 +69,8 @@ class ConnectorSettings:
     request_timeout_s: float = 120.0
     fetch_timeout_s: float = 60.0
     handshake_timeout_s: float = 10.0
+    heartbeat_s: float = 0.5
+    peer_timeout_s: float = 2.0
     staging_bytes: int = 32 << 20
     staging_slots: int = DEFAULT_STAGING_SLOTS
     backend: str = "auto"
@@ -86,7 +93,14 @@ class ConnectorSettings:
         values: dict[str, Any] = {}
         for name, value in extra.items():
             values[name] = _coerce(name, value, cls())
-        return cls(**values)
+        settings = cls(**values)
+        if settings.peer_timeout_s <= settings.heartbeat_s:
+            raise ValueError(
+                f"kv_connector_extra_config: peer_timeout_s {settings.peer_timeout_s} must be "
+                f"longer than heartbeat_s {settings.heartbeat_s} (a peer is dead only after "
+                "missing several pings); raise peer_timeout_s or lower heartbeat_s"
+            )
+        return settings
 
     def transport_protocol(self, sysfs: str | None = None) -> ProtocolChoice:
         """The Mooncake protocol these settings run on this machine, and why: `protocol` when

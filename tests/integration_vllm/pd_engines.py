@@ -595,6 +595,38 @@ def _as_tables(block_ids: list) -> list[list[int]]:
     return [list(block_ids)]
 
 
+class _WrittenLikeFlashAttention:
+    """The attention backend of the stand-in model runner's layers: it writes each token's K
+    then V in one row (`write_kv`), as FlashAttention does."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASH_ATTN"
+
+
+class _StandInAttentionLayer:
+    """What a worker reads of a model's attention layer in vLLM's forward context."""
+
+    isa = None
+
+    @staticmethod
+    def get_attn_backend() -> type[_WrittenLikeFlashAttention]:
+        return _WrittenLikeFlashAttention
+
+
+def declare_attention_layers(config: Any, cache_config: Any) -> None:
+    """Put the attention layers of `cache_config` in vLLM's forward context, as a model does
+    when it is built: kvxfer reads each layer's KV layout from its backend (Mamba layers are
+    not attention layers)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    context = config.compilation_config.static_forward_context
+    for group in cache_config.kv_cache_groups:
+        if not isinstance(group.kv_cache_spec, MambaSpec):
+            for name in group.layer_names:
+                context[name] = _StandInAttentionLayer()
+
+
 def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int, hold: bool) -> None:
     """One worker's model-runner stand-in (`rank`: pp-major, `pp_rank * tp + tp_rank`);
     answers the driver's commands until "close". With `hold`, it imports vLLM and then waits
@@ -615,6 +647,7 @@ def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int, hold: bo
         config, KVConnectorRole.WORKER, kv_cache_config(spec, config, worker.pp_rank)
     )
     registered = allocate_caches(spec, config, worker.pp_rank)
+    declare_attention_layers(config, kv_cache_config(spec, config, worker.pp_rank))
     connector.register_kv_caches(registered)
     groups = worker_groups(spec, registered, worker.layers)
     conn.send(("ready", rank))

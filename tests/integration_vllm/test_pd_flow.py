@@ -376,6 +376,57 @@ def test_decode_abort_during_the_load_frees_both_sides(engines):
     assert prefill.free_blocks() == prefill.free_blocks_at_start
 
 
+def test_decode_abort_during_its_first_connect_reaches_the_prefill_without_a_step(engines):
+    """A decode engine aborts a request while its worker's first connect to the prefill
+    engine (look-up and handshake, off the step) is still under way, then never steps again
+    (its only request is gone). The connect's own task delivers the abort the moment it is
+    connected: the prefill engine frees the blocks at once, not at its request_timeout_s."""
+    from vllm.v1.request import RequestStatus
+
+    prefill = engines.prefill
+    fresh = Engine(
+        engines.model,
+        EngineSpec(
+            "decode-first-connect",
+            1,
+            DECODE_BLOCK,
+            "kv_consumer",
+            48,
+            "LBHNC",
+            # Long enough that the handshake outlasts the frozen prefill engine below.
+            {**COMMON, "fetch_timeout_s": 60, "handshake_timeout_s": 60},
+        ),
+    )
+    try:
+        fresh.wait_ready()
+        prompt = random_prompt(132, 70)
+        params = _prefilled(prefill, "req-abort-connecting", prompt)
+        prefill.freeze()  # its workers answer no handshake: the first connect hangs
+        try:
+            fresh.add("req-abort-connecting", prompt, max_tokens=1, params=params)
+            fresh.step()  # the load starts: a connect in the background
+            fresh.scheduler.finish_requests("req-abort-connecting", RequestStatus.FINISHED_ABORTED)
+            _run_until(
+                lambda: "req-abort-connecting" in fresh.finished_recving,
+                [fresh],
+                timeout=20,
+                what="(the aborted load did not end)",
+            )
+            assert fresh.free_blocks() == fresh.free_blocks_at_start
+        finally:
+            prefill.thaw()
+        # The decode engine has nothing left to step; only the prefill engine runs on.
+        _run_until(
+            lambda: "req-abort-connecting" in prefill.finished_sending,
+            [prefill],
+            timeout=REQUEST_TIMEOUT_S / 4,
+            what="(the abort never reached the prefill engine)",
+        )
+        assert prefill.free_blocks() == prefill.free_blocks_at_start
+    finally:
+        fresh.close()
+
+
 def test_restarted_prefill_engine_is_found_again(engines):
     cluster = engines
     decode = cluster.decode

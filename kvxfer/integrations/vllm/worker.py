@@ -12,7 +12,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from kvxfer.connector.groups import fetched_blocks
 from kvxfer.integrations.bootstrap import BootstrapClient, Registration, new_worker_info
 from kvxfer.integrations.kv_tensors import EngineGeometry, spec_from_layers
 from kvxfer.integrations.settings import ConnectorSettings
+from kvxfer.integrations.vllm.backends import engine_reading
 from kvxfer.integrations.vllm.metadata import (
     AbortSpec,
     KvxferConnectorMetadata,
@@ -99,7 +102,10 @@ class _Remote:
     seen_at: tuple[str, ...] = ()  # where the engine was last connected (to retire it)
     connecting: _Route | None = None  # a connect in flight, along this route
     waiting: list[_Load] = field(default_factory=list)  # loads waiting for a connect
-    aborts: list[tuple[_Route, str]] = field(default_factory=list)  # same, aborts
+    # Aborts waiting for a connect: the connect's task sends them itself, the moment it is
+    # connected (the engine may not step again: nothing else would); guarded by the worker's
+    # `_aborts_lock`, the one field the pool's threads touch.
+    aborts: list[tuple[_Route, str]] = field(default_factory=list)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -155,9 +161,11 @@ class WorkerSide:
         produces: bool,
         consumes: bool,
     ) -> None:
+        check_threads_can_run(vllm_config.device_config.device_type, os.sched_getaffinity(0))
         self._settings = settings
         self._engine_id = engine_id
         self._geometry = _engine_geometry(vllm_config, kv_cache_config)
+        self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
         self._produces, self._consumes = produces, consumes
         self._groups: list[CacheGroup] = []
@@ -179,6 +187,7 @@ class WorkerSide:
             thread_name_prefix=f"kvxfer-dp{self._dp_rank}-pp{self._pp_rank}-tp{self.tp_rank}",
         )
         self._tasks: list[concurrent.futures.Future[Any]] = []  # in flight
+        self._aborts_lock = threading.Lock()  # `_Remote.aborts`, shared with connect tasks
         self._spare: GroupedConsumer | None = None  # created, never connected (see `_keep_spare`)
         self._loading: dict[str, _Load] = {}
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -202,7 +211,10 @@ class WorkerSide:
         """Read this worker's KV cache groups from its layer tensors (with pipeline
         parallelism: its stage's layers, placed by their names); start serving (prefill)."""
         self._groups, self._tables_of = cache_groups(
-            kv_caches, self._kv_cache_config, self._geometry
+            kv_caches,
+            self._kv_cache_config,
+            self._geometry,
+            attention_backends(self._vllm_config, list(kv_caches)),
         )
         for index, group in enumerate(self._groups):
             window = "" if group.sliding_window is None else f", window {group.sliding_window}"
@@ -346,15 +358,18 @@ class WorkerSide:
         route = _Route.of(abort.remote)
         remote = self._remote(abort.remote)
         if self._ready(remote, route):
-            self._send_abort(remote, abort.remote_request_id)
+            self._send_abort(remote, remote.consumer, abort.remote_request_id)
         else:
-            remote.aborts.append((route, abort.remote_request_id))
+            with self._aborts_lock:
+                remote.aborts.append((route, abort.remote_request_id))
             self._connect(remote, route)
 
-    def _send_abort(self, remote: _Remote, remote_request_id: str) -> None:
-        assert remote.consumer is not None
+    def _send_abort(
+        self, remote: _Remote, consumer: GroupedConsumer | None, remote_request_id: str
+    ) -> None:
+        assert consumer is not None
         try:
-            remote.consumer.abort(remote_request_id)
+            consumer.abort(remote_request_id)
         except Exception as exc:  # the engine frees the request at its request_timeout_s
             log.warning(
                 "kvxfer: could not tell engine %s that %s is aborted: %s",
@@ -422,9 +437,24 @@ class WorkerSide:
                     [_split_channels(a) for a in addresses],
                     timeout=self._settings.handshake_timeout_s,
                 )
+            self._send_aborts_along(remote, route, consumer)
         except Exception as exc:
             error = exc
         self._connected.put(_Connected(remote, route, addresses, fingerprint, consumer, error))
+
+    def _send_aborts_along(self, remote: _Remote, route: _Route, consumer: GroupedConsumer) -> None:
+        """Send the aborts that waited for this connect, from the connect's own task: a
+        decode engine whose only request was aborted steps no more, and the prefill engine
+        would hold the request's blocks until its `request_timeout_s`."""
+        for remote_request_id in self._take_aborts(remote, route):
+            self._send_abort(remote, consumer, remote_request_id)
+
+    def _take_aborts(self, remote: _Remote, route: _Route) -> list[str]:
+        """Remove and return the aborts waiting for a connect along `route`."""
+        with self._aborts_lock:
+            mine = [rid for where, rid in remote.aborts if where == route]
+            remote.aborts = [(where, rid) for where, rid in remote.aborts if where != route]
+        return mine
 
     def _look_up(self, bootstrap: str, remote: _Remote) -> tuple[tuple[str, ...], _Fingerprint]:
         """The side channels of every worker of `remote` (every TP rank of every pipeline
@@ -459,6 +489,8 @@ class WorkerSide:
             strategy=s.strategy,
             backend=s.backend,
             timeout_s=s.fetch_timeout_s,
+            heartbeat_s=s.heartbeat_s,
+            peer_timeout_s=s.peer_timeout_s,
         )
 
     def _take_connects(self) -> None:
@@ -501,14 +533,16 @@ class WorkerSide:
                     self._fetch(remote, load)
                 else:
                     load.result = self._failed(load.spec, error)
-            aborts, remote.aborts = remote.aborts, []
-            for where, remote_request_id in aborts:
-                if where != route:
-                    remote.aborts.append((where, remote_request_id))
-                elif error is None:
-                    self._send_abort(remote, remote_request_id)
-            if remote.waiting or remote.aborts:
-                again = remote.waiting[-1].route if remote.waiting else remote.aborts[-1][0]
+            # The connect's task sent the aborts it found; these came after it looked (or
+            # its connect failed: dropped, the prefill engine frees at its request_timeout_s).
+            late = self._take_aborts(remote, route)
+            for remote_request_id in late if error is None else []:
+                self._send_abort(remote, consumer, remote_request_id)
+            with self._aborts_lock:
+                pending_abort = remote.aborts[-1][0] if remote.aborts else None
+            if remote.waiting or pending_abort is not None:
+                again = remote.waiting[-1].route if remote.waiting else pending_abort
+                assert again is not None
                 self._connect(remote, again)
             elif remote.consumer is None:
                 del self._remotes[remote.key]  # never connected: keep nothing
@@ -628,6 +662,29 @@ class WorkerSide:
             self._producer = None
 
 
+def check_threads_can_run(device_type: str, affinity: set[int]) -> None:
+    """Refuse a worker whose thread vLLM's CPU build pinned to one core.
+
+    vLLM's CPU worker binds its OpenMP threads to cores (`VLLM_CPU_OMP_THREADS_BIND`, "auto"
+    by default), the Python thread that creates kvxfer's connector among them; every thread
+    kvxfer starts inherits that one core, and shares it with an OpenMP thread that spins
+    through each step. Measured on vLLM 0.32's CPU build: kvxfer's handshakes and heartbeats
+    starved ("producer ... silent for 2.0 s: presumed dead", then for 30 s). `affinity` is the
+    calling thread's CPUs (`os.sched_getaffinity(0)`).
+
+    Raises:
+        ValueError: a CPU engine whose connector thread may run on one core only, with the fix.
+    """
+    if device_type != "cpu" or len(affinity) > 1 or (os.cpu_count() or 1) == 1:
+        return
+    raise ValueError(
+        f"kvxfer: vLLM's CPU worker pinned this thread to core {sorted(affinity)} "
+        f"(VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto')!r}),"
+        " so kvxfer's transfer threads would all share it with a spinning OpenMP thread and "
+        "starve; start the engine with VLLM_CPU_OMP_THREADS_BIND=nobind"
+    )
+
+
 def _every_session_alive(consumer: GroupedConsumer | None) -> bool:
     """Whether `consumer` has lost no producer rank in any group (a dead session: the rank
     went silent or restarted). Its monitoring snapshots take no lock and make no call."""
@@ -650,10 +707,55 @@ def _split_channels(channels: str) -> list[str]:
     return channels.split(",")
 
 
+def attention_backends(
+    vllm_config: VllmConfig, names: list[str]
+) -> dict[str, tuple[str, str | None]]:
+    """Each named layer's attention backend (`get_name()`) and, on CPU attention, the
+    instruction set its cache write uses (`layer.isa`, set by the backend's metadata builder
+    before the caches are registered), from vLLM's forward context. Layers it does not hold
+    (or that have no attention backend) are left out."""
+    context = vllm_config.compilation_config.static_forward_context
+    found: dict[str, tuple[str, str | None]] = {}
+    for name in names:
+        get_backend = getattr(context.get(name), "get_attn_backend", None)
+        if get_backend is not None:
+            found[name] = (str(get_backend().get_name()), getattr(context[name], "isa", None))
+    return found
+
+
+def _attention_geometry(
+    geometry: EngineGeometry, names: list[str], backends: dict[str, tuple[str, str | None]]
+) -> EngineGeometry:
+    """`geometry` with what the layers' attention backend says of their layout (the table of
+    `kvxfer.integrations.vllm.backends`): never read from the strides alone.
+
+    Raises:
+        ValueError: a layer without a known backend, a backend or setting the table refuses,
+            or a reading that contradicts the model (a latent cache without MLA, or back).
+    """
+    unknown = [name for name in names if name not in backends]
+    if unknown:
+        raise ValueError(
+            f"kvxfer: cannot tell the attention backend of layers {unknown[:4]} (not in vLLM's "
+            "forward context); kvxfer reads each backend's KV layout from its table and "
+            "refuses to guess it from the strides"
+        )
+    reading = engine_reading(
+        ((name, *backends[name]) for name in names), geometry.kv_cache_dtype or "auto"
+    )
+    if (reading == "latent") != geometry.mla:
+        raise ValueError(
+            f"kvxfer: attention backend {backends[names[0]][0]} keeps a {reading} cache, but "
+            f"the model {'uses' if geometry.mla else 'does not use'} MLA"
+        )
+    return dataclasses.replace(geometry, k_transposed=reading == "k_transposed")
+
+
 def cache_groups(
     kv_caches: dict[str, torch.Tensor],
     kv_cache_config: KVCacheConfig | None,
     geometry: EngineGeometry,
+    backends: dict[str, tuple[str, str | None]],
 ) -> tuple[list[CacheGroup], list[tuple[int, int | None]]]:
     """This worker's KV cache groups, in vLLM's group order, and the vLLM group whose block
     table each uses (with a state group's block size: see `WorkerSide._group_tables`): each
@@ -661,6 +763,8 @@ def cache_groups(
     registered layers with its own spec (block size included) and its sliding window, if any;
     a Mamba group becomes one state group per (state, sub-projection) (`mamba_state_layout`).
     Without a `kv_cache_config` (or with one group), every registered layer is one group.
+    `backends` are the layers' attention backends (`attention_backends`): an attention
+    group's layout comes from their table, the strides are checked against it.
 
     Raises:
         ValueError: a group kvxfer cannot move, or several groups with pipeline parallelism,
@@ -673,7 +777,9 @@ def cache_groups(
         layers = list(kv_caches)
         window = _window_of(groups[0].kv_cache_spec) if groups else None
         spec, caches = spec_from_layers(
-            list(kv_caches.values()), geometry, _layer_indices(layers, geometry.pp_size)
+            list(kv_caches.values()),
+            _attention_geometry(geometry, layers, backends),
+            _layer_indices(layers, geometry.pp_size),
         )
         return [CacheGroup(spec, caches, window)], [(0, None)]
     if geometry.pp_size > 1:
@@ -703,7 +809,9 @@ def cache_groups(
                 f"kvxfer: KV cache group {index} is a {type(kind).__name__}; kvxfer moves "
                 "full-attention, sliding-window and Mamba groups"
             )
-        own = dataclasses.replace(geometry, block_size=int(kind.block_size))
+        own = _attention_geometry(
+            dataclasses.replace(geometry, block_size=int(kind.block_size)), names, backends
+        )
         spec, caches = spec_from_layers(
             [kv_caches[n] for n in names], own, _layer_indices(names, geometry.pp_size)
         )

