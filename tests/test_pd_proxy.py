@@ -111,3 +111,27 @@ def test_a_prefill_engine_without_the_connector_is_reported():
         decode_body({"prompt": "x"}, {"choices": []})
     chat = prefill_body({"messages": [], "max_completion_tokens": 9, "stream_options": {}})
     assert chat["max_completion_tokens"] == 1 and "stream_options" not in chat
+
+
+def test_a_prefill_with_no_kv_to_hand_over_is_decoded_from_the_prompt():
+    """kvxfer's prefill scheduler answers a request it has no KV for (aborted, nothing
+    computed) with parameters that say so; the proxy forwards them, and the decode engine
+    computes the prompt itself instead of the client getting a 502."""
+    # What kvxfer.integrations.vllm.scheduler.nothing_to_load() returns (that module needs vLLM).
+    nothing = {"do_remote_prefill": False, "do_remote_decode": False}
+    prefill, _ = _engine(
+        lambda body: (200, "application/json", json.dumps({"kv_transfer_params": nothing}).encode())
+    )
+    decode, decode_seen = _engine(_decode_answer)
+    url = lambda s: f"http://127.0.0.1:{s.server_address[1]}"  # noqa: E731
+    proxy = make_server("127.0.0.1", 0, [url(prefill)], [url(decode)], timeout=10)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        body = {"model": "m", "prompt": [5], "max_tokens": 8}
+        status, _, payload = _post(url(proxy) + "/v1/completions", body)
+    finally:
+        for server in (proxy, prefill, decode):
+            server.shutdown()
+            server.server_close()
+    assert status == 200 and json.loads(payload)["choices"][0]["text"] == "ok"
+    assert decode_seen == [{"path": "/v1/completions", **body, "kv_transfer_params": nothing}]

@@ -168,7 +168,18 @@ class SchedulerSide:
             RequestStatus.FINISHED_STOPPED,
         )
         if not finished_normally or not any(tables) or request.num_computed_tokens <= 0:
-            return False, None  # aborted or empty: nothing to hand over, free now
+            # Aborted, or no KV computed: nothing to hand over, its blocks are freed now. The
+            # answer still carries parameters, saying so: a router then sends the request to
+            # a decode engine, which computes the prompt itself (with none, a router cannot
+            # tell this engine from one without a KV connector, and fails the request).
+            log.info(
+                "request %s: no KV to hand over (status %s, %d tokens computed); the decode "
+                "engine will compute its prompt",
+                request.request_id,
+                request.status,
+                request.num_computed_tokens,
+            )
+            return False, nothing_to_load()
         num_tokens = request.num_computed_tokens
         self._sends.append(SendSpec(request.request_id, tables, num_tokens))
         handed = {
@@ -207,6 +218,12 @@ class SchedulerSide:
                 remote = _abort_spec(request.request_id, params)
         if remote is not None:
             self._aborts.append(remote)
+
+
+def nothing_to_load() -> dict[str, Any]:
+    """The `kv_transfer_params` of a prefill that hands no KV over: a decode engine given
+    them computes the whole prompt (its `get_num_new_matched_tokens` sees no remote prefill)."""
+    return {"do_remote_prefill": False, "do_remote_decode": False}
 
 
 def _block_tables(block_ids: list[int] | tuple[list[int], ...]) -> list[list[int]]:

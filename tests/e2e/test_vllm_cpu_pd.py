@@ -1,0 +1,445 @@
+"""Real `vllm serve` engines (vLLM's CPU build) through kvxfer: prefill -> decode behind kvxfer's
+P/D proxy gives the greedy token ids of one engine alone.
+
+The prompts, requests, comparison and report are the shared driver's
+(`scripts/vllm_e2e_driver.py`, which `scripts/gpu_vllm_e2e.sh` uses on a GPU). Prompts are token
+ids of chosen lengths (the tiny model's tokenizer makes exact lengths awkward as text), greedy,
+`ignore_eos`, so every output has `MAX_TOKENS` tokens. Engines start once per class (module
+start-up is ~65 s per engine on 2 cores), the baseline once per session.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import http.client
+import json
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import vllm_e2e_driver as driver
+from conftest import Pair, observe, start_pair
+from tiny_model import SPECIAL_TOKENS, vocabulary_size
+from vllm_cpu_engines import MAX_NUM_BATCHED_TOKENS, MODEL_NAME, Processes, Server
+
+from kvxfer.integrations.pd_proxy import decode_body, prefill_body
+
+MAX_TOKENS = 32
+REQUEST_FIELDS = {"ignore_eos": True}
+REQUEST_TIMEOUT = 300.0
+METRIC_TIMEOUT = 30.0
+KVXFER_FAILED = "vllm:kvxfer_failed_transfers"
+KVXFER_TRANSFERS = "vllm:kvxfer_transfers"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+GENERATED = "vllm:generation_tokens"
+# Requests vLLM holds back, by reason: "deferred" counts those waiting for their KV transfer.
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+# The abandoned request asks for this many tokens: ~3 minutes of decoding here, if not aborted.
+ABANDONED_MAX_TOKENS = 4000
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One prompt length, named for where it falls against the block sizes (32 and 64) and
+    the prefill's chunk budget."""
+
+    name: str
+    length: int
+
+
+CASES = (
+    Case("1-token", 1),
+    Case("20-tokens-under-a-block", 20),
+    Case("32-tokens-one-block-of-32", 32),
+    Case("64-tokens-one-block-of-64", 64),
+    Case("209-tokens-3-blocks-and-a-part", 3 * 64 + 17),
+    Case("700-tokens-over-the-chunk-budget", 700),
+    Case("4000-tokens", 4000),
+)
+assert CASES[-2].length > MAX_NUM_BATCHED_TOKENS
+# The concurrency test's prompts: 8 lengths, none a multiple of either block size.
+CONCURRENT_LENGTHS = (33, 70, 101, 150, 257, 300, 411, 590)
+
+
+def prompt_ids(length: int, vocab: int, salt: str = "") -> list[int]:
+    """A deterministic prompt of `length` token ids, none of them a special token."""
+    rng = random.Random(f"kvxfer-e2e-{length}-{salt}")
+    return [rng.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(length)]
+
+
+def external_tokens(prompt_tokens: int) -> int:
+    """What vLLM 0.32 adds to `prompt_tokens_by_source{source="external_kv_transfer"}` for a
+    prompt whose KV is loaded: every prompt token, except for a 1-token prompt, which it counts
+    as computed locally (measured: kvxfer still loads it, once per decode rank)."""
+    return prompt_tokens if prompt_tokens > 1 else 0
+
+
+def one_prompt(result: dict[str, Any], index: int) -> dict[str, Any]:
+    """The driver's `collect` result reduced to its prompt `index` (to compare one case)."""
+    return {
+        **result,
+        "prompts": [result["prompts"][index]],
+        "outputs": [result["outputs"][index]],
+    }
+
+
+def collect(url: str, prompts: list[list[int]], concurrency: int = 1) -> dict[str, Any]:
+    """The driver's greedy completions with this module's settings."""
+    return driver.collect(
+        url,
+        MODEL_NAME,
+        prompts=prompts,
+        max_tokens=MAX_TOKENS,
+        timeout=REQUEST_TIMEOUT,
+        concurrency=concurrency,
+        extra=REQUEST_FIELDS,
+    )
+
+
+@pytest.fixture(scope="session")
+def vocab(tiny_model: Path) -> int:
+    """The tiny model's vocabulary size."""
+    return vocabulary_size(tiny_model)
+
+
+@pytest.fixture(scope="session")
+def case_prompts(vocab: int) -> list[list[int]]:
+    """The prompt of every case, in CASES' order."""
+    return [prompt_ids(case.length, vocab) for case in CASES]
+
+
+@pytest.fixture(scope="session")
+def baseline_outputs(baseline: Server, case_prompts: list[list[int]]) -> dict[str, Any]:
+    """One engine alone: every case's greedy output, one request at a time."""
+    started = time.monotonic()
+    result = collect(baseline.url, case_prompts)
+    observe(event="baseline outputs", seconds=round(time.monotonic() - started, 1))
+    return result
+
+
+class Counters:
+    """The decode engine's transfer counters before a request, to read what it added."""
+
+    def __init__(self, decode: Server) -> None:
+        self.decode = decode
+        self.loaded = decode.metric(driver.TRANSFER_METRIC, driver.TRANSFER_SOURCE)
+        self.transfers = decode.metric(KVXFER_TRANSFERS)
+        self.failed = decode.metric(KVXFER_FAILED)
+
+    def loaded_since(self, expected: float) -> float:
+        """Prompt tokens loaded through the connector since, once at least `expected` (vLLM
+        updates its metrics from the scheduler's stats, which may trail the answer); what was
+        loaded when the deadline passes otherwise."""
+        try:
+            return driver.wait_until(
+                lambda: self._loaded() if self._loaded() >= expected else None,
+                timeout=METRIC_TIMEOUT,
+                what="the external_kv_transfer counter",
+            )
+        except driver.E2EError:
+            return self._loaded()
+
+    def transfers_since(self) -> float:
+        """kvxfer's finished loads since (one per decode rank and request)."""
+        return self.decode.metric(KVXFER_TRANSFERS) - self.transfers
+
+    def transfers_at_least(self, count: int) -> float:
+        """kvxfer's finished loads since, once at least `count`; what there are after the
+        deadline otherwise."""
+        try:
+            return driver.wait_until(
+                lambda: self.transfers_since() if self.transfers_since() >= count else None,
+                timeout=METRIC_TIMEOUT,
+                what="kvxfer's transfer counter",
+            )
+        except driver.E2EError:
+            return self.transfers_since()
+
+    def failed_since(self) -> float:
+        """kvxfer's loads with blocks to recompute since."""
+        return self.decode.metric(KVXFER_FAILED) - self.failed
+
+    def _loaded(self) -> float:
+        return self.decode.metric(driver.TRANSFER_METRIC, driver.TRANSFER_SOURCE) - self.loaded
+
+
+def check_case(pair: Pair, baseline: dict[str, Any], prompts: list[list[int]], case: Case) -> None:
+    """One case through the proxy: the same token ids as the baseline, and the decode engine
+    loaded the whole prompt's KV through kvxfer with no failed load."""
+    index = CASES.index(case)
+    counters = Counters(pair.decode)
+    started = time.monotonic()
+    result = collect(pair.proxy.url, [prompts[index]])
+    seconds = time.monotonic() - started
+    # kvxfer's loads first: a 1-token prompt's expected count (0) cannot be waited for.
+    transfers = counters.transfers_at_least(pair.decode_tp)
+    loaded = counters.loaded_since(external_tokens(case.length))
+    comparison = driver.compare(one_prompt(baseline, index), result, require_transfer=False)
+    mismatch = comparison.report["mismatches"][0] if comparison.report["mismatches"] else None
+    observe(
+        pair=pair.label,
+        case=case.name,
+        same_tokens=comparison.ok,
+        first_different_token=mismatch and mismatch["first_different_token"],
+        external_kv_tokens=loaded,
+        kvxfer_transfers=transfers,
+        kvxfer_failed=counters.failed_since(),
+        seconds=round(seconds, 1),
+    )
+    assert loaded == external_tokens(case.length), f"the decode engine loaded {loaded} tokens"
+    assert transfers == pair.decode_tp, "one finished kvxfer load per decode rank"
+    assert counters.failed_since() == 0, "a kvxfer load failed (its blocks were recomputed)"
+    assert comparison.ok, "\n".join(comparison.problems)
+
+
+@pytest.fixture(scope="class")
+def pair(
+    request: pytest.FixtureRequest,
+    processes: Processes,
+    tiny_model: Path,
+    secret: str,
+    baseline_started: tuple[Server, float],
+) -> Iterator[Pair]:
+    """The class's prefill and decode engines behind a proxy, started once for the class (with
+    the baseline, on the first class) and stopped after it: its `GEOMETRY` is ((prefill TP
+    size, block size), (decode TP size, block size)); its `SPARE_PREFILL`, if any, the geometry
+    of a prefill engine started with them for a test of its own."""
+    (prefill, decode) = request.cls.GEOMETRY
+    label = f"tp{prefill[0]}b{prefill[1]}-tp{decode[0]}b{decode[1]}"
+    spare = getattr(request.cls, "SPARE_PREFILL", None)
+    engines = start_pair(
+        processes, tiny_model, secret, label=label, prefill=prefill, decode=decode, spare=spare
+    )
+    yield engines
+    processes.stop(engines.servers())
+
+
+class TestPrefillTp1Block32ToDecodeTp2Block64:
+    """Prefill TP 1 with blocks of 32 -> decode TP 2 with blocks of 64."""
+
+    GEOMETRY = ((1, 32), (2, 64))
+
+    @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+    def test_greedy_tokens_equal_one_engine_alone(
+        self,
+        pair: Pair,
+        baseline_outputs: dict[str, Any],
+        case_prompts: list[list[int]],
+        case: Case,
+    ) -> None:
+        """Each prompt length gives the baseline's token ids, its KV loaded through kvxfer."""
+        check_case(pair, baseline_outputs, case_prompts, case)
+
+
+def stream_until_running(proxy: Server, decode: Server, prompt: list[int]) -> int:
+    """Start a long streamed completion through the proxy, read until the decode engine runs
+    it and has streamed tokens, then close the connection (a client that walks away); the
+    number of bytes read."""
+    host, port = proxy.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=REQUEST_TIMEOUT)
+    body = driver.completion_request(
+        prompt,
+        MODEL_NAME,
+        max_tokens=ABANDONED_MAX_TOKENS,
+        seed=0,
+        extra={**REQUEST_FIELDS, "stream": True},
+    )
+    try:
+        connection.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        assert response.status == 200, response.read()[:2000]
+        received = b""
+        while received.count(b"data:") < 3:
+            chunk = response.read1(4096)
+            assert chunk, "the stream ended before three chunks"
+            received += chunk
+        driver.wait_until(
+            lambda: decode.metric(RUNNING) >= 1,
+            timeout=METRIC_TIMEOUT,
+            what="the decode engine runs the streamed request",
+        )
+        return len(received)
+    finally:
+        connection.close()
+
+
+def idle(engine: Server, idle_usage: float) -> bool:
+    """No request running and the KV cache as used as when idle."""
+    return engine.metric(RUNNING) == 0 and engine.metric(KV_USAGE) <= idle_usage
+
+
+class TestPrefillTp2Block64ToDecodeTp1Block32:
+    """Prefill TP 2 with blocks of 64 -> decode TP 1 with blocks of 32; then concurrency, a
+    client that walks away, and a prefill engine killed with its KV not yet loaded."""
+
+    GEOMETRY = ((2, 64), (1, 32))
+    SPARE_PREFILL = (1, 64)  # test_a_killed_prefill_engine_is_recomputed_by_decode's
+
+    @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+    def test_greedy_tokens_equal_one_engine_alone(
+        self,
+        pair: Pair,
+        baseline_outputs: dict[str, Any],
+        case_prompts: list[list[int]],
+        case: Case,
+    ) -> None:
+        """Each prompt length gives the baseline's token ids, its KV loaded through kvxfer."""
+        check_case(pair, baseline_outputs, case_prompts, case)
+
+    def test_eight_requests_in_flight_at_once(
+        self, pair: Pair, baseline: Server, vocab: int
+    ) -> None:
+        """8 requests in flight at once through the proxy (8 threads).
+
+        Greedy outputs may depend on the batch a request shares (other kernels, other
+        reduction orders), and which requests share a step differs between the baseline and
+        the decode engine (arrivals are staggered by the prefill). So: the baseline answers the
+        same 8 prompts one at a time and 8 at once; a prompt whose two baseline outputs agree is
+        batch-invariant here, and its disaggregated output must equal them. A prompt whose
+        baseline output changes with batching is only reported (its tokens are not compared):
+        no single reference is right for it. The decode engine must have loaded every prompt's
+        KV, with no failed load, and every request must succeed.
+        """
+        prompts = [prompt_ids(n, vocab, salt="concurrent") for n in CONCURRENT_LENGTHS]
+        sequential = collect(baseline.url, prompts)
+        batched = collect(baseline.url, prompts, concurrency=len(prompts))
+        counters = Counters(pair.decode)
+        started = time.monotonic()
+        disaggregated = collect(pair.proxy.url, prompts, concurrency=len(prompts))
+        seconds = time.monotonic() - started
+        loaded = counters.loaded_since(sum(CONCURRENT_LENGTHS))
+        invariant = [
+            i
+            for i in range(len(prompts))
+            if sequential["outputs"][i]["token_ids"] == batched["outputs"][i]["token_ids"]
+        ]
+        same = [
+            i
+            for i in invariant
+            if disaggregated["outputs"][i]["token_ids"] == sequential["outputs"][i]["token_ids"]
+        ]
+        observe(
+            pair=pair.label,
+            case="8-in-flight",
+            batch_invariant_prompts=len(invariant),
+            same_tokens=f"{len(same)}/{len(invariant)}",
+            external_kv_tokens=loaded,
+            kvxfer_failed=counters.failed_since(),
+            seconds=round(seconds, 1),
+        )
+        assert loaded == sum(CONCURRENT_LENGTHS)
+        assert counters.failed_since() == 0
+        assert invariant, "batching changed every baseline output: nothing to compare"
+        assert same == invariant, f"prompts {sorted(set(invariant) - set(same))} differ"
+
+    def test_an_abandoned_request_frees_its_blocks_on_both_engines(
+        self, pair: Pair, vocab: int
+    ) -> None:
+        """A client closes its connection while the decode engine streams: the proxy's write
+        fails, it closes its decode connection, vLLM aborts the request; both engines end with
+        no request running and their KV caches as used as before (the prefill's blocks are
+        released once the decode engine has loaded them)."""
+        engines = (pair.prefill, pair.decode)
+        usage_before = {e.name: e.metric(KV_USAGE) for e in engines}
+        generated_before = pair.decode.metric(GENERATED)
+        started = time.monotonic()
+        received = stream_until_running(pair.proxy, pair.decode, prompt_ids(300, vocab, "gone"))
+        for engine in engines:
+            driver.wait_until(
+                functools.partial(idle, engine, usage_before[engine.name]),
+                timeout=120.0,
+                what=f"{engine.name}: no request running and its blocks freed",
+            )
+        generated = pair.decode.metric(GENERATED) - generated_before
+        observe(
+            pair=pair.label,
+            case="abandoned-stream",
+            bytes_streamed=received,
+            tokens_generated=generated,
+            seconds_until_freed=round(time.monotonic() - started, 1),
+        )
+        assert generated < ABANDONED_MAX_TOKENS, "the request ran to its end: it was not aborted"
+
+    def test_a_killed_prefill_engine_is_recomputed_by_decode(
+        self,
+        pair: Pair,
+        processes: Processes,
+        baseline_outputs: dict[str, Any],
+        case_prompts: list[list[int]],
+    ) -> None:
+        """A prefill engine of its own (the class's spare: TP 1, blocks of 64) is killed
+        (SIGKILL to its process group) while the decode engine's load of its KV is under way:
+        the decode engine (`kv_load_failure_policy` "recompute") finds its prefill rank dead,
+        counts a failed load, computes the prompt itself and answers the baseline's tokens.
+
+        On one CPU host the copy itself takes milliseconds, so a kill timed to land inside it
+        would be a race. The transfer is held open instead: the decode engine connects to the
+        spare first (one request through it), then the spare prefills the case and is frozen
+        (SIGSTOP); the decode engine's load starts (its fetch sent, nothing answered: vLLM
+        holds the request as deferred for its KV transfer), and only then the kill lands.
+        """
+        assert pair.spare is not None
+        doomed = pair.spare
+        processes.wait_ready([doomed])
+
+        def through_doomed(index: int) -> tuple[dict[str, Any], dict[str, Any]]:
+            request = driver.completion_request(
+                case_prompts[index], MODEL_NAME, MAX_TOKENS, 0, REQUEST_FIELDS
+            )
+            prefilled = driver.post_json(
+                doomed.url + "/v1/completions", prefill_body(request), REQUEST_TIMEOUT
+            )
+            assert prefilled.get("kv_transfer_params"), prefilled
+            return request, prefilled
+
+        def decode(request: dict[str, Any], prefilled: dict[str, Any]) -> dict[str, Any]:
+            body = decode_body(request, prefilled)
+            return driver.post_json(pair.decode.url + "/v1/completions", body, REQUEST_TIMEOUT)
+
+        decode(*through_doomed(0))  # the decode engine is now connected to the spare
+        index = next(i for i, c in enumerate(CASES) if c.length == 209)
+        request, prefilled = through_doomed(index)
+        os.killpg(doomed.launched.pgid, signal.SIGSTOP)
+        counters = Counters(pair.decode)
+        started = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answered = pool.submit(decode, request, prefilled)
+            driver.wait_until(
+                lambda: pair.decode.metric(WAITING_BY_REASON, 'reason="deferred"') >= 1,
+                timeout=METRIC_TIMEOUT,
+                what="the decode engine holds the request for its KV transfer",
+            )
+            doomed.launched.kill()
+            answer = answered.result(timeout=REQUEST_TIMEOUT)
+        seconds = time.monotonic() - started
+        result = {
+            **one_prompt(baseline_outputs, index),
+            "outputs": [driver.parse_completion(answer, pair.decode.url)],
+        }
+        comparison = driver.compare(
+            one_prompt(baseline_outputs, index), result, require_transfer=False
+        )
+        failed = driver.wait_until(
+            lambda: counters.failed_since() or None,
+            timeout=METRIC_TIMEOUT,
+            what="kvxfer's failed-load counter",
+        )
+        observe(
+            pair=pair.label,
+            case="prefill-killed",
+            same_tokens=comparison.ok,
+            kvxfer_failed=failed,
+            seconds=round(seconds, 1),
+        )
+        assert failed >= 1
+        assert comparison.ok, "\n".join(comparison.problems)
