@@ -19,7 +19,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -138,14 +138,7 @@ class Counters:
         """Prompt tokens loaded through the connector since, once at least `expected` (vLLM
         updates its metrics from the scheduler's stats, which may trail the answer); what was
         loaded when the deadline passes otherwise."""
-        try:
-            return driver.wait_until(
-                lambda: self._loaded() if self._loaded() >= expected else None,
-                timeout=METRIC_TIMEOUT,
-                what="the external_kv_transfer counter",
-            )
-        except driver.E2EError:
-            return self._loaded()
+        return _once_at_least(self._loaded, expected, "the external_kv_transfer counter")
 
     def transfers_since(self) -> float:
         """kvxfer's finished loads since (one per decode rank and request)."""
@@ -154,14 +147,7 @@ class Counters:
     def transfers_at_least(self, count: int) -> float:
         """kvxfer's finished loads since, once at least `count`; what there are after the
         deadline otherwise."""
-        try:
-            return driver.wait_until(
-                lambda: self.transfers_since() if self.transfers_since() >= count else None,
-                timeout=METRIC_TIMEOUT,
-                what="kvxfer's transfer counter",
-            )
-        except driver.E2EError:
-            return self.transfers_since()
+        return _once_at_least(self.transfers_since, count, "kvxfer's transfer counter")
 
     def failed_since(self) -> float:
         """kvxfer's loads with blocks to recompute since."""
@@ -169,6 +155,19 @@ class Counters:
 
     def _loaded(self) -> float:
         return self.decode.metric(driver.TRANSFER_METRIC, driver.TRANSFER_SOURCE) - self.loaded
+
+
+def _once_at_least(read: Callable[[], float], expected: float, what: str) -> float:
+    """`read()` once it reaches `expected` (metrics trail the answers), or its value when
+    `METRIC_TIMEOUT` passes first: the caller's assertion then says what it was."""
+    try:
+        return driver.wait_until(
+            lambda: value if (value := read()) >= expected else None,
+            timeout=METRIC_TIMEOUT,
+            what=what,
+        )
+    except driver.E2EError:
+        return read()
 
 
 def check_case(pair: Pair, baseline: dict[str, Any], prompts: list[list[int]], case: Case) -> None:
