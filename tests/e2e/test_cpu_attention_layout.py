@@ -21,7 +21,7 @@ import torch
 from kvxfer import reshard
 
 
-@pytest.mark.parametrize("case", bp.default_cases("CPU_ATTN", "cpu"), ids=str)
+@pytest.mark.parametrize("case", bp.default_cases("CPU_ATTN", "cpu"), ids=lambda c: c.name)
 def test_kvxfer_reads_and_writes_where_cpu_attention_does(case: bp.Case) -> None:
     assert bp.probe(case)["placement"] == "k_transposed"
 

@@ -282,7 +282,7 @@ class TestPrefillTp2Block64ToDecodeTp1Block32:
     client that walks away, and a prefill engine killed with its KV not yet loaded."""
 
     GEOMETRY = ((2, 64), (1, 32))
-    SPARE_PREFILL = (1, 64)  # test_a_killed_prefill_engine_is_recomputed_by_decode's
+    SPARE_PREFILL = (1, 64)  # the prefill engine of the abort-while-connecting and kill tests
 
     @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
     def test_greedy_tokens_equal_one_engine_alone(
@@ -368,6 +368,65 @@ class TestPrefillTp2Block64ToDecodeTp1Block32:
             seconds_until_freed=round(time.monotonic() - started, 1),
         )
         assert generated < ABANDONED_MAX_TOKENS, "the request ran to its end: it was not aborted"
+
+    def test_an_abort_during_the_first_connect_frees_the_prefill_at_once(
+        self, pair: Pair, processes: Processes, vocab: int
+    ) -> None:
+        """The decode engine's first connect to a prefill engine (the class's spare, never
+        used before) is held open: the spare is frozen (SIGSTOP), so no handshake answers.
+        The client walks away meanwhile; vLLM aborts the request and the decode engine, with
+        nothing left to run, steps no more. Once the spare runs again, the abort notice goes
+        out from the connect itself: the spare frees the request's blocks at once, long before
+        its `request_timeout_s` (120 s), which is when it would free them otherwise."""
+        assert pair.spare is not None
+        spare = pair.spare
+        processes.wait_ready([spare])
+        idle_usage = {e.name: e.metric(KV_USAGE) for e in (spare, pair.decode)}
+        request = driver.completion_request(
+            prompt_ids(300, vocab, "abort-while-connecting"),
+            MODEL_NAME,
+            ABANDONED_MAX_TOKENS,
+            0,
+            {**REQUEST_FIELDS, "stream": True},
+        )
+        prefilled = driver.post_json(
+            spare.url + "/v1/completions", prefill_body(request), REQUEST_TIMEOUT
+        )
+        assert spare.metric(KV_USAGE) > idle_usage[spare.name], "the spare holds no blocks"
+        os.killpg(spare.launched.pgid, signal.SIGSTOP)
+        thawed = False
+        try:
+            host, port = pair.decode.url.removeprefix("http://").split(":")
+            client = http.client.HTTPConnection(host, int(port), timeout=REQUEST_TIMEOUT)
+            body = json.dumps(decode_body(request, prefilled))
+            client.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            driver.wait_until(
+                lambda: pair.decode.metric(WAITING_BY_REASON, 'reason="deferred"') >= 1,
+                timeout=METRIC_TIMEOUT,
+                what="the decode engine holds the request for its KV transfer",
+            )
+            client.close()  # the client walks away: vLLM aborts the request
+            driver.wait_until(
+                functools.partial(idle, pair.decode, idle_usage[pair.decode.name]),
+                timeout=METRIC_TIMEOUT,
+                what="the decode engine dropped the aborted request and freed its blocks",
+            )
+            os.killpg(spare.launched.pgid, signal.SIGCONT)
+            thawed = True
+            began = time.monotonic()
+            driver.wait_until(
+                lambda: spare.metric(KV_USAGE) <= idle_usage[spare.name],
+                timeout=60.0,
+                what="the spare prefill engine freed the aborted request's blocks",
+            )
+        finally:
+            if not thawed:
+                os.killpg(spare.launched.pgid, signal.SIGCONT)
+        observe(
+            pair=pair.label,
+            case="abort-during-first-connect",
+            seconds_until_prefill_freed=round(time.monotonic() - began, 1),
+        )
 
     def test_a_killed_prefill_engine_is_recomputed_by_decode(
         self,
