@@ -221,10 +221,8 @@ def pair(
     processes.stop(engines.servers())
 
 
-class TestPrefillTp1Block32ToDecodeTp2Block64:
-    """Prefill TP 1 with blocks of 32 -> decode TP 2 with blocks of 64."""
-
-    GEOMETRY = ((1, 32), (2, 64))
+class GreedyCases:
+    """Every case of `CASES` through a class's pair (its `GEOMETRY`: see `pair`)."""
 
     @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
     def test_greedy_tokens_equal_one_engine_alone(
@@ -236,6 +234,12 @@ class TestPrefillTp1Block32ToDecodeTp2Block64:
     ) -> None:
         """Each prompt length gives the baseline's token ids, its KV loaded through kvxfer."""
         check_case(pair, baseline_outputs, case_prompts, case)
+
+
+class TestPrefillTp1Block32ToDecodeTp2Block64(GreedyCases):
+    """Prefill TP 1 with blocks of 32 -> decode TP 2 with blocks of 64."""
+
+    GEOMETRY = ((1, 32), (2, 64))
 
 
 def stream_until_running(proxy: Server, decode: Server, prompt: list[int]) -> int:
@@ -277,23 +281,13 @@ def idle(engine: Server, idle_usage: float) -> bool:
     return engine.metric(RUNNING) == 0 and engine.metric(KV_USAGE) <= idle_usage
 
 
-class TestPrefillTp2Block64ToDecodeTp1Block32:
+class TestPrefillTp2Block64ToDecodeTp1Block32(GreedyCases):
     """Prefill TP 2 with blocks of 64 -> decode TP 1 with blocks of 32; then concurrency, a
-    client that walks away, and a prefill engine killed with its KV not yet loaded."""
+    client that walks away mid-stream or during a first connect, and a prefill engine killed
+    while its transfer is held open."""
 
     GEOMETRY = ((2, 64), (1, 32))
     SPARE_PREFILL = (1, 64)  # the prefill engine of the abort-while-connecting and kill tests
-
-    @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-    def test_greedy_tokens_equal_one_engine_alone(
-        self,
-        pair: Pair,
-        baseline_outputs: dict[str, Any],
-        case_prompts: list[list[int]],
-        case: Case,
-    ) -> None:
-        """Each prompt length gives the baseline's token ids, its KV loaded through kvxfer."""
-        check_case(pair, baseline_outputs, case_prompts, case)
 
     def test_eight_requests_in_flight_at_once(
         self, pair: Pair, baseline: Server, vocab: int
