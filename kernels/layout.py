@@ -8,7 +8,7 @@ from typing import overload
 
 import torch
 
-from kvxfer.layout import K_TRANSPOSED, canonical_shape, canonical_view
+from kvxfer.layout import canonical_shape, canonical_view, is_k_transposed
 
 
 def canonical_kv_view(
@@ -75,7 +75,7 @@ class KVBuffer:
     @property
     def k_transposed(self) -> bool:
         """Whether the layers are vLLM CPU attention's `k_transposed` layout (torch only)."""
-        return self.kv_placement == K_TRANSPOSED and not self.mla
+        return is_k_transposed(self.kv_placement, self.mla)
 
     def token_cells(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, slot) of each token."""

@@ -92,7 +92,7 @@ def memory_axes(layout: str, kv_placement: str, mla: bool) -> tuple[str, ...]:
 def layer_axes(layout: str, kv_placement: str, mla: bool) -> tuple[str, ...]:
     """The axes of a layer tensor, in the tensor's order (kv_inner merges `plane, dim` into
     `cell`; a `k_transposed` layer is registered in HND kv_inner's shape)."""
-    if kv_placement == K_TRANSPOSED and not mla:
+    if is_k_transposed(kv_placement, mla):
         _check_k_transposed_layout(layout)
         return (BLOCK, HEAD, SLOT, CELL)
     axes = memory_axes(layout, kv_placement, mla)
@@ -171,7 +171,7 @@ def canonical_view(tensor: torch.Tensor, layout: str, kv_placement: str, mla: bo
         ValueError: `tensor` has the wrong number of axes (or an odd kv_inner row), the
             layout is unknown, or it is `k_transposed` (no canonical view: `plane_views`).
     """
-    if kv_placement == K_TRANSPOSED and not mla:
+    if is_k_transposed(kv_placement, mla):
         memory_axes(layout, kv_placement, mla)  # raises, naming plane_views
     axes = layer_axes(layout, kv_placement, mla)
     if tensor.dim() != len(axes):
@@ -195,6 +195,12 @@ def canonical_view(tensor: torch.Tensor, layout: str, kv_placement: str, mla: bo
     return tensor.permute([order.index(axis) for axis in CANONICAL_AXES])
 
 
+def is_k_transposed(kv_placement: str, mla: bool) -> bool:
+    """Whether a layer is vLLM CPU attention's `k_transposed` (an MLA latent never is:
+    `kv_placement` is ignored there)."""
+    return kv_placement == K_TRANSPOSED and not mla
+
+
 def _check_k_transposed_layout(layout: str) -> None:
     if layout != "HND":
         raise ValueError(
@@ -212,7 +218,7 @@ def canonical_shape(
     Raises:
         ValueError: as `canonical_view`, or as `plane_views` for `k_transposed`.
     """
-    if kv_placement == K_TRANSPOSED and not mla:
+    if is_k_transposed(kv_placement, mla):
         blocks, slots, heads, dim = plane_views(tensor, layout, kv_placement, mla)[0].shape
         return 2, blocks, slots, heads, dim
     p, b, s, h, d = canonical_view(tensor, layout, kv_placement, mla).shape
@@ -236,7 +242,7 @@ def plane_views(
         ValueError: the tensor does not have the layout's shape, or a `k_transposed` layer's
             (block, head) planes are not dense.
     """
-    if kv_placement != K_TRANSPOSED or mla:
+    if not is_k_transposed(kv_placement, mla):
         view = canonical_view(tensor, layout, kv_placement, mla)
         return [view[p] for p in range(view.shape[0])]
     axes = layer_axes(layout, kv_placement, mla)

@@ -32,7 +32,7 @@ from typing import Literal, cast
 
 import numpy as np
 
-from kvxfer.layout import K_TRANSPOSED
+from kvxfer.layout import is_k_transposed
 from kvxfer.plan.heads import HeadRoute
 from kvxfer.plan.layout import (
     BlockGeometry,
@@ -102,7 +102,7 @@ def check_strategy_for(strategy: Strategy, src_spec: KVCacheSpec, dst_spec: KVCa
 
 
 def _k_transposed(spec: KVCacheSpec) -> bool:
-    return spec.kv_placement == K_TRANSPOSED and not spec.mla
+    return is_k_transposed(spec.kv_placement, spec.mla)
 
 
 @dataclass(frozen=True)
