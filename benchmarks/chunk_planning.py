@@ -10,7 +10,7 @@ Per chunk, median of `--repeat` after a warm-up:
 
 - consumer: check the producer's block ids and build the landing program
   (before: `check_block_ids` over the whole table, decoded from a list, and `build_program`;
-  now: `_chunk_source_blocks` over the chunk's ids when the chunk is read from the producer's
+  now: `chunk_source_blocks` over the chunk's ids when the chunk is read from the producer's
   cache, and `chunk_program`);
 - producer: the pack and the `ChunkReady` message, encoded and decoded
   (before: `pack_copy` and the whole table's ids; now: `chunk_pack_copy` and the chunk's ids,
@@ -28,7 +28,6 @@ import numpy as np
 from scenarios import median_seconds
 
 from kvxfer.bench import BenchConfig, _side, _table
-from kvxfer.connector.consumer import _chunk_source_blocks
 from kvxfer.connector.messages import ChunkReady, decode, encode
 from kvxfer.plan import plan_pairs
 from kvxfer.plan.program import (
@@ -39,6 +38,7 @@ from kvxfer.plan.program import (
     chunk_program,
     pack_copy,
 )
+from kvxfer.plan.reads import chunk_source_blocks
 from kvxfer.validation import check_block_ids
 
 
@@ -68,7 +68,7 @@ def _row(tokens: int, strategy: str, repeat: int) -> dict[str, Any]:
         if packs:
             ids = np.zeros(chunk_block_count(s.block_size, lo, hi), np.int64)
         else:
-            ids = _chunk_source_blocks(s, chunk_list, lo, hi)
+            ids = chunk_source_blocks(s, chunk_list, lo, hi)
         chunk_program(route, kind, s, d, ids, dst_chunk, lo, hi, landing=True)
 
     def producer_before() -> None:

@@ -120,7 +120,8 @@ class GroupedProducer:
 
     Args:
         groups: the rank's groups, in the engine's group order.
-        engine_id, host: as `KVProducer`.
+        engine_id: as `KVProducer`.
+        host: as `KVProducer`.
         port: group 0's side-channel port (0: a free one); the other groups always listen on
             free ports (`addresses` says where).
         release: called once per request, when every group released it.
@@ -280,7 +281,8 @@ class GroupedConsumer:
 
     Args:
         groups: the rank's groups, in the engine's group order (the producer's).
-        engine_id, host: as `KVConsumer`.
+        engine_id: as `KVConsumer`.
+        host: as `KVConsumer`.
         **options: every other `KVConsumer` option, for each group.
     """
 

@@ -1,31 +1,27 @@
 """Side-channel messages: typed msgspec structs with a protocol version, encoded as msgpack.
 
-Nothing else is accepted: an unknown version, an unknown type, a malformed or oversized frame
-raises `ProtocolError` with a message fit for the peer and the log. No pickle.
+The handshake that opens a session, and the framing and MACs of session frames, are the
+session layer's (`kvxfer.session`); here are what the KV connector and the encoder cache say
+inside it: the claims and terms their handshakes carry, and their session messages. Nothing
+else is accepted: an unknown version, an unknown type, a malformed or oversized frame raises
+`ProtocolError` with a message fit for the peer and the log. No pickle.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
 
 import msgspec
 
+from kvxfer.session.wire import MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, decode_with
+from kvxfer.session.wire import Versioned as _Message
 from kvxfer.spec import KVCacheSpec
 
-# 2: pull transfers, authenticated sessions. 3: `KVCacheSpec` carries pipeline-parallel fields
-# (pp_size, pp_rank, layer_start, total_layers) and `num_layers` counts a stage's layers. A
-# version-2 peer would drop the new fields when it decodes a spec, so its check of the
-# handshake proof (an HMAC over the encoded spec) would fail as if the secret were wrong: the
-# version tells it apart clearly instead. 4: `ChunkReady` carries the block ids of its chunk's
-# tokens only (none when the chunk is read from staging), not the request's whole table: a
-# version-3 consumer would refuse every chunk as "too few block ids". 5: `KVCacheSpec` carries
-# `block_stride` (recurrent state groups), which a version-4 peer would drop (as in 3).
-PROTOCOL_VERSION = 5
-MAX_FRAME_BYTES = 8 << 20  # a chunk's block ids, even a 128k-token chunk's, under 1 MiB
+__all__ = ["MAX_FRAME_BYTES", "PROTOCOL_VERSION", "ProtocolError"]  # re-exported
 
-
-class ProtocolError(ValueError):
-    """A frame that is not a valid message of this protocol version."""
+KV_SERVICE = "kv"  # the session layer's name of the KV connector's side channel
+EC_SERVICE = "ec"  # and of the encoder cache's
+T = TypeVar("T")
 
 
 class RegionInfo(msgspec.Struct, frozen=True):
@@ -36,57 +32,34 @@ class RegionInfo(msgspec.Struct, frozen=True):
     nbytes: int
 
 
-class _Message(msgspec.Struct, tag_field="type", kw_only=True, frozen=True):
-    version: int = PROTOCOL_VERSION
-
-
 # ---- KV connector: handshake ---------------------------------------------------------------
 # Consumer and producer prove knowledge of the shared secret to each other without sending it
-# (kvxfer.connector.auth); the producer then names a session whose key signs every later frame.
+# (kvxfer.session); these travel inside the handshake, bound into the proofs.
 
 
-class Hello(_Message, tag="hello", frozen=True):
-    """Consumer -> producer: I want a session; here is my nonce."""
-
-    engine_id: str
-    nonce: str  # hex
-
-
-class Challenge(_Message, tag="challenge", frozen=True):
-    """Producer -> consumer: prove you hold the secret, over both nonces."""
-
-    nonce: str  # hex
-
-
-class Handshake(_Message, tag="handshake", frozen=True):
-    """Consumer -> producer: who I am and my geometry, with the proof of the secret."""
+class KVClaim(msgspec.Struct, frozen=True):
+    """Consumer -> producer, in the handshake: who I am and my geometry."""
 
     engine_id: str
     spec: KVCacheSpec
-    client_nonce: str
-    server_nonce: str
-    proof: str  # hex HMAC over the nonces, the engine id and the spec
 
 
-class HandshakeReply(_Message, tag="handshake_reply", frozen=True):
-    """Producer -> consumer: my geometry, where my cache lives, and the session."""
+class KVTerms(msgspec.Struct, frozen=True):
+    """Producer -> consumer, in the welcome: my geometry, and where my cache lives."""
 
     engine_id: str
     spec: KVCacheSpec
     endpoint: str  # transport endpoint (Mooncake host:port)
     cache_regions: list[RegionInfo]  # one per layer, in layer order
-    session: str
     staging_slot_bytes: int
-    proof: str  # hex HMAC: the producer holds the secret too
 
 
-# ---- KV connector: session messages (each frame followed by its MAC frame) ----------------
+# ---- KV connector: session messages (in the session layer's signed frames) ----------------
 
 
 class TransferRequest(_Message, tag="transfer", frozen=True):
     """Consumer -> producer: make tokens `[token_start, token_end)` of a request readable."""
 
-    session: str
     request_id: str
     chunk_id: int
     num_tokens: int
@@ -111,7 +84,6 @@ class ChunkReady(_Message, tag="chunk_ready", frozen=True):
 class ChunkRead(_Message, tag="chunk_read", frozen=True):
     """Consumer -> producer: I have read the chunk; was its source held all along?"""
 
-    session: str
     request_id: str
     chunk_id: int
     generation: int
@@ -138,7 +110,6 @@ class ChunkFailed(_Message, tag="chunk_failed", frozen=True):
 class RequestDone(_Message, tag="request_done", frozen=True):
     """Consumer -> producer: this consumer rank is finished with a request (ok or not)."""
 
-    session: str
     request_id: str
     ok: bool
 
@@ -146,25 +117,15 @@ class RequestDone(_Message, tag="request_done", frozen=True):
 class Abort(_Message, tag="abort", frozen=True):
     """Consumer -> producer: the decode engine will never load this request; free it now."""
 
-    session: str
     request_id: str
 
 
 class Ping(_Message, tag="ping", frozen=True):
     """Consumer -> producer: I am alive; are you?"""
 
-    session: str
-
 
 class Pong(_Message, tag="pong", frozen=True):
     """Producer -> consumer: alive."""
-
-
-class ErrorReply(_Message, tag="error", frozen=True):
-    """Either way: the last frame was refused, and why."""
-
-    reason: str
-    session_lost: bool = False  # the named session is unknown: shake hands again
 
 
 SESSION_MESSAGES = (TransferRequest, ChunkRead, RequestDone, Abort, Ping)
@@ -174,45 +135,19 @@ SESSION_MESSAGES = (TransferRequest, ChunkRead, RequestDone, Abort, Ping)
 # Pull, as for KV: a consumer asks a producer to pin an item in its pool, reads the bytes with
 # its own Mooncake engine into its own memory, then reports the read and learns whether the item
 # stayed in the pool throughout. The handshake proves the shared secret both ways without
-# sending it (kvxfer.connector.auth); every later frame carries a MAC under the session key, and
+# sending it (kvxfer.session.auth); every later frame carries a MAC under the session key, and
 # every answer echoes the `ref` of its ask.
 
 
-class ECHello(_Message, tag="ec_hello", frozen=True):
-    """Encoder-cache consumer -> producer: I want a session; here is my nonce."""
+class ECTerms(msgspec.Struct, frozen=True):
+    """Encoder-cache producer -> consumer, in the welcome: where the consumer reads from."""
 
-    consumer: str  # a name for logs
-    nonce: str  # hex
-
-
-class ECChallenge(_Message, tag="ec_challenge", frozen=True):
-    """Producer -> consumer: prove you hold the secret, over both nonces."""
-
-    nonce: str  # hex
-
-
-class ECHandshake(_Message, tag="ec_handshake", frozen=True):
-    """Consumer -> producer: the proof of the secret over both nonces and my name."""
-
-    consumer: str
-    client_nonce: str
-    server_nonce: str
-    proof: str  # hex HMAC
-
-
-class ECWelcome(_Message, tag="ec_welcome", frozen=True):
-    """Producer -> consumer: the session, my Mooncake endpoint, and my own proof (over the
-    nonces, the session and the endpoint)."""
-
-    session: str
-    endpoint: str  # Mooncake host:port, where the consumer reads from
-    proof: str
+    endpoint: str  # Mooncake host:port
 
 
 class ECQuery(_Message, tag="ec_query", frozen=True):
     """Consumer -> producer (session): do you hold this item, and how large is it?"""
 
-    session: str
     ref: int
     mm_hash: str
 
@@ -224,14 +159,13 @@ class ECInfo(_Message, tag="ec_info", frozen=True):
     mm_hash: str
     found: bool
     dtype: str = ""
-    shape: list[int] = []
+    shape: list[int] = msgspec.field(default_factory=list)
     nbytes: int = 0
 
 
 class ECPin(_Message, tag="ec_pin", frozen=True):
     """Consumer -> producer (session): keep the item in place while I read it."""
 
-    session: str
     ref: int
     mm_hash: str
 
@@ -248,7 +182,7 @@ class ECPinned(_Message, tag="ec_pinned", frozen=True):
     address: int = 0
     nbytes: int = 0
     dtype: str = ""
-    shape: list[int] = []
+    shape: list[int] = msgspec.field(default_factory=list)
     lease_s: float = 0.0
 
 
@@ -256,7 +190,6 @@ class ECDone(_Message, tag="ec_done", frozen=True):
     """Consumer -> producer (session): my read under `lease` has settled; unpin the item. Did
     it stay in the pool throughout?"""
 
-    session: str
     ref: int
     lease: str
 
@@ -273,7 +206,6 @@ class ECValid(_Message, tag="ec_valid", frozen=True):
 class ECRelease(_Message, tag="ec_release", frozen=True):
     """Consumer -> producer (session): I am done with the item (evict it first). No reply."""
 
-    session: str
     mm_hash: str
 
 
@@ -281,11 +213,7 @@ EC_SESSION_MESSAGES = (ECQuery, ECPin, ECDone, ECRelease)
 
 
 Message = (
-    Hello
-    | Challenge
-    | Handshake
-    | HandshakeReply
-    | TransferRequest
+    TransferRequest
     | ChunkReady
     | ChunkRead
     | ChunkValid
@@ -294,11 +222,6 @@ Message = (
     | Abort
     | Ping
     | Pong
-    | ErrorReply
-    | ECHello
-    | ECChallenge
-    | ECHandshake
-    | ECWelcome
     | ECQuery
     | ECInfo
     | ECPin
@@ -312,40 +235,30 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
-def encode(message: Message) -> bytes:
-    """One frame."""
+def encode(message: Message | KVClaim | KVTerms | ECTerms) -> bytes:
+    """One frame (or a handshake's claim or terms)."""
     return _encoder.encode(message)
 
 
 def decode(frame: bytes) -> Message:
-    """Parse one frame.
+    """Parse one session message.
 
     Raises:
         ProtocolError: oversized, not msgpack, another protocol version, or not a known message.
     """
-    if len(frame) > MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES} limit")
-    try:
-        message = _decoder.decode(frame)
-    except msgspec.DecodeError as exc:
-        raw = _raw(frame)
-        if isinstance(raw, dict) and raw.get("version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
-            raise ProtocolError(_version_problem(raw.get("version"))) from exc
-        raise ProtocolError(f"not a kvxfer message: {exc}") from exc
-    if message.version != PROTOCOL_VERSION:
-        raise ProtocolError(_version_problem(message.version))
+    message: Message = decode_with(_decoder, frame, "a kvxfer message")
     return message
 
 
-def _version_problem(version: object) -> str:
-    return (
-        f"protocol version {version!r} is not supported; this peer speaks version "
-        f"{PROTOCOL_VERSION}"
-    )
+def decode_terms(data: bytes, kind: type[T]) -> T:
+    """Parse a handshake's claim or terms (`KVClaim`, `KVTerms`, `ECTerms`).
 
-
-def _raw(frame: bytes) -> Any:
+    Raises:
+        ProtocolError: not such a struct.
+    """
+    if len(data) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"{len(data)} bytes of {kind.__name__} exceed the frame limit")
     try:
-        return msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError:
-        return None
+        return msgspec.msgpack.decode(data, type=kind)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"not a valid {kind.__name__}: {exc}") from exc

@@ -5,7 +5,7 @@ strategy); once the request is published the producer packs it into its staging 
 packs, and answers where to read it. The consumer reads the bytes into its own staging with
 Mooncake, asks whether the source was held all along, and only then copies them into its cache.
 The producer never writes into a consumer's memory: a peer cannot make it touch memory other
-than its own, and no write of it can land late (README, "No late bytes").
+than its own, and no write of it can land late (docs/connectors.md, "No late bytes").
 
 Three parts, each with one job:
 - the side-channel server (`SideChannelServer`): sockets and framing, one thread that never
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -35,19 +34,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvxfer.connector import auth
 from kvxfer.connector.messages import (
-    SESSION_MESSAGES,
+    KV_SERVICE,
     Abort,
-    Challenge,
     ChunkFailed,
     ChunkRead,
     ChunkReady,
     ChunkValid,
-    ErrorReply,
-    Handshake,
-    HandshakeReply,
-    Hello,
+    KVClaim,
+    KVTerms,
     Message,
     Ping,
     Pong,
@@ -56,6 +51,7 @@ from kvxfer.connector.messages import (
     RequestDone,
     TransferRequest,
     decode,
+    decode_terms,
     encode,
 )
 from kvxfer.connector.registration import CacheRegistration
@@ -72,7 +68,8 @@ from kvxfer.plan.program import (
     chunk_pack_copy,
     program_shape,
 )
-from kvxfer.spec import KVCacheSpec, encode_spec
+from kvxfer.session.protocol import Claim, Reply, ServerSession, SessionServer, refusal
+from kvxfer.spec import KVCacheSpec
 from kvxfer.transport.base import Transport
 from kvxfer.validation import check_block_ids, check_caches, check_num_tokens, check_request_id
 
@@ -98,16 +95,15 @@ class _Waiting:
 
 @dataclass(eq=False)  # identity: compared and hashed as objects
 class _Session:
-    """A consumer rank that completed the handshake."""
+    """What this producer keeps of a consumer rank that completed the handshake (its key,
+    address and last frame are the session layer's: `link`)."""
 
-    session: str
+    id: str
     engine_id: str
     spec: KVCacheSpec
-    key: bytes
-    identity: bytes
     route: HeadRoute | None  # the layers and heads this producer serves that rank, if any
-    last_heard: float
     worker: ThreadPoolExecutor
+    link: ServerSession[_Session] | None = None  # set once the session layer opened it
     pool: StagingPool | None = None
     leases: dict[tuple[str, int], _Lease] = field(default_factory=dict)
     waiting: list[_Waiting] = field(default_factory=list)
@@ -181,7 +177,6 @@ class KVProducer:
         self._slot_bytes = StagingPool.slot_size(staging_bytes, staging_slots)
         self._request_timeout_s = request_timeout_s
         self._session_timeout_s = session_timeout_s
-        self._max_sessions = max_sessions
         self._backend = resolve_backend(backend, caches[0].device)
         self._copy_stream = copy_stream_for(caches[0].device)
         self._fences: dict[str, Fence] = {}  # CUDA: by published request (see `publish`)
@@ -193,8 +188,9 @@ class KVProducer:
         self._requests = RequestTable(released_ttl_s)
         self._expired_requests = 0  # released at their deadline (side-channel thread only)
         self._lock = threading.Lock()
-        self._sessions: dict[str, _Session] = {}
-        self._challenges = auth.Challenges()
+        self._sessions: SessionServer[_Session] = SessionServer(
+            KV_SERVICE, self._secret, max_sessions
+        )
         self._spare_pools: list[StagingPool] = []
         self._warmed: set[tuple[object, ...]] = set()
         self._closed = False
@@ -280,18 +276,13 @@ class KVProducer:
 
     def staging_free_slots(self) -> dict[tuple[str, int], int]:
         """Free slots of each live consumer session's staging pool (all free when idle)."""
-        with self._lock:
-            return {
-                (s.engine_id, s.rank): s.pool.free_slots
-                for s in self._sessions.values()
-                if s.pool is not None
-            }
+        sessions = self._peers()
+        return {(s.engine_id, s.rank): s.pool.free_slots for s in sessions if s.pool is not None}
 
     def stats_snapshot(self) -> dict[str, object]:
         """Live state, for monitoring and leak checks: sessions, pending and remembered
         request ids, leases, the transport, and the threads this producer runs."""
-        with self._lock:
-            sessions = list(self._sessions.values())
+        sessions = self._peers()
         return {
             "sessions": len(sessions),
             "pending_requests": len(self._requests.pending()),
@@ -312,9 +303,7 @@ class KVProducer:
         self._server.close()
         for request_id in self._requests.pending():
             self._release(request_id, "the producer closed")
-        with self._lock:
-            sessions = list(self._sessions.values())
-            self._sessions.clear()
+        sessions = [s for s in self._peers() if self._sessions.end(s.id) is not None]
         for session in sessions:
             session.worker.shutdown(wait=True)
         self._registration.close()  # ends the engine first when it is ours: no read in flight
@@ -330,101 +319,56 @@ class KVProducer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _peers(self) -> list[_Session]:
+        return [link.state for link in self._sessions.open_sessions()]
+
     # ---- side channel (server thread: never blocks) ---------------------------------------
 
     def _on_frames(self, identity: bytes, frames: list[bytes]) -> None:
         try:
-            if not 1 <= len(frames) <= 2:
-                raise ProtocolError(f"expected a frame and its MAC, got {len(frames)} frames")
-            message = decode(frames[0])
-            if isinstance(message, SESSION_MESSAGES):
-                self._on_session_frame(identity, message, frames)
-            elif isinstance(message, Hello):
-                self._on_hello(identity, message)
-            elif isinstance(message, Handshake):
-                self._on_handshake(identity, message)
+            event = self._sessions.receive(identity, frames)
+            if isinstance(event, Reply):
+                self._server.send(identity, event.frames)
+            elif isinstance(event, Claim):
+                self._open_session(event)
             else:
-                raise ProtocolError(f"a producer does not accept {type(message).__name__} messages")
+                self._on_session_message(event.session.state, decode(event.payload))
         except ProtocolError as exc:
             log.warning("producer %s: refused a frame: %s", self.engine_id, exc)
-            self._server.send(identity, [encode(ErrorReply(reason=str(exc)))])
+            self._server.send(identity, refusal(str(exc)))
 
-    def _on_hello(self, identity: bytes, hello: Hello) -> None:
-        with self._lock:
-            if len(self._sessions) >= self._max_sessions:
-                raise ProtocolError(
-                    f"handshake refused: {self._max_sessions} sessions are open (max_sessions)"
-                )
-        server_nonce = self._challenges.issue(identity, hello.nonce)
-        self._server.send(identity, [encode(Challenge(nonce=server_nonce))])
-
-    def _on_handshake(self, identity: bytes, hello: Handshake) -> None:
-        if not self._challenges.redeem(identity, hello.client_nonce, hello.server_nonce):
-            raise ProtocolError("handshake refused: no matching Hello; start with Hello")
-        expected = auth.proof(
-            self._secret,
-            "consumer",
-            hello.client_nonce,
-            hello.server_nonce,
-            hello.engine_id,
-            encode_spec(hello.spec),
-        )
-        if not auth.proof_matches(expected, hello.proof):
-            raise ProtocolError(
-                "handshake refused: wrong or missing shared secret (both sides need the same "
-                "secret=...)"
-            )
+    def _open_session(self, claim: Claim) -> None:
+        """A consumer rank proved the secret: check its geometry, then open its session."""
+        consumer = decode_terms(claim.claim, KVClaim)
         try:
-            check_pairable(self.spec, hello.spec)
+            check_pairable(self.spec, consumer.spec)
         except ValueError as exc:
             raise ProtocolError(f"handshake refused: {exc}") from exc
-        session_id = secrets.token_hex(16)
         # What this rank serves that consumer rank (layers both hold, heads it supplies), the
         # route the consumer plans too; None: the consumer fetches nothing here, and keeps the
         # session for its done and abort notices (every decode rank reports to every rank).
-        route = route_pair(self.spec, hello.spec)
-        session = _Session(
-            session=session_id,
-            engine_id=hello.engine_id,
-            spec=hello.spec,
-            key=auth.session_key(self._secret, hello.client_nonce, hello.server_nonce, session_id),
-            identity=identity,
-            route=route,
-            last_heard=time.monotonic(),
-            worker=ThreadPoolExecutor(1, thread_name_prefix="kvxfer-producer-peer"),
-        )
-        with self._lock:
-            self._sessions[session_id] = session
-        if route is not None:
-            session.worker.submit(self._warm_up, route, hello.spec)
-        reply = HandshakeReply(
+        route = route_pair(self.spec, consumer.spec)
+        terms = KVTerms(
             engine_id=self.engine_id,
             spec=self.spec,
             endpoint=self.transport.endpoint,
             cache_regions=self._cache_regions,
-            session=session_id,
             staging_slot_bytes=self._slot_bytes,
-            proof=auth.proof(
-                self._secret, "producer", hello.client_nonce, hello.server_nonce, session_id
+        )
+        worker = ThreadPoolExecutor(1, thread_name_prefix="kvxfer-producer-peer")
+        link, welcome = self._sessions.accept(
+            claim,
+            encode(terms),
+            lambda session_id: _Session(
+                session_id, consumer.engine_id, consumer.spec, route, worker
             ),
         )
-        self._server.send(identity, [encode(reply)])
+        link.state.link = link
+        if route is not None:
+            worker.submit(self._warm_up, route, consumer.spec)
+        self._server.send(claim.identity, welcome)
 
-    def _on_session_frame(self, identity: bytes, message: Message, frames: list[bytes]) -> None:
-        session = self._sessions.get(getattr(message, "session", ""))
-        if session is None:
-            self._server.send(
-                identity,
-                [
-                    encode(
-                        ErrorReply(reason="unknown session; shake hands again", session_lost=True)
-                    )
-                ],
-            )
-            return
-        if len(frames) != 2 or not auth.verify(session.key, frames[0], frames[1]):
-            raise ProtocolError("a session frame without a valid MAC was refused")
-        session.identity, session.last_heard = identity, time.monotonic()
+    def _on_session_message(self, session: _Session, message: Message) -> None:
         if isinstance(message, Ping):
             self._send(session, Pong())
         elif isinstance(message, TransferRequest):
@@ -442,10 +386,13 @@ class KVProducer:
             self._forget_request(session, message.request_id)
             if self._requests.abort(message.request_id, session.engine_id):
                 self._release(message.request_id, f"engine {session.engine_id} aborted it")
+        else:
+            raise ProtocolError(f"a producer does not accept {type(message).__name__} messages")
 
     def _send(self, session: _Session, message: Message) -> None:
-        frame = encode(message)
-        self._server.send(session.identity, [frame, auth.sign(session.key, frame)])
+        link = session.link
+        assert link is not None  # set right after the session layer opened the session
+        self._server.send(link.identity, self._sessions.seal(link, encode(message)))
 
     def _on_transfer(self, session: _Session, ask: TransferRequest) -> None:
         with session.lock:
@@ -528,11 +475,10 @@ class KVProducer:
         now = time.monotonic()
         for request_id in self._requests.expired(now):
             self._release(request_id, "its deadline passed", expired=True)
-        self._challenges.expire()
-        with self._lock:
-            sessions = list(self._sessions.values())
-        for session in sessions:
-            if now - session.last_heard > self._session_timeout_s:
+        self._sessions.expire_challenges()
+        for link in self._sessions.open_sessions():
+            session = link.state
+            if now - link.last_heard > self._session_timeout_s:
                 self._end_session(session, "silent for too long")
                 continue
             self._expire_leases(session, now)
@@ -561,8 +507,7 @@ class KVProducer:
             session.rank,
             why,
         )
-        with self._lock:
-            self._sessions.pop(session.session, None)
+        self._sessions.end(session.id)
         session.ended = True
         session.worker.shutdown(wait=False)
         # Its pool goes back to the spares once its last pack finished (the worker's last job).

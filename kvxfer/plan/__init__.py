@@ -1,4 +1,5 @@
-"""Pure planning: head routes, cell addresses, byte segments, strategies and their costs."""
+"""Pure planning: head routes, cell addresses, byte segments, strategies and their costs, a
+connector's pairs fitted to its staging slots, and each chunk's read program."""
 
 from kvxfer.plan.cost import (
     DEFAULT_STAGING_SLOTS,
@@ -7,6 +8,7 @@ from kvxfer.plan.cost import (
     estimate_strategies,
     estimate_strategy,
 )
+from kvxfer.plan.fitting import FittedPair, fit_pair
 from kvxfer.plan.heads import (
     HeadRoute,
     heads_of_rank,
@@ -25,6 +27,7 @@ from kvxfer.plan.program import (
     build_program,
     strategies_for,
 )
+from kvxfer.plan.reads import chunk_read_program, chunk_source_blocks
 from kvxfer.plan.segments import Segments, coalesce
 
 __all__ = [
@@ -33,6 +36,7 @@ __all__ = [
     "BlockGeometry",
     "CellCopy",
     "CostModel",
+    "FittedPair",
     "HeadRoute",
     "PagedView",
     "PairPlan",
@@ -43,9 +47,12 @@ __all__ = [
     "build_program",
     "check_pairable",
     "check_side",
+    "chunk_read_program",
+    "chunk_source_blocks",
     "coalesce",
     "estimate_strategies",
     "estimate_strategy",
+    "fit_pair",
     "heads_of_rank",
     "plan_pairs",
     "plan_pairs_into",

@@ -10,19 +10,10 @@ import pytest
 import zmq
 from helpers import make_scenario, side_specs
 
-from kvxfer.connector import KVConsumer, KVProducer, auth
-from kvxfer.connector.messages import (
-    MAX_FRAME_BYTES,
-    Challenge,
-    ChunkValid,
-    ErrorReply,
-    Handshake,
-    Hello,
-    TransferRequest,
-    decode,
-    encode,
-)
-from kvxfer.spec import encode_spec
+from kvxfer.connector import KVConsumer, KVProducer
+from kvxfer.connector.messages import KV_SERVICE, MAX_FRAME_BYTES, ChunkValid, KVClaim, encode
+from kvxfer.session import auth, wire
+from kvxfer.session.protocol import Opened, Reply, SessionClient
 
 SMALL = {"staging_bytes": 4096, "staging_slots": 2}
 
@@ -93,38 +84,49 @@ def raw_socket(address):
 
 
 def ask(sock, frames, timeout=5.0):
+    """Send `frames`; the producer's answer, as its frames."""
     sock.send_multipart(frames)
     assert sock.poll(int(timeout * 1000)), "no reply"
-    return decode(sock.recv())
+    return sock.recv_multipart()
+
+
+def refused(frames):
+    """The reason of a refusal (fails on anything else)."""
+    assert len(frames) == 1, frames
+    reply = wire.decode(frames[0])
+    assert isinstance(reply, wire.Refused), reply
+    return reply.reason
+
+
+def open_raw_session(sock, spec, secret=""):
+    """A real session opened by hand on a raw socket, as a consumer's would be."""
+    client = SessionClient(KV_SERVICE, secret, "evil", encode(KVClaim(engine_id="evil", spec=spec)))
+    event = client.receive(ask(sock, client.hello()))
+    assert isinstance(event, Reply)
+    assert isinstance(client.receive(ask(sock, event.frames)), Opened)
+    return client
 
 
 def test_garbage_on_the_side_channel_gets_errors_and_service_goes_on(engines):
     sock = raw_socket(engines.producers[0].address)
-    hello_v9 = msgspec.msgpack.encode({"type": "error", "version": 9, "reason": "x"})
-    stray = encode(ChunkValid(request_id="r", chunk_id=0, ok=True))
-    bad_session = encode(
-        TransferRequest(
-            session="forged",
-            request_id="r",
-            chunk_id=0,
-            num_tokens=1,
-            token_start=0,
-            token_end=1,
-            strategy="direct",
-            wait_seconds=0.0,
-        )
-    )
+    hello_v9 = msgspec.msgpack.encode({"type": "hello", "version": 9, "name": "x"})
+    client = open_raw_session(sock, engines.scenario.dst[0][0])
+    stray = client.seal(encode(ChunkValid(request_id="r", chunk_id=0, ok=True)))
+    forged_mac = [*stray[:2], bytes(16)]
+    unknown = [b"forged", *stray[1:]]
     cases = [
-        ([b"\x00\xffnot msgpack"], "not a kvxfer message"),
+        ([b"\x00\xffnot msgpack"], "not a kvxfer handshake message"),
         ([b"x" * (MAX_FRAME_BYTES + 1)], "exceeds"),
         ([hello_v9], "protocol version 9 is not supported"),
-        ([stray], "does not accept ChunkValid"),
-        ([bad_session], "unknown session"),
-        ([b"a", b"b", b"c"], "a frame and its MAC"),
+        ([encode(ChunkValid(request_id="r", chunk_id=0, ok=True))], "not a kvxfer handshake"),
+        (stray, "does not accept ChunkValid"),
+        ([stray[0], b"\x00\xff", client.seal(b"\x00\xff")[2]], "not a kvxfer message"),
+        (forged_mac, "without a valid MAC"),
+        (unknown, "unknown session"),
+        ([b"a", b"b"], "got 2 frames"),
     ]
     for frames, reason in cases:
-        reply = ask(sock, frames)
-        assert isinstance(reply, ErrorReply) and reason in reply.reason
+        assert reason in refused(ask(sock, frames))
     sock.close()
     engines.publish("after-garbage")
     results = engines.fetch("after-garbage")
@@ -146,21 +148,21 @@ def test_shared_secret_is_required_when_set():
 
 def test_a_handshake_must_answer_this_producers_challenge(engines):
     spec = engines.scenario.dst[0][0]
+    claim = encode(KVClaim(engine_id="evil", spec=spec))
     sock = raw_socket(engines.producers[0].address)
-    unasked = Handshake(engine_id="evil", spec=spec, client_nonce="00", server_nonce="11", proof="")
-    reply = ask(sock, [encode(unasked)])
-    assert isinstance(reply, ErrorReply) and "no matching Hello" in reply.reason
-    challenge = ask(sock, [encode(Hello(engine_id="evil", nonce="22"))])
-    assert isinstance(challenge, Challenge)
-    forged = Handshake(  # a proof made for other nonces (a replay) does not pass
-        engine_id="evil",
-        spec=spec,
+    unasked = wire.Handshake(client_nonce="00", server_nonce="11", claim=claim, proof="")
+    assert "no matching Hello" in refused(ask(sock, [wire.encode(unasked)]))
+    hello = wire.Hello(service=KV_SERVICE, name="evil", nonce="22")
+    (reply,) = ask(sock, [wire.encode(hello)])
+    challenge = wire.decode(reply)
+    assert isinstance(challenge, wire.Challenge)
+    forged = wire.Handshake(  # a proof made for other nonces (a replay) does not pass
         client_nonce="22",
         server_nonce=challenge.nonce,
-        proof=auth.proof("", "consumer", "22", "00", "evil", encode_spec(spec)),
+        claim=claim,
+        proof=auth.proof("", "consumer", KV_SERVICE, "22", "00", "evil", claim),
     )
-    reply = ask(sock, [encode(forged)])
-    assert isinstance(reply, ErrorReply) and "shared secret" in reply.reason
+    assert "shared secret" in refused(ask(sock, [wire.encode(forged)]))
     sock.close()
 
 

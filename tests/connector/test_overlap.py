@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import make_scenario, side_specs
 
-import kvxfer.connector.consumer as consumer_mod
+import kvxfer.connector.consumer.copies as copies_mod
 import kvxfer.connector.producer as producer_mod
 import kvxfer.connector.streams as streams_mod
 from kvxfer.connector import KVConsumer, KVProducer
@@ -70,7 +70,7 @@ def run_instrumented(monkeypatch, slots: int, meet=None):
         return copy
 
     monkeypatch.setattr(producer_mod, "run_cell_copy", hooked(producer_mod.run_cell_copy, "pack"))
-    monkeypatch.setattr(consumer_mod, "run_cell_copy", hooked(consumer_mod.run_cell_copy, "unpack"))
+    monkeypatch.setattr(copies_mod, "run_cell_copy", hooked(copies_mod.run_cell_copy, "unpack"))
     producer = KVProducer(src_spec, src_caches, "prefill", **staging)
     consumer = KVConsumer(dst_spec, dst_caches, "decode", strategy="pack+unpack", **staging)
     try:
@@ -80,9 +80,11 @@ def run_instrumented(monkeypatch, slots: int, meet=None):
         chunk_of.update({lo: i for i, (lo, _) in enumerate(bounds)})
 
         # A read is in flight from its start until the consumer learns it completed; the hook
-        # learns which chunk a read is for from `_start_read`, which calls `read` at once.
+        # learns which chunk a read is for from the fetch machine's `_start_read`, which calls
+        # `read` at once.
         reading: list[int] = []
-        start_read, read = consumer._start_read, consumer.transport.read
+        machine = consumer._machine
+        start_read, read = machine._start_read, consumer.transport.read
 
         def start_read_hook(chunk):
             reading.append(chunk_of[chunk.start])
@@ -108,7 +110,7 @@ def run_instrumented(monkeypatch, slots: int, meet=None):
             read(segments, peer).add_done_callback(landed)
             return outer
 
-        monkeypatch.setattr(consumer, "_start_read", start_read_hook)
+        monkeypatch.setattr(machine, "_start_read", start_read_hook)
         monkeypatch.setattr(consumer.transport, "read", read_hook)
         producer.publish("req", src_ids, NUM_TOKENS)
         result = consumer.fetch("req", dst_ids, NUM_TOKENS, timeout=60).wait()

@@ -1,4 +1,4 @@
-"""Peer authentication on the side channel: a challenge-response handshake and signed frames.
+"""Peer authentication on a side channel: a challenge-response handshake and signed frames.
 
 With a shared secret, neither side sends it: each proves it holds it with an HMAC-SHA256 over
 both sides' fresh nonces (so a recorded proof is worthless later) and what it claims (engine
@@ -9,7 +9,8 @@ authenticated.
 
 Without a secret the same exchange runs with an empty key: frames are still checked for
 integrity, but anyone who can reach the side channel can open a session. That is the trust
-model of an isolated serving network; set a secret anywhere else (README, "Trust").
+model of an isolated serving network; set a secret anywhere else (docs/connectors.md, "Handshake
+and trust"; docs/encoder-cache.md, "Trust").
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def verify(key: bytes, frame: bytes, mac: bytes) -> bool:
 
 
 class Challenges:
-    """The nonces a producer handed out in challenges, each redeemable once by the peer it
-    was given to, until it expires. Bounded: the oldest go first.
+    """The nonces a server handed out in challenges, each redeemable once by the peer it was
+    given to, until it expires. Bounded: the oldest go first.
 
     Args:
         ttl_s: how long a handshake may take after its hello.
@@ -69,25 +70,30 @@ class Challenges:
     """
 
     def __init__(self, ttl_s: float = 10.0, max_pending: int = 1024) -> None:
-        self._pending: OrderedDict[tuple[bytes, str], tuple[str, float]] = OrderedDict()
+        # (peer identity, client nonce) -> (server nonce, the name the hello gave, expiry)
+        self._pending: OrderedDict[tuple[bytes, str], tuple[str, str, float]] = OrderedDict()
         self._ttl_s, self._max_pending = ttl_s, max_pending
 
-    def issue(self, identity: bytes, client_nonce: str) -> str:
-        """A fresh server nonce for the peer `identity` that sent `client_nonce`."""
+    def issue(self, identity: bytes, client_nonce: str, name: str) -> str:
+        """A fresh server nonce for the peer `identity` whose hello sent `client_nonce` and
+        `name`."""
         server_nonce = new_nonce()
-        self._pending[(identity, client_nonce)] = (server_nonce, time.monotonic() + self._ttl_s)
+        expires = time.monotonic() + self._ttl_s
+        self._pending[(identity, client_nonce)] = (server_nonce, name, expires)
         while len(self._pending) > self._max_pending:
             self._pending.popitem(last=False)
         return server_nonce
 
-    def redeem(self, identity: bytes, client_nonce: str, server_nonce: str) -> bool:
-        """Whether the pair of nonces was issued to `identity` and is still valid; a
-        challenge is redeemed once (a replayed handshake finds none)."""
+    def redeem(self, identity: bytes, client_nonce: str, server_nonce: str) -> str | None:
+        """The name the hello gave, if the pair of nonces was issued to `identity` and is still
+        valid; else None. A challenge is redeemed once (a replayed handshake finds none)."""
         pending = self._pending.pop((identity, client_nonce), None)
-        return pending is not None and pending[0] == server_nonce and pending[1] >= time.monotonic()
+        if pending is None or pending[0] != server_nonce or pending[2] < time.monotonic():
+            return None
+        return pending[1]
 
     def expire(self) -> None:
         """Forget challenges whose time ran out."""
         now = time.monotonic()
-        for key in [k for k, (_, expires) in self._pending.items() if expires < now]:
+        for key in [k for k, (_, _, expires) in self._pending.items() if expires < now]:
             del self._pending[key]

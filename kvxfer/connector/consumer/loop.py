@@ -1,0 +1,121 @@
+"""`EventLoop`: the one thread that owns every socket and every state machine of a consumer.
+
+No thread per fetch or per session, so abandoned fetches cannot exhaust anything: other threads
+(the caller's, the transport's completions, the copy workers) `post` callables to it, and a
+pipe wakes it. Each turn it reads every readable socket, runs what was posted, then `tick`s
+(deadlines, heartbeats, chunks to ask for); it sleeps at most `_TICK_S` between turns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+_TICK_S = 0.01  # the loop's longest sleep: deadlines and heartbeats are checked this often
+
+
+class EventLoop:
+    """One thread: poll, drain readable sockets, run posted events, tick.
+
+    Args:
+        name: the thread's name.
+        owner: who runs it, for the log of an internal error.
+        sockets: the sockets to poll, asked every turn.
+        drain: reads everything waiting on a readable socket.
+        tick: runs once a turn, after the posted events.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        owner: str,
+        sockets: Callable[[], list[zmq.Socket]],
+        drain: Callable[[zmq.Socket], None],
+        tick: Callable[[], None],
+    ) -> None:
+        self._owner, self._sockets, self._drain, self._tick = owner, sockets, drain, tick
+        self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # When the last turn had read every socket: a peer's silence is measured from here,
+        # so a loop that was busy (a plan, a compile) does not take live peers for dead.
+        self.polled_at = time.monotonic()
+
+    def start(self) -> None:
+        """Start the thread."""
+        self._thread.start()
+
+    def post(self, event: Callable[[], None]) -> None:
+        """(any thread) Run `event` on the loop, soon."""
+        self._events.put(event)
+        self.wake()
+
+    def wake(self) -> None:
+        """(any thread) End the loop's sleep now."""
+        fd = self._wake_w
+        if fd < 0:
+            return  # closed
+        with contextlib.suppress(BlockingIOError):  # a full pipe wakes the loop anyway
+            os.write(fd, b"x")
+
+    def run_posted(self) -> None:
+        """(the loop) Run every event posted so far."""
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return
+            event()
+
+    def stop(self) -> None:
+        """(the loop) End the loop after this turn."""
+        self._stop.set()
+
+    def join(self) -> None:
+        """(another thread) Wait for the loop to end."""
+        self._thread.join()
+
+    def close(self) -> None:
+        """(another thread, once the loop ended) Close the wake-up pipe; `wake` is a no-op from
+        now on."""
+        wake_r, wake_w = self._wake_r, self._wake_w
+        self._wake_w = -1  # callbacks that still come must not write to a reused descriptor
+        os.close(wake_r)
+        os.close(wake_w)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        registered: set[zmq.Socket] = set()
+        while not self._stop.is_set():
+            sockets = set(self._sockets())
+            for sock in registered - sockets:
+                poller.unregister(sock)
+            for sock in sockets - registered:
+                poller.register(sock, zmq.POLLIN)
+            registered = sockets
+            for sock_or_fd, _ in poller.poll(int(_TICK_S * 1000)):
+                if sock_or_fd == self._wake_r:
+                    os.read(self._wake_r, 4096)
+                else:
+                    self._drain(sock_or_fd)
+            self.polled_at = time.monotonic()
+            self._guarded(self.run_posted)
+            self._guarded(self._tick)
+
+    def _guarded(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:  # a bug must not stop every other fetch: log it, go on
+            log.exception("consumer %s: internal error", self._owner)

@@ -1,0 +1,367 @@
+"""`ProducerSessions`: a decode rank's sessions with the producer ranks of a prefill engine.
+
+One ZeroMQ DEALER socket and one `kvxfer.session.SessionClient` per producer rank: the
+handshake proves the shared secret both ways and carries this rank's claim (`KVClaim`: engine
+id, geometry) and the producer's terms (`KVTerms`: geometry, transport endpoint, cache regions,
+staging slot size); every later message travels sealed (`[session, payload, MAC]`).
+
+    hello -> challenge -> handshake (claim, proof) -> welcome (terms, proof) -> live
+
+This module keeps the sessions alive; what their messages mean for chunks is the fetch
+machine's, which it tells through a `SessionListener`. The rules:
+- a handshake not finished in its `timeout` fails the session;
+- a live producer is pinged every `heartbeat_s`; one silent for `peer_timeout_s` with
+  `_MISSED_PINGS` pings unanswered is dead (its chunks fail at once, with their blocks);
+- a producer that answers that it forgot the session (it restarted within a heartbeat) is
+  told to the listener first: chunks it had not served yet ask again on a new session;
+- done and abort notices for a producer that is not live wait (at most `_MAX_NOTICES`) until
+  a new session is, and ask for one: a producer silent for a while still frees blocks early;
+- a dead session is opened again when a fetch or a notice needs it, at most once a
+  `peer_timeout_s` after a handshake that failed (a producer that stays away is not flooded),
+  and only with the same producer geometry (else `connect` must plan the new engine).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import zmq
+
+from kvxfer.connector.messages import (
+    KV_SERVICE,
+    KVClaim,
+    KVTerms,
+    Message,
+    Ping,
+    Pong,
+    ProtocolError,
+    RegionInfo,
+    decode,
+    decode_terms,
+    encode,
+)
+from kvxfer.plan.layout import STAGING_REGION
+from kvxfer.session.protocol import Delivered, Opened, Rejected, Reply, SessionClient
+from kvxfer.spec import KVCacheSpec
+from kvxfer.transport.base import Peer, Region
+from kvxfer.validation import check_transport_endpoint
+
+log = logging.getLogger(__name__)
+
+# A producer is dead when silent for `peer_timeout_s` AND this many pings went unanswered: a
+# stall of this whole process (a long call holding the GIL) then never passes for a dead peer.
+_MISSED_PINGS = 3
+_MAX_NOTICES = 4096  # done/abort notices kept per producer rank while it is unreachable
+
+
+class SessionState(enum.Enum):
+    """Where a session with one producer rank stands."""
+
+    CONNECTING = "connecting"  # shaking hands
+    LIVE = "live"
+    DEAD = "dead"  # failed, timed out, refused or replaced; its socket is closed
+
+
+@dataclass(eq=False)  # identity: compared and hashed as objects
+class ProducerSession:
+    """This rank's session with one producer rank (one socket, one handshake)."""
+
+    address: str
+    sock: zmq.Socket
+    client: SessionClient
+    deadline: float  # of the handshake
+    expect: KVCacheSpec | None = None  # a reconnect must find the same producer geometry
+    state: SessionState = SessionState.CONNECTING
+    spec: KVCacheSpec | None = None
+    peer: Peer | None = None  # the producer's cache regions, by layer
+    # Where the plan's source region keys lie in `peer` (its layers, then a staging slot at
+    # key `num_layers`): built once at the handshake, used by every read.
+    src_places: dict[int, tuple[int, int]] = field(default_factory=dict)
+    slot_bytes: int = 0
+    last_heard: float = 0.0
+    last_ping: float = 0.0
+    unanswered: int = 0  # pings sent since the producer was last heard
+    error: str = ""
+    died_at: float = float("inf")
+    lost: bool = False  # the producer forgot it (a restart): its unread chunks may ask anew
+    opened: bool = False  # the handshake completed, with terms that passed the checks
+
+    @property
+    def rank(self) -> int:
+        """The producer's engine rank (its TP rank without pipeline parallelism)."""
+        assert self.spec is not None
+        return self.spec.engine_rank
+
+    def take_terms(self, terms: KVTerms) -> None:
+        """Learn the producer's geometry and memory from the terms of its welcome.
+
+        Raises:
+            ValueError: a bad endpoint, or regions that do not cover its cache.
+        """
+        endpoint = check_transport_endpoint(terms.endpoint)
+        if len(terms.cache_regions) != terms.spec.num_layers or any(
+            r.nbytes < terms.spec.layer_extent_bytes for r in terms.cache_regions
+        ):
+            raise ValueError("its advertised regions do not cover its cache")
+        self.opened, self.spec = True, terms.spec
+        regions = {
+            layer: Region(layer, r.address, r.nbytes) for layer, r in enumerate(terms.cache_regions)
+        }
+        self.peer = Peer(endpoint, regions)
+        staging_key = terms.spec.num_layers  # after the producer's layer regions
+        self.src_places = {layer: (layer, 0) for layer in range(staging_key)}
+        self.src_places[STAGING_REGION] = (staging_key, 0)
+        self.slot_bytes = terms.staging_slot_bytes
+
+    def source(self, staging: RegionInfo | None) -> Peer:
+        """The producer memory a chunk's read may touch: its staging slot `staging` (at key
+        `num_layers`, as `src_places` maps it), or else its cache regions."""
+        assert self.spec is not None and self.peer is not None
+        if staging is None:
+            return Peer(self.peer.endpoint, self.peer.regions)
+        key = self.spec.num_layers
+        return Peer(self.peer.endpoint, {key: Region(key, staging.address, staging.nbytes)})
+
+
+class SessionListener(Protocol):
+    """What the sessions tell the fetch machine."""
+
+    def session_ended(self, session: ProducerSession, why: str) -> None:
+        """`session` is dead: fail every chunk that relied on it."""
+
+    def session_forgotten(self, session: ProducerSession) -> None:
+        """The producer forgot `session` (it restarted): requeue the chunks it had not
+        served; the session ends right after."""
+
+    def answer(self, session: ProducerSession, message: Message) -> None:
+        """The producer answered on `session` (a chunk's answer)."""
+
+
+class ProducerSessions:
+    """Every session of one decode rank, owned by the consumer's loop thread.
+
+    Args:
+        ctx: the ZeroMQ context of the sockets.
+        spec: this rank's geometry (its claim).
+        engine_id: this decode engine's id.
+        secret: the shared secret ("" for none).
+        heartbeat_s: how often each live producer is pinged.
+        peer_timeout_s: a producer silent this long (and `_MISSED_PINGS` pings) is dead.
+        listener: told of ended and forgotten sessions and of answers.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        spec: KVCacheSpec,
+        engine_id: str,
+        secret: str,
+        heartbeat_s: float,
+        peer_timeout_s: float,
+        listener: SessionListener,
+    ) -> None:
+        self._ctx, self._spec, self._engine_id, self._secret = ctx, spec, engine_id, secret
+        self._heartbeat_s, self._peer_timeout_s = heartbeat_s, peer_timeout_s
+        self._listener = listener
+        self.by_rank: dict[int, ProducerSession] = {}  # the engine's, once `connect` adopted
+        self._open: dict[zmq.Socket, ProducerSession] = {}  # every session not dead
+        self._notices: dict[int, list[Message]] = {}  # for producers that are not live
+
+    # ---- opening -------------------------------------------------------------------------
+
+    def open(
+        self, address: str, timeout: float, expect: KVCacheSpec | None = None
+    ) -> ProducerSession:
+        """Start a handshake with the producer at `address` (done within `timeout` seconds,
+        else the session fails)."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        claim = encode(KVClaim(engine_id=self._engine_id, spec=self._spec))
+        client = SessionClient(KV_SERVICE, self._secret, self._engine_id, claim)
+        session = ProducerSession(address, sock, client, time.monotonic() + timeout, expect)
+        sock.send_multipart(client.hello())
+        self._open[sock] = session
+        return session
+
+    @staticmethod
+    def settled(pending: list[ProducerSession]) -> bool:
+        """Whether a `connect`'s handshakes are over: every one live, or one failed."""
+        return not any(s.state is SessionState.CONNECTING for s in pending) or any(
+            s.state is SessionState.DEAD for s in pending
+        )
+
+    def adopt(self, pending: list[ProducerSession]) -> None:
+        """Make the settled sessions of a `connect` the engine's, by producer rank.
+
+        Raises:
+            ConnectionError: one of them failed.
+            ValueError: two addresses lead to the same producer rank.
+        """
+        failed = next((s for s in pending if s.state is SessionState.DEAD), None)
+        if failed is not None:
+            raise ConnectionError(f"producer {failed.address} {failed.error}")
+        self.by_rank = {s.rank: s for s in pending}
+        if len(self.by_rank) != len(pending):
+            raise ValueError("connect: two addresses lead to the same producer rank")
+
+    def drop(self, sessions: Collection[ProducerSession], why: str) -> None:
+        """End `sessions` and forget the engine's (a `connect` that failed or was replaced)."""
+        for session in list(sessions):
+            self.fail(session, why)
+        self.by_rank = {}
+
+    # ---- the loop's side -----------------------------------------------------------------
+
+    def sockets(self) -> list[zmq.Socket]:
+        """The sockets to poll: every session's that is not dead."""
+        return list(self._open)
+
+    def drain(self, sock: zmq.Socket) -> None:
+        """Handle every message waiting on `sock`."""
+        session = self._open.get(sock)
+        while session is not None and session.state is not SessionState.DEAD:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._on_frames(session, frames)
+            except ProtocolError as exc:
+                live = session.state is SessionState.LIVE
+                what = "unreadable answer" if live else "failed the handshake"
+                self.fail(session, f"{what}: {exc}")
+                return
+
+    def tick(self, now: float, polled_at: float) -> None:
+        """Fail late handshakes and silent producers; ping the others when due. `polled_at`:
+        when the loop last read every socket (silence is measured from there, so a loop that
+        was busy, with a plan or a compile, does not take live peers for dead)."""
+        for session in list(self._open.values()):
+            if session.state is SessionState.CONNECTING and now > session.deadline:
+                self.fail(session, "did not answer the handshake in time")
+            elif session.state is SessionState.LIVE:
+                silent = polled_at - session.last_heard
+                if silent > self._peer_timeout_s and session.unanswered >= _MISSED_PINGS:
+                    self.fail(session, f"silent for {silent:.1f} s: presumed dead")
+                elif now - session.last_ping >= self._heartbeat_s:
+                    session.last_ping = now
+                    session.unanswered += 1
+                    self.send(session, Ping())
+
+    # ---- the fetch machine's side --------------------------------------------------------
+
+    def session_for(self, rank: int, since: float) -> ProducerSession | str | None:
+        """The live session with producer `rank`; None while one is being opened; or why a
+        chunk of a fetch begun at `since` cannot be served (the producer died, or a new
+        handshake failed, during that fetch). A session that died before is opened again."""
+        session = self.by_rank.get(rank)
+        if session is None:
+            return "is not connected"
+        if session.state is SessionState.DEAD:
+            if session.died_at >= since and not session.lost:
+                return f"producer {session.address} {session.error}"
+            self._reconnect(rank)  # shake hands again, as briefly as a peer may stay silent
+            return None
+        return session if session.state is SessionState.LIVE else None
+
+    def send(self, session: ProducerSession, message: Message) -> None:
+        """Send `message` on the live `session` (a failed send ends it)."""
+        try:
+            session.sock.send_multipart(session.client.seal(encode(message)), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self.fail(session, f"cannot be sent to: {exc}")
+
+    def notify_all(self, message: Message) -> None:
+        """`notify` every producer rank of the engine."""
+        for rank in list(self.by_rank):
+            self.notify(rank, message)
+
+    def notify(self, rank: int, message: Message) -> None:
+        """Send a notice (done, abort) to producer `rank` now, or once a session with it is
+        live again: a producer that was silent for a while still frees its blocks early."""
+        session = self.by_rank.get(rank)
+        if session is not None and session.state is SessionState.LIVE:
+            self.send(session, message)
+            return
+        queue = self._notices.setdefault(rank, [])
+        queue.append(message)
+        del queue[:-_MAX_NOTICES]
+        self._reconnect(rank)
+
+    def fail(self, session: ProducerSession, why: str) -> None:
+        """The session is over: the listener fails every chunk that relied on it."""
+        if session.state is SessionState.DEAD:
+            return
+        session.state, session.error = SessionState.DEAD, why
+        session.died_at = time.monotonic()
+        self._open.pop(session.sock, None)
+        log.warning("consumer %s: producer %s %s", self._engine_id, session.address, why)
+        self._listener.session_ended(session, why)
+        session.sock.close(linger=0)
+
+    def counts(self) -> tuple[int, int]:
+        """The engine's live and dead sessions."""
+        sessions = list(self.by_rank.values())
+        live = sum(s.state is SessionState.LIVE for s in sessions)
+        return live, sum(s.state is SessionState.DEAD for s in sessions)
+
+    def close(self) -> None:
+        """Close every socket (the consumer closes: no chunk is left to fail)."""
+        for session in list(self._open.values()):
+            session.state = SessionState.DEAD
+            session.sock.close(linger=0)
+        self._open.clear()
+
+    # ---- one session's frames ------------------------------------------------------------
+
+    def _on_frames(self, session: ProducerSession, frames: list[bytes]) -> None:
+        event = session.client.receive(frames)
+        session.last_heard, session.unanswered = time.monotonic(), 0
+        if isinstance(event, Reply):
+            session.sock.send_multipart(event.frames)
+        elif isinstance(event, Opened):
+            self._on_opened(session, event.terms)
+        elif isinstance(event, Rejected):
+            if event.session_lost and session.state is SessionState.LIVE:
+                session.lost = True
+                self._listener.session_forgotten(session)
+            self.fail(session, f"refused: {event.reason}")
+        elif isinstance(event, Delivered) and session.state is SessionState.LIVE:
+            message = decode(event.payload)
+            if not isinstance(message, Pong):  # a pong only says alive: heard, above
+                self._listener.answer(session, message)
+
+    def _on_opened(self, session: ProducerSession, data: bytes) -> None:
+        """The producer proved the secret: check its terms, then the session is live."""
+        try:
+            session.take_terms(decode_terms(data, KVTerms))
+        except ValueError as exc:  # ProtocolError included
+            self.fail(session, f"sent a bad handshake: {exc}")
+            return
+        if session.expect is not None and session.expect != session.spec:
+            self.fail(
+                session,
+                "came back with another geometry; call connect() again to plan the new engine",
+            )
+            return
+        session.state, session.last_ping = SessionState.LIVE, time.monotonic()
+        for notice in self._notices.pop(session.rank, []):
+            self.send(session, notice)
+
+    def _reconnect(self, rank: int) -> None:
+        """Shake hands again with producer `rank` if its session died (at most once a
+        `peer_timeout_s` after a handshake that failed)."""
+        session = self.by_rank.get(rank)
+        if session is None or session.state is not SessionState.DEAD:
+            return
+        if time.monotonic() - session.died_at < self._peer_timeout_s and not session.opened:
+            return  # the last attempt failed a moment ago
+        fresh = self.open(session.address, self._peer_timeout_s, session.spec)
+        fresh.spec = session.spec
+        self.by_rank[rank] = fresh

@@ -1,0 +1,104 @@
+"""Read programs: what a consumer reads for one chunk, from the chunk's own blocks alone.
+
+A producer answers a consumer's ask for a chunk with where to read it: its staging slot, for
+the strategies that pack (the chunk was packed there), or else the ids of its cache blocks that
+hold the chunk's tokens. The consumer checks that answer against the chunk (O(the chunk), never
+O(the request): a 128k-token request's chunks cost what a short one's do) and builds the
+chunk's landing program: the segments it reads into its own staging slot and the copy that
+unpacks the slot into its cache (`chunk_program`). Pure numpy: the connector maps the program's
+region keys onto registered memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvxfer.plan.pairs import PairPlan
+from kvxfer.plan.program import (
+    Strategy,
+    TransferProgram,
+    chunk_block_count,
+    chunk_blocks,
+    chunk_program,
+)
+from kvxfer.spec import KVCacheSpec
+
+_PACKING: frozenset[Strategy] = frozenset({"pack", "pack+unpack"})
+
+
+def reads_from_staging(strategy: Strategy) -> bool:
+    """Whether a chunk of `strategy` is read from the producer's staging slot (it packs),
+    rather than from the producer's cache blocks."""
+    return strategy in _PACKING
+
+
+def chunk_source_blocks(
+    spec: KVCacheSpec, block_ids: Sequence[int], token_start: int, token_end: int
+) -> np.ndarray:
+    """A producer's block ids for the tokens of one chunk, checked (O(the chunk)): one per
+    block the chunk touches, each inside its cache, none twice.
+
+    Raises:
+        ValueError: another count, an id out of range or repeated.
+    """
+    expected = chunk_block_count(spec.block_size, token_start, token_end)
+    if len(block_ids) != expected:
+        raise ValueError(
+            f"it sent {len(block_ids)} block ids for tokens [{token_start}, {token_end}); "
+            f"blocks of {spec.block_size} tokens need {expected}"
+        )
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= spec.num_blocks):
+        raise ValueError(f"it sent a block id outside its {spec.num_blocks} blocks")
+    if np.unique(ids).size != ids.size:
+        raise ValueError("it sent a block id twice for one chunk")
+    return ids
+
+
+def chunk_read_program(
+    plan: PairPlan,
+    producer: KVCacheSpec,
+    consumer: KVCacheSpec,
+    dst_block_ids: np.ndarray,
+    token_start: int,
+    token_end: int,
+    src_block_ids: Sequence[int] | None,
+) -> TransferProgram:
+    """The landing program of chunk `[token_start, token_end)` of one pair.
+
+    Args:
+        plan: the pair's plan (route and strategy).
+        producer: the producer rank's spec.
+        consumer: the consumer rank's spec.
+        dst_block_ids: the consumer's whole block table of the request (only the chunk's part
+            is used).
+        token_start: the chunk's first token.
+        token_end: one past its last token.
+        src_block_ids: the producer's blocks of the chunk, as it sent them; None when it
+            offered its staging slot (the source is then the slot: block ids play no part).
+
+    Raises:
+        ValueError: the producer's answer does not fit the chunk or its strategy.
+    """
+    staged = reads_from_staging(plan.strategy)
+    if staged != (src_block_ids is None):
+        where = "its staging" if src_block_ids is None else "its cache"
+        raise ValueError(f"it offered {where} for a chunk of strategy {plan.strategy}")
+    if src_block_ids is None:
+        src_ids = np.zeros(chunk_block_count(producer.block_size, token_start, token_end), np.int64)
+    else:
+        src_ids = chunk_source_blocks(producer, src_block_ids, token_start, token_end)
+    dst_ids = chunk_blocks(dst_block_ids, consumer.block_size, token_start, token_end)
+    return chunk_program(
+        plan.route,
+        plan.strategy,
+        producer,
+        consumer,
+        src_ids,
+        dst_ids,
+        token_start,
+        token_end,
+        landing=True,
+    )
