@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -87,8 +93,6 @@ def reader_process(
     freezes itself (SIGSTOP) as soon as that read is in flight, and once resumed reports the
     load's outcome: ("ok", None) bit for bit, ("wrong", None), or ("failed", why)."""
     import os
-    import signal
-    import time
 
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     from kvxfer.ec import ECConnectorFactory
@@ -110,3 +114,46 @@ def reader_process(
     assert conn.recv() == "stop"
     connector.close()
     conn.send("closed")
+
+
+def holding_producer_process(config: dict, picks, fifo: str, conn) -> None:
+    """A Mooncake producer of the items at `picks` that, told "hold", holds its main thread
+    in an uninterruptible wait until someone opens `fifo` for writing (`hold_main_thread`),
+    then serves on until told "stop"."""
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    from kvxfer.ec import ECConnectorFactory
+
+    connector = ECConnectorFactory.create("MooncakeECConnector", "producer", config)
+    for i, (mm_hash, tensor) in enumerate(items().items()):
+        if i in picks:
+            connector.save(mm_hash, tensor)
+    conn.send(connector.address)
+    while (command := conn.recv()) == "hold":
+        hold_main_thread(fifo, lambda: conn.send("holding"))
+    assert command == "stop"
+    connector.close()
+    conn.send("closed")
+
+
+def hold_main_thread(fifo: str, ready: Callable[[], None]) -> None:
+    """Hold the calling thread in an uninterruptible (killable only) sleep until `fifo` is
+    opened for writing; the other threads run on, the GIL released. `ready()` is called just
+    before: from then on, the thread's state "D" is that sleep.
+
+    glibc's posix_spawn is a vfork: the parent thread waits in the kernel until the child
+    execs, and the child first opens `fifo`, which blocks until a writer comes. A SIGSTOP
+    cannot wake a thread in that wait, so the process cannot stop until it ends.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)  # CDLL calls release the GIL
+    actions = ctypes.create_string_buffer(256)  # posix_spawn_file_actions_t: 80 bytes
+    assert libc.posix_spawn_file_actions_init(actions) == 0
+    try:
+        assert libc.posix_spawn_file_actions_addopen(actions, 0, fifo.encode(), os.O_RDONLY, 0) == 0
+        true = (shutil.which("true") or "/bin/true").encode()
+        argv = (ctypes.c_char_p * 2)(true, None)
+        pid = ctypes.c_int()
+        ready()
+        assert libc.posix_spawn(ctypes.byref(pid), true, actions, None, argv, None) == 0
+        os.waitpid(pid.value, 0)
+    finally:
+        libc.posix_spawn_file_actions_destroy(actions)

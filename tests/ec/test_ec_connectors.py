@@ -41,9 +41,15 @@ def producer_in_a_process(tmp_path):
 def consumers(name, tmp_path, address):
     if name == "SharedStorageECConnector":
         return ECConnectorFactory.create(name, "consumer", {"path": str(tmp_path)})
-    return ECConnectorFactory.create(
-        name, "consumer", {"producer_addresses": [address], "recv_bytes": 1 << 20}
-    )
+    # A producer slow to answer on a loaded machine is waited for, never skipped: these tests
+    # are about what is loaded (test_ec_mooncake_faults.py checks how fast).
+    config = {
+        "producer_addresses": [address],
+        "recv_bytes": 1 << 20,
+        "query_timeout_s": 30.0,
+        "retry_after_s": 0.0,
+    }
+    return ECConnectorFactory.create(name, "consumer", config)
 
 
 def producer_config(name, tmp_path):
@@ -164,13 +170,14 @@ def test_lru_eviction_under_pressure_spares_outputs_being_fetched():
         for i in range(4):
             producer.save(f"item-{i}", t + i)
         producer.save("item-0", t)  # a touch: item-0 is now the most recent
-        with producer._lock:  # item-1 is being read by a fetch
-            producer._entries["item-1"].pins += 1
+        pool = producer.producer.pool
+        entry = pool.pin("item-1")  # item-1 is being read by a fetch...
+        assert entry is not None
+        pool.demote("item-1")  # ...and is the least recently used (its consumer released it)
         producer.save("item-4", t + 4)
         producer.save("item-5", t + 5)
         assert producer.stored == ["item-1", "item-0", "item-4", "item-5"]  # 2 and 3 evicted
-        with producer._lock:
-            producer._entries["item-1"].pins -= 1
+        pool.unpin(entry)
         producer.save("item-6", t + 6)
         assert "item-1" not in producer.stored
         with pytest.raises(ValueError, match="exceed the pool"):

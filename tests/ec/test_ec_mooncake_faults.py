@@ -2,7 +2,11 @@
 missing producers, a consumer frozen mid-read (others unaffected, its lease ends), a producer
 frozen mid-read and resumed after the load failed (its bytes land only in the quarantined
 range: the receive buffer is poisoned and compared byte for byte), items that vanish between
-the check and the load, expired sessions, 0-d tensors."""
+the check and the load, expired sessions, 0-d tensors.
+
+A process counts as frozen once the kernel says every thread of it has stopped (`freeze`),
+not when `os.kill(pid, SIGSTOP)` returns: until then it may still answer (issue 22, shown by
+`test_a_sigstopped_producer_answers_until_every_thread_has_stopped`)."""
 
 from __future__ import annotations
 
@@ -14,15 +18,27 @@ import time
 
 import pytest
 import torch
-from ec_cases import big, items, reader_process, same_bits, some_items_process, zero_dim_items
+from ec_cases import (
+    big,
+    holding_producer_process,
+    items,
+    reader_process,
+    same_bits,
+    some_items_process,
+    zero_dim_items,
+)
 
 from kvxfer.ec import ECConnectorFactory, ECLoadError
+from kvxfer.testing.signals import freeze, stopped, thread_states, wait_stopped
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 ITEMS = items()
 HASHES = list(ITEMS)
 BIG = 16 << 20  # float32 elements: a 64 MiB item, far more than a socket buffer holds
 POISON = 0xA5
+# For tests of what is loaded, not how fast: a producer slow to answer on a loaded machine is
+# waited for, never skipped (the timing tests keep the defaults, 0.5 s and 5 s).
+PATIENT = {"query_timeout_s": 30.0, "retry_after_s": 0.0}
 
 
 @pytest.fixture
@@ -82,7 +98,7 @@ def test_frozen_and_missing_producers_are_skipped_and_the_others_serve(processes
     a_item, b_item = HASHES[0], HASHES[6]
     with _consumer([_free_address(), address_a, address_b], retry_after_s=2.0) as consumer:
         assert consumer.has(a_item) and consumer.has(b_item)
-        os.kill(proc_a.pid, signal.SIGSTOP)
+        freeze(proc_a.pid)
 
         found, seconds = _timed(consumer.has, b_item)
         assert found is True and seconds < 1.0, seconds  # B answers at once: not held up by A
@@ -101,17 +117,52 @@ def test_frozen_and_missing_producers_are_skipped_and_the_others_serve(processes
         assert all(same_bits(got[h], ITEMS[h]) for h in got)
 
         os.kill(proc_a.pid, signal.SIGCONT)
-        time.sleep(2.2)  # retry_after_s
+        _until(lambda: address_a not in consumer.producers_down, 10)  # retry_after_s is over
         assert consumer.has(a_item) is True
         assert same_bits(consumer.load(a_item), ITEMS[a_item])
         assert address_a not in consumer.producers_down
+
+
+def test_a_sigstopped_producer_answers_until_every_thread_has_stopped(processes, tmp_path):
+    """The cause of issue 22's flake (`has(a_item)` True in 7 ms with A "SIGSTOPped"), made
+    deterministic. `os.kill` only queues SIGSTOP: the kernel hands it to one thread (in
+    `producer_process`, the main thread, blocked in its pipe's recv), which stops the others
+    once it runs; on a loaded machine that thread may wait for a CPU while the threads the
+    query woke (ZeroMQ's, the side channel's) answer. Here the main thread waits in the kernel
+    where no SIGSTOP can wake it (a vfork), for as long as the test likes: the producer
+    answers queries after the kill, and only once every thread has stopped (`freeze`) is it
+    frozen. The answer comes from the producer's running threads, not from anything cached or
+    queued: each query has a socket of its own and a fresh `ref`
+    (`test_ec_mooncake_conversations.py`)."""
+    fifo = tmp_path / "hold"
+    os.mkfifo(fifo)
+    proc, address = processes(
+        holding_producer_process, {"pool_bytes": 4 << 20}, range(6), str(fifo)
+    )
+    item = HASHES[0]
+    with _consumer([address], query_timeout_s=2.0, retry_after_s=60.0) as consumer:
+        assert consumer.has(item)
+        proc.conn.send("hold")
+        assert proc.conn.recv() == "holding"
+        _until(lambda: thread_states(proc.pid)[proc.pid] == "D", 10)  # in the vfork's wait
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert not stopped(proc.pid)
+        assert consumer.has(item) is True  # "SIGSTOPped", and it answers: the flake
+        assert "T" not in thread_states(proc.pid).values()
+        with open(fifo, "wb"):  # the vfork's child goes on; the main thread takes the signal
+            pass
+        wait_stopped(proc.pid)
+        assert set(thread_states(proc.pid).values()) == {"T"}
+        assert consumer.has(item) is False  # frozen now: no answer
+        assert consumer.producers_down == [address]
+        os.kill(proc.pid, signal.SIGCONT)
 
 
 def test_an_item_held_by_a_later_producer_is_found_when_the_first_is_frozen(processes):
     proc_a, address_a = _producer(processes, picks=range(0, 12))
     _, address_b = _producer(processes, picks=range(0, 12))
     with _consumer([address_a, address_b]) as consumer:
-        os.kill(proc_a.pid, signal.SIGSTOP)
+        freeze(proc_a.pid)
         for mm_hash in HASHES[:3]:
             found, seconds = _timed(consumer.has, mm_hash)
             assert found and seconds < 1.0, seconds
@@ -148,7 +199,7 @@ def test_a_consumer_frozen_mid_read_stalls_no_one_and_its_lease_ends(processes):
         assert ready == "ready"
         proc_a.conn.send("go")
         assert proc_a.conn.recv() == "reading"
-        _until(lambda: _stopped(proc_a.pid), 5)
+        wait_stopped(proc_a.pid)  # every thread of it, not only the one that sent the signal
         assert producer.stats_snapshot()["leases"] == 1  # A's read pins the big item
 
         with _consumer([producer.address], recv_bytes=4 << 20) as consumer_b:
@@ -157,7 +208,7 @@ def test_a_consumer_frozen_mid_read_stalls_no_one_and_its_lease_ends(processes):
                 assert found and seconds < 0.5, seconds
                 loaded, seconds = _timed(consumer_b.load, mm_hash)
                 assert same_bits(loaded, ITEMS[mm_hash]) and seconds < 1.0, seconds
-        assert _stopped(proc_a.pid)
+        assert stopped(proc_a.pid)
         with pytest.raises(RuntimeError, match="full of outputs being read"):
             producer.save("big-two", big((BIG,), 10))  # A's item is pinned: no room
         _until(lambda: producer.stats_snapshot()["leases"] == 0, 5)  # the lease ended
@@ -182,7 +233,7 @@ def test_an_item_evicted_between_check_and_load_fails_only_that_item():
     try:
         for i in range(3):
             producer.save(f"item-{i}", t + i)
-        with _consumer([producer.address]) as consumer:
+        with _consumer([producer.address], **PATIENT) as consumer:
             assert consumer.has("item-0") and consumer.has("item-1")
             for i in range(3, 7):  # evicts item-0 .. item-2
                 producer.save(f"item-{i}", t + i)
@@ -192,7 +243,7 @@ def test_an_item_evicted_between_check_and_load_fails_only_that_item():
             with pytest.raises(ECLoadError, match="item-1"):
                 consumer.load("item-1")
         backup.save("item-1", t + 1)  # held by a second producer too: it is found there
-        with _consumer([producer.address, backup.address]) as consumer:
+        with _consumer([producer.address, backup.address], **PATIENT) as consumer:
             assert same_bits(consumer.load("item-1"), t + 1)
     finally:
         producer.close()
@@ -216,23 +267,24 @@ def test_a_producer_frozen_mid_read_and_resumed_lands_nothing_after_the_failure(
     config = {"timeout_s": 1.5, "retry_after_s": 0.5, "recv_bytes": BIG * 4 + (4 << 20)}
     with _consumer([address_p, address_q], **config) as consumer:
         assert same_bits(consumer.load(HASHES[0]), ITEMS[HASHES[0]])  # P's session is open
-        recv = consumer._recv
+        buffer = consumer.consumer.buffer
+        recv = buffer.memory
         recv.fill_(POISON)
-        read = consumer._read
+        read = buffer.read
 
-        def read_then_freeze(producer, endpoint, remote, offset, nbytes):
-            future = read(producer, endpoint, remote, offset, nbytes)
-            if producer.address == address_p:  # freeze P once its first bytes have landed
+        def read_then_freeze(address, endpoint, remote, offset, nbytes):
+            future = read(address, endpoint, remote, offset, nbytes)
+            if address == address_p:  # freeze P once its first bytes have landed
                 while bool((recv[offset : offset + 64] == POISON).all()) and not future.done():
                     pass
-                os.kill(proc_p.pid, signal.SIGSTOP)
+                freeze(proc_p.pid)
             return future
 
-        monkeypatch.setattr(consumer, "_read", read_then_freeze)
+        monkeypatch.setattr(buffer, "read", read_then_freeze)
         try:
             with pytest.raises(ECLoadError, match="did not deliver"):
                 consumer.load("big-item")
-            quarantined = _quarantined(consumer)
+            quarantined = buffer.quarantined()
             assert consumer.quarantined_bytes >= BIG * 4 and len(quarantined) == 1
             for mm_hash in HASHES[4:12]:  # Q serves meanwhile, bit for bit
                 assert same_bits(consumer.load(mm_hash), ITEMS[mm_hash])
@@ -248,8 +300,8 @@ def test_a_producer_frozen_mid_read_and_resumed_lands_nothing_after_the_failure(
         inside = recv[offset : offset + nbytes]
         landed = int((inside != POISON).sum())
         assert landed > 0  # the late read did land: in the range kept out of use for it
-        time.sleep(0.6)  # retry_after_s: P is asked again
-        monkeypatch.setattr(consumer, "_read", read)
+        _until(lambda: address_p not in consumer.producers_down, 10)  # P is asked again
+        monkeypatch.setattr(buffer, "read", read)
         assert same_bits(consumer.load("big-item"), big((BIG,), 9))
 
 
@@ -258,7 +310,7 @@ def test_zero_dim_and_empty_tensors_round_trip_exactly():
     try:
         for mm_hash, tensor in zero_dim_items().items():
             producer.save(mm_hash, tensor)
-        with _consumer([producer.address]) as consumer:
+        with _consumer([producer.address], **PATIENT) as consumer:
             for mm_hash, tensor in zero_dim_items().items():
                 assert consumer.has(mm_hash)
                 got = consumer.load(mm_hash)
@@ -274,7 +326,7 @@ def test_leases_end_with_their_reads_and_idle_sessions_are_shaken_again():
     )
     try:
         producer.save("x", torch.ones(16))
-        consumers = [_consumer([producer.address]) for _ in range(2)]
+        consumers = [_consumer([producer.address], **PATIENT) for _ in range(2)]
         for c in consumers:
             assert same_bits(c.load("x"), torch.ones(16))
         stats = producer.stats_snapshot()
@@ -294,13 +346,3 @@ def _until(predicate, timeout: float) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
-
-
-def _stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
-
-
-def _quarantined(consumer) -> dict[int, int]:
-    with consumer._lock:
-        return dict(consumer._quarantine)
