@@ -132,9 +132,10 @@ WRITERS: dict[str, Callable[..., None]] = {
 
 def _kvxfer_view(case: Case, cache: torch.Tensor, block_size: int, tp: int = 1, rank: int = 0):
     """The spec and layer views the vLLM worker derives: the backend's table row, checked
-    against the tensor's strides (`worker._attention_geometry`, `kv_tensors.spec_from_layers`)."""
+    against the tensor's strides (`cache_groups.attention_geometry`,
+    `kv_tensors.spec_from_layers`)."""
     from kvxfer.integrations.kv_tensors import EngineGeometry, spec_from_layers
-    from kvxfer.integrations.vllm.worker import _attention_geometry
+    from kvxfer.integrations.vllm.cache_groups import attention_geometry
 
     geometry = EngineGeometry(
         total_kv_heads=case.heads * tp,
@@ -144,7 +145,7 @@ def _kvxfer_view(case: Case, cache: torch.Tensor, block_size: int, tp: int = 1, 
         tp_rank=rank,
     )
     layer = "model.layers.0.self_attn.attn"
-    geometry = _attention_geometry(geometry, [layer], {layer: (case.backend, case.isa)})
+    geometry = attention_geometry(geometry, [layer], {layer: (case.backend, case.isa)})
     return spec_from_layers([cache], geometry)
 
 

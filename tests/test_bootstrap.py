@@ -4,9 +4,14 @@ look them up; restarts replace entries, entries expire, bad requests get clear e
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -289,6 +294,81 @@ def test_a_secret_guards_writes_not_reads():
         assert _raw(server, "POST", "/v1/register", body, proof)[0] == 403
         # Anyone may read.
         assert BootstrapClient(server.address).workers("prefill_dp0", 0).workers == [info]
+
+
+def _pinned_proof(secret: str, path: str, body: bytes) -> str:
+    """The proof a write carries, built by hand: HMAC-SHA256 under the secret over "bootstrap",
+    then the path and the body, each after its length (4 bytes, big-endian). Pinned here, so
+    that workers and services of different kvxfer versions keep understanding each other."""
+    mac = hmac.new(secret.encode(), b"bootstrap", hashlib.sha256)
+    for part in (path.encode(), body):
+        mac.update(len(part).to_bytes(4, "big"))
+        mac.update(part)
+    return mac.hexdigest()
+
+
+def test_writes_are_signed_with_kvxfers_own_proof():
+    """The service checks, and the client sends, `kvxfer.session.auth.proof` of the secret
+    bound to "bootstrap", the path and the body: the wire format as it always was."""
+    from kvxfer.session import auth
+
+    body = msgspec.json.encode(_worker(tp=1))
+    for secret, path in (("s3cret", "/v1/register"), ("ü", "/v1/unregister")):
+        pinned = _pinned_proof(secret, path, body)
+        assert auth.proof(secret, "bootstrap", path, body) == pinned
+    with BootstrapServer("127.0.0.1", 0, secret="s3cret") as server:
+        by_hand = {PROOF_HEADER: _pinned_proof("s3cret", "/v1/register", body)}
+        assert _raw(server, "POST", "/v1/register", body, by_hand) == (
+            200,
+            {"status": "registered", "worker": "engine 'prefill_dp0' DP 0 TP 1 PP 0"},
+        )
+        # Bound to the path: the same proof does not unregister.
+        assert _raw(server, "POST", "/v1/unregister", body, by_hand)[0] == 403
+        # A header that is no hex digest at all is refused like any wrong proof.
+        assert _raw(server, "POST", "/v1/register", body, {PROOF_HEADER: "zz"})[0] == 403
+
+
+def _python(code_or_args: list[str], **kwargs):
+    env = {**os.environ, "PYTHONWARNINGS": "error::RuntimeWarning"}
+    return subprocess.run(
+        [sys.executable, *code_or_args], capture_output=True, text=True, env=env, **kwargs
+    )
+
+
+def test_the_package_imports_neither_torch_nor_zeromq():
+    """A standalone service (`pip install 'kvxfer[bootstrap]'`) stays light: its package, and
+    every module of it, imports no torch, ZeroMQ or serving engine."""
+    code = (
+        "import sys, kvxfer.integrations.bootstrap as b, kvxfer.integrations.bootstrap.__main__\n"
+        "heavy = sorted(m for m in ('torch', 'zmq', 'vllm') if m in sys.modules)\n"
+        "print(heavy, callable(b.main))"
+    )
+    out = _python(["-c", code], timeout=60, check=True)
+    assert out.stdout.split() == ["[]", "True"], out.stdout
+
+
+def test_python_dash_m_serves_until_interrupted():
+    port = _free_port()
+    service = subprocess.Popen(
+        [sys.executable, "-m", "kvxfer.integrations.bootstrap", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "error::RuntimeWarning"},
+    )
+    try:
+        assert service.stdout is not None
+        line = service.stdout.readline()  # printed once the service answers
+        assert line.strip() == f"kvxfer bootstrap service on http://127.0.0.1:{port}", (
+            line + service.stderr.read() if service.poll() is not None else line
+        )
+        assert BootstrapClient(f"127.0.0.1:{port}").health() == {"status": "ok", "workers": 0}
+    finally:
+        service.terminate()
+        service.wait(10)
+    out = _python(["-m", "kvxfer.integrations.bootstrap", "--help"], timeout=60, check=True)
+    assert out.stdout.startswith("usage: python -m kvxfer.integrations.bootstrap [-h]"), out.stdout
+    assert "The bootstrap service: where a prefill engine's workers say" in out.stdout
 
 
 def test_a_taken_port_names_the_setting():

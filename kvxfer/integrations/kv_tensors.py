@@ -14,7 +14,7 @@ Logical shapes understood:
     `[num_blocks, block_size, head_dim]`             MLA latent cache
 Physical orders accepted: blocks (or K/V planes) outermost, then (slot, head) or (head, slot),
 then each head's elements: vLLM's layer-compact layouts LBNHC (NHD) and LBHNC (HND), and the
-four 5-D layouts of DESIGN.md's table. Block-outermost layouts (BLNHC, ...) interleave layers
+four 5-D layouts of docs/design.md's table. Block-outermost layouts (BLNHC, ...) interleave layers
 within a block and are refused with the setting that avoids them. Which physical order is which
 (layout, kv_placement) comes from the layout contract's module, `kvxfer.layout`.
 

@@ -1,7 +1,7 @@
 """The connector settings a serving engine passes to kvxfer (vLLM: `kv_connector_extra_config`).
 
 Kept free of any engine import so that the keys, their defaults and their checks are one
-table, documented in the README and tested without the engine installed.
+table, documented in docs/vllm.md ("Extra-config keys") and tested without the engine installed.
 """
 
 from __future__ import annotations

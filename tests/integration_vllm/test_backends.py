@@ -17,7 +17,7 @@ from kvxfer.integrations.vllm.backends import (
     backend_reading,
     engine_reading,
 )
-from kvxfer.integrations.vllm.worker import cache_groups
+from kvxfer.integrations.vllm.cache_groups import cache_groups
 
 GEOMETRY = EngineGeometry(total_kv_heads=4, head_dim=8, block_size=16, tp_size=1, tp_rank=0)
 

@@ -22,6 +22,7 @@ from pd_engines import MULTIMODAL_MODEL, free_port_base, write_model
 
 from kvxfer.ec import ECConnectorFactory
 from kvxfer.ec.shared_storage import SharedStorageECConnector
+from kvxfer.testing.signals import freeze
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 HIDDEN = 192  # the text model's hidden size: one row per image token
@@ -379,7 +380,7 @@ def test_a_frozen_producer_never_stalls_the_scheduler(model_dir, monkeypatch):
             assert parent.poll(120)
             addresses.append(parent.recv())
             procs.append((proc, parent))
-        os.kill(procs[0][0].pid, signal.SIGSTOP)
+        freeze(procs[0][0].pid)  # every thread stopped, not only the signal queued
         extra = {
             "backend": "MooncakeECConnector",
             "producer_addresses": [_dead_address(), *addresses],

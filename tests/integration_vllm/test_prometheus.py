@@ -49,7 +49,7 @@ DESCRIPTORS = "vllm:kvxfer_num_descriptors"
 DECODE_TP = 2
 REQUEST_TIMEOUT_S = 6  # the prefill side expires a request nobody loads after this
 # What vLLM's toy proxy, vllm-router's NIXL mode and llm-d's nixlv2 sidecar send a prefill
-# engine (README, "Routers"): kvxfer reads `do_remote_decode` and ignores the rest.
+# engine (docs/vllm.md, "Routers"): kvxfer reads `do_remote_decode` and ignores the rest.
 NIXL_ROUTER_PARAMS = {
     "do_remote_decode": True,
     "do_remote_prefill": False,

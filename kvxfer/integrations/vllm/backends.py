@@ -14,7 +14,7 @@ Readings:
 - `latent`: an MLA latent cache, `[blocks, block_size, latent]`.
 
 This module imports nothing from vLLM: `engine_reading` takes the backend names and CPU
-instruction sets the worker read from vLLM's attention layers (`worker.attention_backends`).
+instruction sets the worker read from vLLM's attention layers (`geometry.attention_backends`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from kvxfer.ec import ECLoadError, item_key
-from kvxfer.integrations.vllm.worker import _tp_rank
+from kvxfer.integrations.vllm.geometry import tp_rank
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,10 +66,10 @@ class KvxferECConnector(ECConnectorBase):
     `backend` names a `kvxfer.ec.ECConnectorFactory` connector ("MooncakeECConnector", the
     default, or "SharedStorageECConnector"; with `backend_module_path`, a class of one's own);
     `relay_dir` (default /dev/shm, else the temporary directory) and `prefetch_workers` (4) are
-    this class's; every other extra-config key is the backend's config (README). The encoder
-    instance (`ec_producer`) stores each item's output from TP rank 0 (outputs are replicated
-    across ranks); a save that fails is logged, never raised (the prefill instance then
-    encodes the item itself).
+    this class's; every other extra-config key is the backend's config (docs/vllm.md, "Encoder
+    cache"). The encoder instance (`ec_producer`) stores each item's output from TP rank 0
+    (outputs are replicated across ranks); a save that fails is logged, never raised (the
+    prefill instance then encodes the item itself).
 
     A prefill instance (`ec_consumer`) never lets a missing or vanishing item reach a forward
     pass. vLLM 0.33 reports a per-request failure only from the scheduler
@@ -125,7 +125,7 @@ class KvxferECConnector(ECConnectorBase):
         self._relay_dir = ""
         # worker side (consumer)
         self._relay_readers: dict[str, Any] = {}
-        saves_here = role == ECConnectorRole.WORKER and _tp_rank(vllm_config) == 0
+        saves_here = role == ECConnectorRole.WORKER and tp_rank(vllm_config) == 0
         if self.is_producer and saves_here:
             self._ec = self._connector("producer")
 

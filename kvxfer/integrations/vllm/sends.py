@@ -1,0 +1,45 @@
+"""A prefill worker's sends: the requests it published, until vLLM hears they are finished
+sending (every decode worker fetched them, or the producer gave up on them at its
+`request_timeout_s`), so that vLLM frees their blocks."""
+
+from __future__ import annotations
+
+import queue
+
+
+class Sends:
+    """The published requests whose release vLLM has not been told of yet.
+
+    vLLM accepts a finished send only for a request it has told this worker is finished (it
+    always has, in the step that publishes; kept as a guard). Only published ids are
+    remembered, so the sets stay as small as the requests in flight.
+    """
+
+    def __init__(self) -> None:
+        self._released: queue.SimpleQueue[str] = queue.SimpleQueue()  # from the producer
+        self._unreported: set[str] = set()  # released, not reported yet
+        self._published: set[str] = set()
+        self._finished_seen: set[str] = set()  # published requests vLLM said are finished
+
+    def published(self, request_id: str) -> None:
+        """The producer now offers `request_id`."""
+        self._published.add(request_id)
+
+    def release(self, request_id: str) -> None:
+        """The producer released `request_id` (any thread: the producer's `release`)."""
+        self._released.put(request_id)
+
+    def take_finished(self, finished_req_ids: set[str]) -> set[str]:
+        """The requests to report finished sending now, given the requests vLLM says are
+        finished (`get_finished`'s argument)."""
+        self._finished_seen.update(finished_req_ids & self._published)
+        while True:
+            try:
+                self._unreported.add(self._released.get_nowait())
+            except queue.Empty:
+                break
+        sending = self._unreported & self._finished_seen
+        self._unreported -= sending
+        self._finished_seen -= sending
+        self._published -= sending
+        return sending
