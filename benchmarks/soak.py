@@ -5,7 +5,7 @@
 A prefill engine of TP 2 (16-token NHD blocks) feeds a decode engine of TP 3 (32-token HND
 blocks; one rank forced to pack+unpack, one to direct, one left to the cost model), every rank
 in its own process, over Mooncake TCP on 127.0.0.1 (the fault suite's harness,
-tests/faults/faultkit.py). Rounds of 1-3 concurrent requests run back to back, some with a
+`kvxfer.testing.rig`). Rounds of 1-3 concurrent requests run back to back, some with a
 prefix already on the decode side; about half of the rounds get one fault:
 
 - freeze-consumer, freeze-producer: SIGSTOP a rank during the transfer, for 0.3-2.5 s or (a third
@@ -40,18 +40,16 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "faults"))
-import faultkit as fk
+import kvxfer.testing as kt
 
-PREFILL = fk.Geometry(tp=2, heads=6, block_size=16, num_blocks=1024)
-DECODE = fk.Geometry(tp=3, heads=6, block_size=32, layout="HND", num_blocks=512)
-STAGING = fk.ROOMY_STAGING
+PREFILL = kt.Geometry(tp=2, heads=6, head_dim=32, block_size=16, num_blocks=1024)
+DECODE = kt.Geometry(tp=3, heads=6, head_dim=32, block_size=32, layout="HND", num_blocks=512)
+STAGING = kt.ROOMY_STAGING
 DECODE_STRATEGIES = ("pack+unpack", "direct", None)  # per decode rank; None: the cost model
 FETCH_TIMEOUT_S = 6.0
 PUBLISH_DEADLINE_S = 30.0  # a request no decode rank finishes is released then
@@ -135,11 +133,11 @@ class ProducerSlot:
     process it ever had (for the release accounting)."""
 
     rank: int
-    proc: fk.Producer
-    pool: fk.BlockPool
+    proc: kt.Producer
+    pool: kt.BlockPool
     held: dict[str, np.ndarray] = field(default_factory=dict)
     published: set[str] = field(default_factory=set)
-    history: list[tuple[fk.Producer, set[str]]] = field(default_factory=list)
+    history: list[tuple[kt.Producer, set[str]]] = field(default_factory=list)
 
 
 class Soak:
@@ -150,9 +148,9 @@ class Soak:
         self.deadline = self.began + seconds
         self.rng = random.Random(seed)
         self.tally = Tally(seed)
-        self.rig = fk.Rig()
+        self.rig = kt.Rig()
         self.producers = [
-            ProducerSlot(r, self._start_producer(r, 0), fk.BlockPool(PREFILL.num_blocks, seed + r))
+            ProducerSlot(r, self._start_producer(r, 0), kt.BlockPool(PREFILL.num_blocks, seed + r))
             for r in range(PREFILL.tp)
         ]
         self.consumers = [
@@ -164,7 +162,7 @@ class Soak:
             )
             for r in range(DECODE.tp)
         ]
-        self.dst_pools = [fk.BlockPool(DECODE.num_blocks, seed + 10 + r) for r in range(DECODE.tp)]
+        self.dst_pools = [kt.BlockPool(DECODE.num_blocks, seed + 10 + r) for r in range(DECODE.tp)]
         self.excluded: list[set[int]] = [set() for _ in range(DECODE.tp)]
         self.last_use: list[dict[int, str]] = [{} for _ in range(DECODE.tp)]
         self.rig.ready(120)
@@ -173,7 +171,7 @@ class Soak:
 
     # ---- processes ------------------------------------------------------------------------
 
-    def _start_producer(self, rank: int, port: int) -> fk.Producer:
+    def _start_producer(self, rank: int, port: int) -> kt.Producer:
         return self.rig.producer(
             PREFILL,
             rank,
@@ -194,7 +192,7 @@ class Soak:
         proc = self._start_producer(slot.rank, old.port if same_port else 0)
         try:
             proc.wait_ready(60)
-        except fk.ChildError as exc:
+        except kt.ChildError as exc:
             if not same_port:
                 raise
             self.tally.error(f"restart on port {old.port} (then a new port)", exc)
@@ -205,12 +203,12 @@ class Soak:
         slot.history.append((old, slot.published))
         self.tally.restarts["same port" if proc.port == old.port else "new port"] += 1
         slot.proc, slot.held, slot.published = proc, {}, set()
-        slot.pool = fk.BlockPool(PREFILL.num_blocks, self.rng.randrange(1 << 30))
+        slot.pool = kt.BlockPool(PREFILL.num_blocks, self.rng.randrange(1 << 30))
         if proc.address != old.address:
             for c in self.consumers:
                 try:
                     c.connect(self.addresses)
-                except (fk.ChildError, TimeoutError) as exc:
+                except (kt.ChildError, TimeoutError) as exc:
                     self.tally.error(f"{c.name}: connect after a restart", exc)
 
     def _pump_releases(self) -> None:
@@ -221,7 +219,7 @@ class Soak:
                 continue
             try:
                 proc.pump()
-            except fk.ChildError as exc:
+            except kt.ChildError as exc:
                 self.tally.error(proc.name, exc)
                 continue
             for rid, _ in proc.take_events("published"):
@@ -236,12 +234,12 @@ class Soak:
 
     # ---- rounds ---------------------------------------------------------------------------
 
-    def _requests(self, n: int) -> list[fk.Request]:
+    def _requests(self, n: int) -> list[kt.Request]:
         out = []
         for i in range(self.rng.choice((1, 1, 2, 3))):
             tokens = self.rng.randint(1, MAX_TOKENS)
             start = self.rng.randrange(tokens) if self.rng.random() < 0.2 else 0
-            out.append(fk.Request(f"r{n}-{i}", tokens, self.rng.randrange(1 << 30), start))
+            out.append(kt.Request(f"r{n}-{i}", tokens, self.rng.randrange(1 << 30), start))
         return out
 
     def run_round(self, n: int) -> None:
@@ -289,7 +287,7 @@ class Soak:
             return None
         time.sleep(self.rng.uniform(0.0, 0.3))
         if fault == "freeze-consumer":
-            victim: fk.Proc = self.rng.choice(self.consumers)
+            victim: kt.Proc = self.rng.choice(self.consumers)
         elif fault in ("freeze-producer", "kill-producer", "garbage"):
             slot = self.rng.choice(self.producers)
             victim = slot.proc
@@ -297,8 +295,8 @@ class Soak:
                 victim.kill()
                 return slot
             if fault == "garbage":
-                for _, frames in self.rng.sample(fk.garbage_frames(self.rng), 3):
-                    fk.send_raw(slot.proc.address, frames, wait=0.05)
+                for _, frames in self.rng.sample(kt.garbage_frames(self.rng), 3):
+                    kt.send_raw(slot.proc.address, frames, wait=0.05)
                 return None
         victim.freeze()
         if self.rng.random() < 0.3:  # past the fetch timeout: the fetch fails first
@@ -309,7 +307,7 @@ class Soak:
         return None
 
     def _collect(
-        self, requests: list[fk.Request], dst: list[dict[str, np.ndarray]], fault: str | None
+        self, requests: list[kt.Request], dst: list[dict[str, np.ndarray]], fault: str | None
     ) -> None:
         outcome: dict[str, bool] = {r.request_id: True for r in requests}
         for rank, (c, mine) in enumerate(zip(self.consumers, dst, strict=True)):
@@ -318,7 +316,7 @@ class Soak:
                 self.tally.rank_fetches += 1
                 try:
                     result = c.result(rid, timeout=FETCH_TIMEOUT_S + 15)
-                except (TimeoutError, fk.ChildError) as exc:
+                except (TimeoutError, kt.ChildError) as exc:
                     self.tally.stuck_fetches += 1
                     self.tally.error(f"{c.name}: result", exc)
                     self.excluded[rank].update(int(b) for b in ids)  # never reused
@@ -344,7 +342,7 @@ class Soak:
                 if not result["ok"]:
                     try:
                         c.call("abort", rid)
-                    except (fk.ChildError, TimeoutError) as exc:
+                    except (kt.ChildError, TimeoutError) as exc:
                         self.tally.error(f"{c.name}: abort", exc)
                 self.dst_pools[rank].give(b for b in ids.tolist() if b not in self.excluded[rank])
         for ok in outcome.values():
@@ -388,7 +386,7 @@ class Soak:
 
         def held() -> dict[str, Any]:
             found: dict[str, Any] = {}
-            procs: list[fk.Producer | fk.Consumer] = [*live_producers, *self.consumers]
+            procs: list[kt.Producer | kt.Consumer] = [*live_producers, *self.consumers]
             for p in procs:
                 report = p.report()
                 pools = {str(k): f for k, f in report["free_slots"].items()}
@@ -399,7 +397,7 @@ class Soak:
                     found[f"{p.name} pending"] = report["pending"]
             return found
 
-        found = fk.poll(held, lambda v: not v, timeout=10.0, every=0.25)
+        found = kt.poll(held, lambda v: not v, timeout=10.0, every=0.25)
         self.tally.leaked_slots = sum(
             sum(v.values()) for k, v in found.items() if k.endswith("slots held")
         )

@@ -5,7 +5,9 @@
 #   scripts/gpu_vllm_e2e.sh [--model NAME_OR_PATH] [--max-tokens N] [--out-dir DIR]
 #
 # 1. checks the prerequisites (nvidia-smi, setsid; vLLM, Mooncake's CUDA wheel and kvxfer
-#    importable by $PYTHON) and that the ports are free;
+#    importable by $PYTHON) and that the ports are free, then runs the GPU correctness checks
+#    (`pytest -m cuda tests/cuda`: the kernels and kvxfer.reshard, bit for bit on the GPU;
+#    they fail, not skip, when torch sees no GPU) and stops if one fails;
 # 2. starts a baseline `vllm serve` alone, collects greedy completions (temperature 0, fixed
 #    seed and max_tokens, one request at a time) of a fixed prompt set, stops it;
 # 3. starts a prefill engine (kv_producer, blocks of 16, layout LBNHC) and then a decode engine
@@ -17,9 +19,9 @@
 # tails of the engines' logs. Child processes are always stopped (each runs in its own process
 # group). Logs, outputs and report.json stay in the output directory.
 #
-# Needs: one NVIDIA GPU; pip install 'kvxfer[vllm]' mooncake-transfer-engine (the CUDA wheel;
-# it needs libibverbs1: scripts/install-system-deps.sh); the model in the Hugging Face cache or
-# network access to download it.
+# Needs: one NVIDIA GPU; pip install 'kvxfer[vllm,test]' mooncake-transfer-engine (the CUDA
+# wheel; it needs libibverbs1: scripts/install-system-deps.sh); the model in the Hugging Face
+# cache or network access to download it.
 #
 # Environment (defaults in brackets):
 #   PYTHON [python3]  the interpreter with vllm, mooncake and kvxfer
@@ -34,11 +36,13 @@
 #   START_TIMEOUT [900]  seconds for an engine to answer /health (a first run downloads the model)
 #   REQUEST_TIMEOUT [300]  STOP_TIMEOUT [30]  OUT_DIR [a new temporary directory]
 #   NVIDIA_SMI [nvidia-smi]
+#   CUDA_CHECKS [tests/cuda]  what `pytest -m cuda` runs first, relative to the repository ("" skips)
 #   PROBE_BACKENDS [FLASH_ATTN TRITON_ATTN]  backends whose own cache write scripts/backend_probe.py
 #     checks kvxfer's layout table against, before the engines start ("" skips it)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(dirname "$here")"
 helper="$here/gpu_vllm_e2e.py"
 
 PYTHON="${PYTHON:-python3}"
@@ -66,6 +70,7 @@ REQUEST_TIMEOUT="${REQUEST_TIMEOUT:-300}"
 STOP_TIMEOUT="${STOP_TIMEOUT:-30}"
 OUT_DIR="${OUT_DIR:-}"
 NVIDIA_SMI="${NVIDIA_SMI:-nvidia-smi}"
+CUDA_CHECKS="${CUDA_CHECKS-tests/cuda}"
 PROBE_BACKENDS="${PROBE_BACKENDS-FLASH_ATTN TRITON_ATTN}"
 
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
@@ -92,13 +97,18 @@ command -v setsid >/dev/null 2>&1 || die "setsid not found: install util-linux"
 command -v "$PYTHON" >/dev/null 2>&1 || die "no $PYTHON: set PYTHON to the interpreter with vLLM"
 "$PYTHON" "$helper" prereqs --ports "$BASELINE_PORT" "$PREFILL_PORT" "$DECODE_PORT" \
   "$PROXY_PORT" "$SIDE_CHANNEL_PORT" "$((SIDE_CHANNEL_PORT + 100))"
+if [ -n "$CUDA_CHECKS" ]; then
+  "$PYTHON" -c "import pytest" >/dev/null 2>&1 ||
+    die "pytest is not importable by $PYTHON: pip install 'kvxfer[test]' (the GPU correctness" \
+      "checks run first; CUDA_CHECKS= skips them)"
+fi
 
 [ -n "$OUT_DIR" ] || OUT_DIR="$(mktemp -d "${TMPDIR:-/tmp}/kvxfer-gpu-e2e.XXXXXX")"
 mkdir -p "$OUT_DIR"
 # A reused directory: only this run's logs and outputs may be shown or compared.
 for stale in baseline prefill decode proxy; do rm -f "$OUT_DIR/$stale.log"; done
 rm -f "$OUT_DIR/baseline.json" "$OUT_DIR/disaggregated.json" "$OUT_DIR/report.json"
-rm -f "$OUT_DIR"/probe-*.jsonl
+rm -f "$OUT_DIR"/probe-*.jsonl "$OUT_DIR/cuda-checks.log"
 read -r -a vllm_args <<<"$ENGINE_ARGS"
 secret="$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
 host=127.0.0.1
@@ -190,6 +200,19 @@ decode_config="$(kv_config kv_consumer kvxfer-e2e-decode "$((SIDE_CHANNEL_PORT +
 
 "$NVIDIA_SMI" -L
 echo "model $MODEL; outputs and logs in $OUT_DIR"
+
+# --- 1a. the GPU correctness checks, before any engine ---------------------------------------
+if [ -n "$CUDA_CHECKS" ]; then
+  read -r -a cuda_checks <<<"$CUDA_CHECKS"
+  echo "GPU correctness checks: pytest -m cuda ${CUDA_CHECKS}: log $OUT_DIR/cuda-checks.log"
+  # In the background, as run_helper does: a signal to this script is acted on at once.
+  # -o addopts=: the project's pytest options name plugins that only the suite needs.
+  (cd "$root" && exec env KVXFER_REQUIRE_CUDA=1 "$PYTHON" -m pytest -o addopts= -m cuda -q -ra \
+    -p no:cacheprovider "${cuda_checks[@]}") >"$OUT_DIR/cuda-checks.log" 2>&1 &
+  helper_pid=$!
+  wait "$helper_pid" || die "the GPU correctness checks failed: see $OUT_DIR/cuda-checks.log"
+  tail -n 1 "$OUT_DIR/cuda-checks.log"
+fi
 
 # --- 1b. kvxfer's layout table against the GPU backends' own cache-write ops ---------------
 for backend in $PROBE_BACKENDS; do

@@ -418,6 +418,20 @@ def test_stop_ends_a_process_group_and_its_children():
 # --- the whole script, with stand-in engines ------------------------------------------------------
 
 
+FAKE_PYTEST_MAIN = textwrap.dedent(
+    """
+    import json, os, sys
+
+    with open(os.environ["FAKE_VLLM_PYTEST_RECORD"], "w") as f:
+        record = {"argv": sys.argv[1:], "cwd": os.getcwd()}
+        json.dump({**record, "require_cuda": os.environ.get("KVXFER_REQUIRE_CUDA")}, f)
+    failing = os.environ.get("FAKE_VLLM_PYTEST_FAIL") == "1"
+    print("1 failed in 0.01s" if failing else "126 passed in 0.01s")
+    sys.exit(1 if failing else 0)
+    """
+)
+
+
 def _free_ports(count):
     sockets = [socket.socket() for _ in range(count)]
     for s in sockets:
@@ -466,6 +480,11 @@ def _script_env(tmp_path, *, fake_gpu=True, fake_vllm=True, **extra):
             (site / package / "__init__.py").write_text("")
         main.write_text(FAKE_VLLM_MAIN)
         (site / "mooncake" / "engine.py").write_text("class TransferEngine: pass\n")
+        # A stand-in for `python -m pytest -m cuda` (the GPU correctness checks run first).
+        (site / "pytest").mkdir()
+        (site / "pytest" / "__init__.py").write_text("")
+        (site / "pytest" / "__main__.py").write_text(FAKE_PYTEST_MAIN)
+        env["FAKE_VLLM_PYTEST_RECORD"] = str(tmp_path / "pytest.json")
         dist = site / "mooncake_transfer_engine-0.0.0.dist-info"
         dist.mkdir()
         (dist / "METADATA").write_text(
@@ -561,6 +580,22 @@ def test_script_runs_baseline_then_prefill_decode_and_proxy_and_passes(tmp_path)
     extra = prefill["config"]["kv_connector_extra_config"]
     assert extra["side_channel_port"] == int(env["SIDE_CHANNEL_PORT"])
     assert (extra["side_channel_host"], extra["protocol"]) == ("127.0.0.1", "tcp")
+
+    # The GPU correctness checks ran first, from the repository, required to find a GPU.
+    checks = json.loads((tmp_path / "pytest.json").read_text())
+    assert checks["argv"][checks["argv"].index("-m") + 1] == "cuda"
+    assert checks["argv"][-1] == "tests/cuda" and checks["cwd"] == str(ROOT)
+    assert checks["require_cuda"] == "1"
+    assert done.stdout.index("GPU correctness checks") < done.stdout.index("baseline engine")
+    assert "126 passed" in done.stdout
+
+
+def test_script_stops_before_any_engine_when_the_gpu_checks_fail(tmp_path):
+    done = _run_script(_script_env(tmp_path, FAKE_VLLM_PYTEST_FAIL="1"))
+    assert done.returncode == 1
+    assert "the GPU correctness checks failed" in done.stderr and "cuda-checks.log" in done.stderr
+    assert "1 failed" in done.stderr  # the log's tail
+    assert _records(tmp_path) == {}  # no engine started
 
 
 def test_script_fails_on_a_mismatch_with_the_engines_log_tails(tmp_path):

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import pytest
-from cluster import Request, Side, run_cluster
+
+from kvxfer.testing import Geometry, Request, run_cluster
 
 # Small staging so that requests go in several chunks and pools are reused.
 STAGING = {"staging_bytes": 8192, "staging_slots": 2}
 
 
-def assert_exact(run, request: Request, dst: Side) -> None:
+def assert_exact(run, request: Request, dst: Geometry) -> None:
     for rank in range(dst.ranks):
         r = run.result(request.request_id, rank)
         assert r["ok"], (rank, r["errors"])
@@ -19,7 +20,7 @@ def assert_exact(run, request: Request, dst: Side) -> None:
         assert r["untouched_ok"], f"rank {rank} wrote outside the request's blocks"
 
 
-def assert_pools_whole_and_released(run, requests, src: Side, dst: Side) -> None:
+def assert_pools_whole_and_released(run, requests, src: Geometry, dst: Geometry) -> None:
     for report in run.producers:
         released = sorted(rid for _, rid in report["releases"])
         ranks = {rank for rank, _ in report["releases"]} | set(report["pending"])
@@ -35,45 +36,47 @@ def assert_pools_whole_and_released(run, requests, src: Side, dst: Side) -> None
 
 
 PAIRS = [
-    pytest.param(Side(2, heads=4), Side(4, heads=4, layout="HND"), id="P2-D4"),
+    pytest.param(Geometry(2, heads=4), Geometry(4, heads=4, layout="HND"), id="P2-D4"),
     pytest.param(
-        Side(4, heads=4, layout="HND"), Side(2, heads=4, placement="blocks_first"), id="P4-D2"
+        Geometry(4, heads=4, layout="HND"),
+        Geometry(2, heads=4, placement="blocks_first"),
+        id="P4-D2",
     ),
     pytest.param(
-        Side(3, heads=12, block_size=16),
-        Side(4, heads=12, block_size=48, layout="HND"),
+        Geometry(3, heads=12, block_size=16),
+        Geometry(4, heads=12, block_size=48, layout="HND"),
         id="P3-D4-bs16-bs48",
     ),
-    pytest.param(Side(1, heads=2), Side(8, heads=2, block_size=8), id="P1-D8-replicated"),
+    pytest.param(Geometry(1, heads=2), Geometry(8, heads=2, block_size=8), id="P1-D8-replicated"),
     pytest.param(
-        Side(2, heads=4, block_size=16),
-        Side(2, heads=4, block_size=64, num_blocks=32),
+        Geometry(2, heads=4, block_size=16),
+        Geometry(2, heads=4, block_size=64, num_blocks=32),
         id="P2-D2-bs16-bs64",
     ),
     pytest.param(
-        Side(4, mla=True, head_dim=16),
-        Side(2, mla=True, head_dim=16, block_size=32),
+        Geometry(4, mla=True, head_dim=16),
+        Geometry(2, mla=True, head_dim=16, block_size=32),
         id="MLA-P4-D2",
     ),
     pytest.param(  # fp8 caches move as bytes; 5-byte heads leave no wider word
-        Side(2, heads=4, head_dim=5, dtype="float8_e4m3fn"),
-        Side(4, heads=4, head_dim=5, block_size=32, layout="HND", dtype="float8_e4m3fn"),
+        Geometry(2, heads=4, head_dim=5, dtype="float8_e4m3fn"),
+        Geometry(4, heads=4, head_dim=5, block_size=32, layout="HND", dtype="float8_e4m3fn"),
         id="P2-D4-fp8-e4m3-d5",
     ),
     # vLLM CPU attention's layout (K dim-major) on either side and on both, block sizes changed
     pytest.param(
-        Side(1, heads=4, block_size=32, layout="HND", placement="k_transposed", num_blocks=32),
-        Side(2, heads=4, block_size=64, layout="HND", placement="k_transposed", num_blocks=16),
+        Geometry(1, heads=4, block_size=32, layout="HND", placement="k_transposed", num_blocks=32),
+        Geometry(2, heads=4, block_size=64, layout="HND", placement="k_transposed", num_blocks=16),
         id="CPU-P1-D2-bs32-bs64",
     ),
     pytest.param(
-        Side(2, heads=4, block_size=64, layout="HND", placement="k_transposed", num_blocks=16),
-        Side(4, heads=4, block_size=16),
+        Geometry(2, heads=4, block_size=64, layout="HND", placement="k_transposed", num_blocks=16),
+        Geometry(4, heads=4, block_size=16),
         id="CPU-P2-GPU-D4-bs64-bs16",
     ),
     pytest.param(
-        Side(4, heads=4, block_size=16, layout="HND", placement="kv_inner"),
-        Side(1, heads=4, block_size=32, layout="HND", placement="k_transposed", num_blocks=32),
+        Geometry(4, heads=4, block_size=16, layout="HND", placement="kv_inner"),
+        Geometry(1, heads=4, block_size=32, layout="HND", placement="k_transposed", num_blocks=32),
         id="GPU-P4-CPU-D1-bs16-bs32",
     ),
 ]
@@ -92,7 +95,10 @@ def test_hetero_tp_transfer_is_exact(src, dst):
 
 @pytest.mark.parametrize("strategy", ["direct", "pack", "unpack", "pack+unpack"])
 def test_every_strategy_forced(strategy):
-    src, dst = Side(3, heads=12, block_size=16), Side(4, heads=12, block_size=32, layout="HND")
+    src, dst = (
+        Geometry(3, heads=12, block_size=16),
+        Geometry(4, heads=12, block_size=32, layout="HND"),
+    )
     requests = [Request("r", 150, start_token=9, seed=3)]
     # Mirrors of 32-token blocks need whole blocks: 16 KiB slots hold two (a 33-token chunk).
     staging = {"staging_bytes": 32768, "staging_slots": 2}
@@ -110,14 +116,14 @@ def test_every_strategy_forced(strategy):
 # Pipeline parallelism on either side (ranks are engine ranks, pp-major).
 PIPELINES = [
     pytest.param(  # each decode rank fetches its heads of every layer from both prefill stages
-        Side(2, heads=4, pp=2, layers=3),
-        Side(4, heads=4, layout="HND", layers=3),
+        Geometry(2, heads=4, pp=2, layers=3),
+        Geometry(4, heads=4, layout="HND", layers=3),
         {r: {(0, 0), (2, 2)} if r < 2 else {(1, 0), (3, 2)} for r in range(4)},
         id="P-PP2xTP2-D-PP1xTP4",
     ),
     pytest.param(  # each decode stage fetches its own layers only, from both prefill ranks
-        Side(2, heads=4, layers=3),
-        Side(1, heads=4, pp=2, block_size=32, placement="blocks_first", layers=3),
+        Geometry(2, heads=4, layers=3),
+        Geometry(1, heads=4, pp=2, block_size=32, placement="blocks_first", layers=3),
         {0: {(0, 0), (1, 0)}, 1: {(0, 2), (1, 2)}},
         id="P-PP1xTP2-D-PP2xTP1",
     ),
@@ -136,7 +142,7 @@ def test_hetero_pipeline_transfer_is_exact(src, dst, sources):
 
 
 def test_every_rank_in_its_own_process():
-    src, dst = Side(2, heads=4), Side(4, heads=4, block_size=32, layout="HND")
+    src, dst = Geometry(2, heads=4), Geometry(4, heads=4, block_size=32, layout="HND")
     requests = [Request("r", 120, seed=4)]
     run = run_cluster(
         src,
@@ -151,8 +157,8 @@ def test_every_rank_in_its_own_process():
 
 def test_producer_killed_mid_transfer_reports_the_missing_blocks():
     src, dst = (
-        Side(1, heads=2, layers=2, num_blocks=300),
-        Side(1, heads=2, block_size=16, num_blocks=300),
+        Geometry(1, heads=2, layers=2, num_blocks=300),
+        Geometry(1, heads=2, block_size=16, num_blocks=300),
     )
     request = Request("big", 4096, seed=5)
     tiny = {"staging_bytes": 1024, "staging_slots": 1}  # 8 tokens a chunk: hundreds of chunks

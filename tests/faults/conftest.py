@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from faultkit import Rig
+
+from kvxfer.testing import Rig
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ expire) and every one of them is released exactly once."""
 
 from __future__ import annotations
 
-from faultkit import DECODE, PREFILL, BlockPool, Request, leaks
+from kvxfer.testing import DECODE, PREFILL, BlockPool, Request, leaks
 
 COUNT = 2000
 TTL_S = 0.2  # released ids are remembered this long (the producer's `released_ttl_s`)

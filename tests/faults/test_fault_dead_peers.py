@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from faultkit import (
+from kvxfer.testing import (
     DECODE,
     PREFILL,
     SLOW_STAGING,

@@ -4,18 +4,20 @@ request, and a producer that resumes after a fetch gave up on it writes nothing 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
-from faultkit import (
+
+from kvxfer.testing import (
     DECODE,
     PREFILL,
     ROOMY_STAGING,
     SLOW_STAGING,
     BlockPool,
-    Geometry,
     Request,
     describe,
     leaks,
+    poll,
     wait_for_progress,
     watch_for_late_bytes,
 )
@@ -23,8 +25,8 @@ from faultkit import (
 SLOW = {"strategy": "pack+unpack", **SLOW_STAGING}  # a 4 MiB request in hundreds of chunks
 
 
-BIG_PREFILL = Geometry(block_size=16, num_blocks=2048)
-BIG_DECODE = Geometry(block_size=32, layout="HND", num_blocks=1024)
+BIG_PREFILL = replace(PREFILL, num_blocks=2048)
+BIG_DECODE = replace(DECODE, num_blocks=1024)
 # Frozen mid-transfer: 64 KiB chunks, so that a 16 MiB request is caught in flight. Frozen
 # before the publish: 4 MiB chunks, more bytes due to the frozen consumer than socket buffers
 # hold.
@@ -60,7 +62,8 @@ def test_frozen_consumer_does_not_stall_another_consumer(rig, freeze_at):
         assert not any(k == "result" for k, _ in a.events), "the transfer ended before the freeze"
     else:
         a.fetch(big, a_ids, timeout=30.0)
-        time.sleep(0.5)  # A's requests reach the producer
+        waiting = poll(lambda: producer.report()["stats"]["waiting_chunks"], bool, timeout=20.0)
+        assert waiting, "consumer A's requests never reached the producer"
         a.freeze()
         producer.publish(big, src_ids[big.request_id])
         time.sleep(0.5)  # the producer starts serving the frozen consumer

@@ -14,11 +14,12 @@ then every byte of the cache is watched for a few seconds.
 from __future__ import annotations
 
 import pytest
-from faultkit import (
+
+from kvxfer import STRATEGIES
+from kvxfer.testing import (
     DECODE,
     PREFILL,
     ROOMY_STAGING,
-    STRATEGIES,
     BlockPool,
     Request,
     describe,

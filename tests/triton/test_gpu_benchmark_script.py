@@ -1,5 +1,7 @@
-"""benchmarks/gpu_kernels.py runs end to end at toy sizes (the interpreter, or CUDA): every
-kernel check and the reshard end-to-end check pass, and they run before any timing."""
+"""benchmarks/gpu_kernels.py runs end to end at toy sizes (the interpreter, or CUDA): every op
+of every geometry of its grid gets a row with each implementation's times. What it times is
+checked bit for bit by tests/cuda/test_cuda_kernels.py (`pytest -m cuda`; at toy sizes under the
+interpreter too)."""
 
 from __future__ import annotations
 
@@ -11,18 +13,15 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from kvxfer import STRATEGIES
+from helpers import shared_result
 
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "gpu_kernels.py"
-IMPLS = {"new", "previous", "index_select", "per_block"}
 DEVICE_TIMINGS = {"copy", "new", "previous", "index_select", "per_block"}
 E2E_TIMINGS = {"new", "previous", "torch"}
 KV_OPS = {"pack", "unpack", "remap_nhd_to_hnd", "remap_hnd_to_nhd"}
 
 
-@pytest.fixture(scope="module")
-def tiny_report() -> dict:
+def _run_tiny() -> dict:
     env = {
         **os.environ,
         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"),
@@ -39,41 +38,13 @@ def tiny_report() -> dict:
     return json.loads(done.stdout)
 
 
-def test_every_kernel_check_passes_before_any_timing(tiny_report):
-    checks, rows = tiny_report["checks"], tiny_report["rows"]
-    assert checks and rows
-    assert all(c["passed"] is True for c in checks), [c for c in checks if not c["passed"]]
-    geometries = {(r["head_dim"], r["dtype"], r["heads_moved"], r["mla"]) for r in rows}
-    for head_dim, dtype, heads_moved, mla in geometries:
-        checked = {
-            (c["op"], c["impl"])
-            for c in checks
-            if (c["head_dim"], c["dtype"], c["heads_moved"], c["mla"])
-            == (head_dim, dtype, heads_moved, mla)
-        }
-        ops = {"pack", "unpack"} if mla else KV_OPS
-        assert {(op, impl) for op in ops for impl in IMPLS} <= checked
-    if tiny_report["new_device_timing"].startswith("prepare_cell_copy"):
-        assert any(c["impl"] == "new_prepared" for c in checks)
-    first_timing = min(r["seq"] for r in rows)
-    assert max(e["seq"] for e in checks + tiny_report["reshard"]) < first_timing
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory) -> dict:
+    """One `--tiny --json` run of the script for the whole test run (xdist workers share it)."""
+    return shared_result(tmp_path_factory, "gpu-kernels-tiny", _run_tiny)
 
 
-def test_reshard_end_to_end_ran_for_every_strategy(tiny_report):
-    entries = tiny_report["reshard"]
-    for e in entries:
-        assert e["backend"] == "triton"
-        if e["passed"] is None:  # only an fp8 case, only while the spec rejects the dtype
-            assert e["dtype"].startswith("float8") and "KVCacheSpec rejects dtype" in e["skipped"]
-        else:
-            assert e["passed"] is True, e
-    for strategy in STRATEGIES:
-        cases = {e["case"] for e in entries if e["strategy"] == strategy and e["passed"]}
-        assert {"demo", "demo MLA"} <= cases, strategy
-        assert any(c.endswith("tokens") for c in cases), strategy
-
-
-def test_rows_carry_device_and_end_to_end_times(tiny_report):
+def test_rows_carry_device_and_end_to_end_times(tiny_report, script_module):
     rows = tiny_report["rows"]
     assert {r["op"] for r in rows if not r["mla"]} == KV_OPS
     assert {r["op"] for r in rows if r["mla"]} == {"pack", "unpack"}
@@ -91,6 +62,12 @@ def test_rows_carry_device_and_end_to_end_times(tiny_report):
             assert stats["gbps"] > 0 and stats["vs_copy"] > 0
         assert r["device"]["copy"]["vs_copy"] == 1.0
     assert tiny_report["stopped"] is None
+    ops = {g.kernel_variant(): set(g.ops) for g in script_module.tiny_grid()}
+    timed: dict[tuple, set[str]] = {}
+    for r in rows:
+        variant = (r["head_dim"], r["dtype"], r["heads_moved"], r["mla"])
+        timed.setdefault(variant, set()).add(r["op"])
+    assert timed == ops
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +103,7 @@ def test_full_grid_covers_the_sizes_and_the_default_is_a_subset(script_module):
 def test_table_prints_every_row(tiny_report, script_module, capsys):
     script_module.print_table(tiny_report)
     out = capsys.readouterr().out
-    assert "x copy" in out and "kernel checks:" in out
+    assert "x copy" in out and "new kernel device time:" in out
     lines = out.splitlines()
     for op in ("pack", "unpack"):
         assert sum(line.split()[0] == op for line in lines if line) == sum(
