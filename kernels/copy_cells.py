@@ -4,7 +4,7 @@ One launch covers every layer of a request. A program owns one tile of tokens of
 plane) and moves every head the copy moves, as rows of contiguous words; its tile never
 straddles a block on either side, so each side costs it one block-id load and one scalar
 address computation (int64), and the per-element work is int32 offsets from that address.
-How the design follows the best paged-KV copy kernels is in DESIGN.md ("JIT and the kernels").
+How the design follows the best paged-KV copy kernels is in docs/design.md ("JIT and the kernels").
 
 Layers are reached through a per-layer address table (a device tensor built once per set of
 layer tensors, then cached) or, for a staging buffer (`StackedLayers`), a base pointer and a
@@ -534,8 +534,10 @@ def copy_cells(
     `src` to `dst` with one kernel launch. Other cells keep their bytes.
 
     Args:
-        src, dst: the two buffers; either may be paged (block table) or dense.
-        token_start, token_end: the tokens to move.
+        src: the buffer to copy from; paged (block table) or dense.
+        dst: the buffer to copy into; paged or dense.
+        token_start: the first token to move.
+        token_end: one past the last token to move.
         num_heads: heads to move, from each side's `head_offset`.
         block_t: tokens per program (default: `tile_tokens`); must divide both block sizes.
 

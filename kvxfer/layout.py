@@ -1,4 +1,5 @@
-"""The layout contract of DESIGN.md in one place: how one layer of a paged KV cache sits in memory.
+"""The layout contract (docs/design.md) in one place: how one layer of a paged KV cache sits
+in memory.
 
 A layer tensor's axes are named by their role:
 
@@ -27,7 +28,7 @@ cell copy, never by byte segments or the Triton kernels (`kvxfer.plan.program.st
 
 The spec, the planner, the kernels, the vLLM tensor reader and the test cluster derive their
 layouts from here. `kvxfer/reference.py` does not, on purpose: it indexes each layout of
-DESIGN.md's table itself, so that it stays an independent oracle for the tests.
+docs/design.md's table itself, so that it stays an independent oracle for the tests.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ ALL_KV_PLACEMENTS: tuple[str, ...] = (*KV_PLACEMENTS, K_TRANSPOSED)
 PLANE, BLOCK, SLOT, HEAD, DIM, CELL = "plane", "block", "slot", "head", "dim", "cell"
 CANONICAL_AXES: tuple[str, ...] = (PLANE, BLOCK, SLOT, HEAD, DIM)
 
-# DESIGN.md's table (kv_inner: README's extension, vLLM 0.33's LBNHC and LBHNC), outermost first.
+# docs/design.md's table (kv_inner: docs/kernels-and-layouts.md, "Layout contract", vLLM 0.33's
+# LBNHC and LBHNC), outermost first.
 _KV_MEMORY_AXES: dict[tuple[str, str], tuple[str, ...]] = {
     ("NHD", "kv_first"): (PLANE, BLOCK, SLOT, HEAD, DIM),
     ("HND", "kv_first"): (PLANE, BLOCK, HEAD, SLOT, DIM),
@@ -121,7 +123,7 @@ def layer_shape(
     kv_placement: str,
     mla: bool,
 ) -> tuple[int, ...]:
-    """The per-layer tensor shape (DESIGN.md's table); `num_heads` is the buffer's own heads
+    """The per-layer tensor shape (docs/design.md's table); `num_heads` is the buffer's own heads
     (`h`), ignored when `mla`."""
     sizes = _axis_sizes(num_blocks, block_size, num_heads, head_dim)
     return tuple(sizes[axis] for axis in layer_axes(layout, kv_placement, mla))

@@ -1,6 +1,6 @@
 """A plain reference for the layout contract: put a request's KV into a rank's cache.
 
-It indexes each layout of DESIGN.md's table directly, with no planner involved, so tests, the
+It indexes each layout of docs/design.md's table directly, with no planner involved, so tests, the
 demo and notebooks can build source caches and expected destination caches independently of
 the code under test. Global KV is `[layers, 2, tokens, heads, head_dim]` (MLA:
 `[layers, tokens, head_dim]`) over the model's every layer; a rank of pipeline stage `pp_rank`
@@ -51,7 +51,7 @@ def rank_layers(spec: KVCacheSpec) -> list[int]:
 
 
 def rank_heads(spec: KVCacheSpec) -> list[int]:
-    """Global heads of `spec.tp_rank`, from DESIGN.md's ownership rule."""
+    """Global heads of `spec.tp_rank`, from docs/design.md's ownership rule."""
     heads, tp = spec.num_kv_heads, spec.tp_size
     if heads >= tp:
         return list(range(spec.tp_rank * heads // tp, (spec.tp_rank + 1) * heads // tp))

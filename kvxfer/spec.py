@@ -1,6 +1,6 @@
 """`KVCacheSpec`: the geometry of one rank's paged KV cache, and the handshake's payload.
 
-The layout contract (DESIGN.md) fixes the per-layer tensor shape for every combination of
+The layout contract (docs/design.md) fixes the per-layer tensor shape for every combination of
 `layout`, `kv_placement` and `mla`; `kvxfer.layout` is its single source of truth, and
 `KVCacheSpec.layer_shape` reads it from there.
 
@@ -131,7 +131,7 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
             (vLLM's Mamba state pages: one sub-projection of a page that holds several). Only
             where blocks are the outermost axis (`blocks_first`, `kv_inner`, MLA).
 
-    Head ownership (DESIGN.md): with `H >= T`, `T` divides `H` and rank `r` holds heads
+    Head ownership (docs/design.md): with `H >= T`, `T` divides `H` and rank `r` holds heads
     `[r*H/T, (r+1)*H/T)`; with `H < T`, `H` divides `T` and rank `r` holds head `r // (T/H)`.
     Every pipeline stage shards its layers' heads the same way over its `tp_size` ranks.
 

@@ -114,7 +114,7 @@ def kv_transfer_config(
     fails a request whose KV does not arrive (`kv_load_failure_policy` "fail") instead of
     recomputing it, so a broken transfer cannot pass for a working one; "recompute" makes it
     compute the missing blocks itself. `extra` adds or replaces `kv_connector_extra_config`
-    keys (README, vLLM integration)."""
+    keys (docs/vllm.md, "Extra-config keys")."""
     connector = {
         "side_channel_host": host,
         "side_channel_port": side_channel_port,

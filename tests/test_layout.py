@@ -1,4 +1,4 @@
-"""`kvxfer.layout`, the layout contract's one module, against DESIGN.md's table and against
+"""`kvxfer.layout`, the layout contract's one module, against docs/design.md's table and against
 `kvxfer.reference`, which indexes every layout by hand (the independent oracle)."""
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from kvxfer.reference import random_global_kv, rank_heads, write_rank_cells
 
 B, S, H, D = 3, 5, 2, 4  # blocks, slots (block_size), heads per rank, head_dim: all distinct
 
-# DESIGN.md's table (README's for kv_inner), written out: (layout, placement, mla) -> shape.
+# docs/design.md's table (docs/kernels-and-layouts.md's for kv_inner), written out:
+# (layout, placement, mla) -> shape.
 DESIGN_TABLE = {
     ("NHD", "kv_first", False): (2, B, S, H, D),
     ("HND", "kv_first", False): (2, B, H, S, D),
@@ -149,7 +150,7 @@ def test_canonical_view_refuses_wrong_tensors():
 
 
 def test_the_reference_stays_independent_of_the_layout_module():
-    """The oracle indexes DESIGN.md's table itself: it must not derive from what it checks."""
+    """The oracle indexes docs/design.md's table itself: it must not derive from what it checks."""
     source = inspect.getsource(reference)
     assert "kvxfer.layout" not in source and "canonical" not in source
     assert "layer_shape" not in source

@@ -2,7 +2,7 @@
 
 GQA (K/V heads shared by groups of query heads) or MLA (one latent plane, from which every
 query head's K and V are projected). Weights come from a seed. Tensor parallelism splits the KV
-heads as DESIGN.md's head ownership says, and the query heads evenly; every other weight is
+heads as docs/design.md's head ownership says, and the query heads evenly; every other weight is
 replicated.
 
 Sharded ranks reproduce the unsharded model bit for bit: every rank runs the same full-width

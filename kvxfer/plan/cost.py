@@ -40,7 +40,7 @@ class CostModel:
     """Constants of the cost model, all in one place.
 
     The defaults describe a 400 Gbps RDMA NIC (50 GB/s) driven by Mooncake Transfer Engine and
-    an H200 (4.8 TB/s HBM; DESIGN.md's anchors). `tcp_loopback()` describes this project's
+    an H200 (4.8 TB/s HBM; docs/design.md's anchors). `tcp_loopback()` describes this project's
     CPU test machines.
     """
 

@@ -8,7 +8,7 @@ from kvxfer.spec import KVCacheSpec
 
 
 def heads_of_rank(num_kv_heads: int, tp_size: int, rank: int) -> range:
-    """Global KV heads held by `rank` (DESIGN.md, head ownership).
+    """Global KV heads held by `rank` (docs/design.md, head ownership).
 
     Split when `num_kv_heads >= tp_size`, one replicated head per rank otherwise.
     """

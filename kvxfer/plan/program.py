@@ -15,7 +15,7 @@ local index of the route's first layer, staging holds the route's layers alone.
 
 Connectors build *landing* programs (`landing=True`): the bytes of every strategy land in the
 destination's staging, never in its cache, and the destination copies them into the cache
-itself once the transfer is complete and confirmed (the no-late-byte contract, README). Then
+itself once the transfer is complete and confirmed (docs/connectors.md, "No late bytes"). Then
 `direct` and `pack` land in a mirror of the destination's blocks and copy it over:
 
 | strategy (landing) | source side          | segments                 | destination side          |
@@ -298,9 +298,12 @@ def build_program(
     Args:
         route: the heads and layers this pair moves.
         strategy: one of `STRATEGIES`.
-        src_spec, dst_spec: the two ranks' geometry.
-        src_block_ids, dst_block_ids: each side's block table for the request (int64).
-        token_start, token_end: the token range to move.
+        src_spec: the source rank's geometry.
+        dst_spec: the destination rank's geometry.
+        src_block_ids: the source's block table for the request (int64).
+        dst_block_ids: the destination's block table for the request (int64).
+        token_start: the first token to move.
+        token_end: one past the last token to move.
         landing: a connector's program: every strategy lands in the destination's staging.
     """
     shape = program_shape(

@@ -74,8 +74,8 @@ def test_bench_json_rows(capsys):
     for key in ("kvxfer_cpu_s_per_gb", "contiguous_cpu_s_per_gb"):
         assert row[key] > 0  # a transfer costs CPU on this machine
     assert PROGRESS not in captured.err and "%|" not in captured.err
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("### Command-line reference (JSON keys)", 1)[1].split("\n## ", 1)[0]
+    reference = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    section = reference.split("## `kvxfer bench --json`", 1)[1].split("\n## ", 1)[0]
     for key in ["rows", *ROW_KEYS]:
         assert f"`{key}`" in section, key
 
