@@ -188,3 +188,31 @@ def test_the_session_layer_imports_without_torch_or_zeromq() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_refused_session_frame_leaves_the_open_client_open() -> None:
+    server: SessionServer[str] = SessionServer("kv", "s", max_sessions=4)
+    client = SessionClient("kv", "s", "decode-0", b"claim")
+    session, _ = _handshake(server, client)
+    rejected = client.receive([encode(Refused(reason="a producer does not accept Pong"))])
+    assert rejected == Rejected("a producer does not accept Pong", session_lost=False)
+    assert client.state is ClientState.OPEN  # the server keeps the session: so does the client
+    assert client.receive(server.seal(session, b"answer")) == Delivered(b"answer")
+
+
+def test_overlapping_handshakes_cannot_open_more_than_max_sessions() -> None:
+    server: SessionServer[str] = SessionServer("kv", "s", max_sessions=1)
+    claims = []
+    for name in ("a", "b"):  # both hellos come in while no session is open
+        client = SessionClient("kv", "s", name, b"")
+        challenge = server.receive(name.encode(), client.hello())
+        assert isinstance(challenge, Reply)
+        shake = client.receive(challenge.frames)
+        assert isinstance(shake, Reply)
+        claim = server.receive(name.encode(), shake.frames)
+        assert isinstance(claim, Claim)
+        claims.append(claim)
+    server.accept(claims[0], b"", str)
+    with pytest.raises(ProtocolError, match="1 sessions are open"):
+        server.accept(claims[1], b"", str)
+    assert len(server.open_sessions()) == 1

@@ -128,9 +128,6 @@ class Pong(_Message, tag="pong", frozen=True):
     """Producer -> consumer: alive."""
 
 
-SESSION_MESSAGES = (TransferRequest, ChunkRead, RequestDone, Abort, Ping)
-
-
 # ---- encoder cache ------------------------------------------------------------------------
 # Pull, as for KV: a consumer asks a producer to pin an item in its pool, reads the bytes with
 # its own Mooncake engine into its own memory, then reports the read and learns whether the item
@@ -207,9 +204,6 @@ class ECRelease(_Message, tag="ec_release", frozen=True):
     """Consumer -> producer (session): I am done with the item (evict it first). No reply."""
 
     mm_hash: str
-
-
-EC_SESSION_MESSAGES = (ECQuery, ECPin, ECDone, ECRelease)
 
 
 Message = (

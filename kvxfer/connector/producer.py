@@ -68,7 +68,7 @@ from kvxfer.plan.program import (
     chunk_pack_copy,
     program_shape,
 )
-from kvxfer.session.protocol import Claim, Reply, ServerSession, SessionServer, refusal
+from kvxfer.session.protocol import Claim, Reply, SessionServer, refusal
 from kvxfer.spec import KVCacheSpec
 from kvxfer.transport.base import Transport
 from kvxfer.validation import check_block_ids, check_caches, check_num_tokens, check_request_id
@@ -96,14 +96,13 @@ class _Waiting:
 @dataclass(eq=False)  # identity: compared and hashed as objects
 class _Session:
     """What this producer keeps of a consumer rank that completed the handshake (its key,
-    address and last frame are the session layer's: `link`)."""
+    address and last frame are the session layer's `ServerSession`, found by `id`)."""
 
     id: str
     engine_id: str
     spec: KVCacheSpec
     route: HeadRoute | None  # the layers and heads this producer serves that rank, if any
     worker: ThreadPoolExecutor
-    link: ServerSession[_Session] | None = None  # set once the session layer opened it
     pool: StagingPool | None = None
     leases: dict[tuple[str, int], _Lease] = field(default_factory=dict)
     waiting: list[_Waiting] = field(default_factory=list)
@@ -356,14 +355,13 @@ class KVProducer:
             staging_slot_bytes=self._slot_bytes,
         )
         worker = ThreadPoolExecutor(1, thread_name_prefix="kvxfer-producer-peer")
-        link, welcome = self._sessions.accept(
+        _, welcome = self._sessions.accept(
             claim,
             encode(terms),
             lambda session_id: _Session(
                 session_id, consumer.engine_id, consumer.spec, route, worker
             ),
         )
-        link.state.link = link
         if route is not None:
             worker.submit(self._warm_up, route, consumer.spec)
         self._server.send(claim.identity, welcome)
@@ -390,8 +388,9 @@ class KVProducer:
             raise ProtocolError(f"a producer does not accept {type(message).__name__} messages")
 
     def _send(self, session: _Session, message: Message) -> None:
-        link = session.link
-        assert link is not None  # set right after the session layer opened the session
+        link = self._sessions.get(session.id)
+        if link is None:  # ended meanwhile: its consumer learns so on its next frame
+            return
         self._server.send(link.identity, self._sessions.seal(link, encode(message)))
 
     def _on_transfer(self, session: _Session, ask: TransferRequest) -> None:

@@ -31,7 +31,8 @@ def new_nonce() -> str:
 
 
 def proof(secret: str, role: str, *parts: str | bytes) -> str:
-    """Proof that `role` ("consumer" or "producer") holds `secret`, bound to `parts`."""
+    """Proof that `role` holds `secret`, bound to `parts` (roles: "consumer" and "producer" in
+    a handshake, "session" for a session key, "bootstrap" for the bootstrap service's writes)."""
     mac = hmac.new(secret.encode(), role.encode(), hashlib.sha256)
     for part in parts:
         data = part.encode() if isinstance(part, str) else part

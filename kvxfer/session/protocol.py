@@ -104,8 +104,9 @@ class Delivery(Generic[T]):
 class SessionServer(Generic[T]):
     """The server side of `service`'s sessions: challenges, proofs, the session table, MACs.
 
-    Thread-safe: the table is read by the side-channel thread and by the application's workers
-    (which seal frames and end sessions).
+    The session table is thread-safe: it is read by the side-channel thread and by the
+    application's workers (which seal frames and end sessions). `receive` and `accept` belong
+    to one thread, the side channel's (the challenges they keep have no lock of their own).
 
     Args:
         service: the side channel's name ("kv", "ec"), bound into every proof.
@@ -155,8 +156,16 @@ class SessionServer(Generic[T]):
 
         Returns:
             The session, and the frames of the welcome to send to `claim.identity`.
+
+        Raises:
+            ProtocolError: `max_sessions` sessions opened since the claim's hello.
         """
         session_id = secrets.token_hex(16)
+        with self._lock:  # handshakes may overlap: the limit holds when they complete too
+            if len(self._sessions) >= self._max_sessions:
+                raise ProtocolError(
+                    f"handshake refused: {self._max_sessions} sessions are open (max_sessions)"
+                )
         key = auth.session_key(self._secret, claim.client_nonce, claim.server_nonce, session_id)
         session = ServerSession(
             session_id, claim.name, key, claim.identity, time.monotonic(), make_state(session_id)
@@ -270,7 +279,9 @@ class Delivered:
 class SessionClient:
     """The client side of one session with one server.
 
-    Not thread-safe: one connection's frames are handled by one thread.
+    The handshake (`hello`, and `receive` until `Opened`) belongs to one thread. Once open, the
+    client is only read: `seal` and `receive` of session frames and refusals change nothing, so
+    several threads may share an open client (the encoder-cache consumer's conversations do).
 
     Args:
         service: the side channel's name ("kv", "ec"), bound into every proof.
@@ -308,7 +319,9 @@ class SessionClient:
             raise ProtocolError(f"expected 1 or {SESSION_FRAMES} frames, got {len(frames)}")
         message = decode(frames[0])
         if isinstance(message, Refused):
-            if not message.session_lost:
+            # A refused handshake ends the client; a refused session frame fails only that
+            # frame's exchange (the server keeps the session; it says so when it lost it).
+            if self.state is not ClientState.OPEN:
                 self.state = ClientState.CLOSED
             return Rejected(message.reason, message.session_lost)
         if isinstance(message, Challenge) and self.state is ClientState.GREETED:

@@ -11,8 +11,8 @@ same way, with one message per frame, encoded as msgpack from typed msgspec stru
 `claim` and `terms` are the application's own bytes (the KV consumer's engine id and geometry;
 the producer's geometry, endpoint and regions), bound into the proofs, so the session layer
 never decodes them. After the welcome every frame of the session travels as three frames,
-`[session id, payload, MAC]`, the MAC under the session key. `Refused` (one frame, unsigned)
-says why the last frame was refused, either way.
+`[session id, payload, MAC]`, the MAC under the session key. `Refused` (server -> client, one
+frame, unsigned) says why the last frame was refused.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class Welcome(Versioned, tag="welcome", frozen=True):
 
 
 class Refused(Versioned, tag="refused", frozen=True):
-    """Either way, unsigned: the last frame was refused, and why."""
+    """Server -> client, unsigned: the last frame was refused, and why."""
 
     reason: str
     session_lost: bool = False  # the named session is unknown: shake hands again

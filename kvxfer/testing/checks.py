@@ -12,6 +12,7 @@ import msgspec
 import zmq
 
 from kvxfer.plan import DEFAULT_STAGING_SLOTS
+from kvxfer.session import wire
 from kvxfer.testing.memory import BlockIds
 from kvxfer.testing.rig import Consumer, Producer
 
@@ -167,6 +168,9 @@ def garbage_frames(rng: random.Random, oversized: bool = False) -> list[tuple[st
         "staging_region": None,
         "staging_slot_bytes": 0,
     }
+    # Well-formed messages of this protocol version that no producer may accept.
+    unasked = wire.Handshake(client_nonce="00", server_nonce="11", claim=b"x", proof="00")
+    other_service = wire.Hello(service="teleport", name="evil", nonce="22")
     frames = [
         ("not msgpack", [b"\x00\xffnot msgpack"]),
         ("empty frame", [b""]),
@@ -179,6 +183,8 @@ def garbage_frames(rng: random.Random, oversized: bool = False) -> list[tuple[st
         ("forged done", [pack({"type": "request_done", "version": 1, "session": "forged"})]),
         ("bad handshake", [pack(forged_hello)]),
         ("forged session frames", [b"forged", pack(forged_transfer), bytes(16)]),
+        ("handshake without a challenge", [wire.encode(unasked)]),
+        ("hello of another service", [wire.encode(other_service)]),
         ("four frames", [b"a", b"b", b"c", b"d"]),
     ]
     if oversized:

@@ -125,17 +125,15 @@ def test_a_lost_session_is_shaken_again_once_but_a_leases_session_is_not(convers
     assert [len(frames) for frames in sent] == [3, 1, 1, 3]  # refused, shaken again, asked
 
 
-def test_a_refused_session_is_dropped_for_every_conversation(conversations, server):
+def test_a_refused_question_fails_alone_and_the_session_goes_on(conversations, server):
     _, link = _run(_query(conversations), server)
     refused = _query(conversations)
     next(refused)
     with pytest.raises(ECLoadError, match="refused: no"):
-        refused.send(refusal("no"))  # the client closes on a refusal...
-    assert not link.is_open and conversations.link(ADDRESS) is None  # ...and it is dropped
+        refused.send(refusal("no"))  # that conversation fails...
+    assert link.is_open and conversations.link(ADDRESS) is link  # ...the session stays
 
-    done = conversations.ask(ADDRESS, lambda ref: ECDone(ref=ref, lease="l1"), link)
-    with pytest.raises(ECLoadError, match="the session was closed"):
-        next(done)  # a conversation bound to it ends; nothing is sealed on a closed session
     sent: list[list[bytes]] = []
-    _, fresh = _run(_query(conversations), server, sent=sent)
-    assert fresh.is_open and [len(frames) for frames in sent] == [1, 1, 3]  # a new handshake
+    answer, same = _run(_query(conversations), server, sent=sent)
+    assert isinstance(answer, ECInfo) and same is link
+    assert [len(frames) for frames in sent] == [3]  # asked on it, no new handshake

@@ -59,7 +59,8 @@ class Link:
     """An open session with a producer, and the Mooncake endpoint the producer named.
 
     Conversations running at once share it: once open, a `SessionClient` is only read (to seal
-    and to check frames), except that a refusal closes it, after which it is dropped.
+    and to check frames); a refusal fails only the conversation refused, and a session the
+    producer lost is dropped (the next conversation shakes hands again).
     """
 
     client: SessionClient
@@ -154,22 +155,20 @@ class Conversations:
                 link = self.link(address)
             if link is None:
                 link = yield from self.handshake(address)
-            if link.is_open:
-                ref = next(self._refs)
-                event = link.client.receive((yield link.client.seal(encode(make(ref)))))
-                if isinstance(event, Delivered):
-                    answer = decode(event.payload)
-                    if getattr(answer, "ref", None) != ref:
-                        raise ProtocolError("an answer to another question")
-                    return answer, link
-                if not isinstance(event, Rejected):
-                    raise ProtocolError(f"expected an answer, got {type(event).__name__}")
-                lost, reason = event.session_lost, event.reason
-            else:  # a refusal of another conversation closed it meanwhile
-                lost, reason = True, "the session was closed"
+            ref = next(self._refs)
+            event = link.client.receive((yield link.client.seal(encode(make(ref)))))
+            if isinstance(event, Delivered):
+                answer = decode(event.payload)
+                if getattr(answer, "ref", None) != ref:
+                    raise ProtocolError("an answer to another question")
+                return answer, link
+            if not isinstance(event, Rejected):
+                raise ProtocolError(f"expected an answer, got {type(event).__name__}")
+            if not event.session_lost:  # this question only: the session goes on
+                raise ECLoadError(f"producer {address} refused: {event.reason}")
             self._forget(address, link)
-            if not (lost and attempt == 0 and not fixed):
-                raise ECLoadError(f"producer {address} refused: {reason}")
+            if attempt > 0 or fixed:
+                raise ECLoadError(f"producer {address} refused: {event.reason}")
             link = None
         raise ECLoadError(f"producer {address} lost the session twice")
 
