@@ -12,7 +12,6 @@ from kvxfer.state import StateComponent, StateLayout
 X, GROUPS_SS, STATE_LEN = 16, 8, 3  # conv sub-projections x, B, C: 16 + 8 + 8 channels
 SSM_HEADS, HEAD_DIM, D_STATE = 8, 4, 4
 PAGE_BYTES, NUM_BLOCKS, NUM_LAYERS = 1024, 6, 2
-POISON = 0xA5
 
 
 def components(state_len: int = STATE_LEN) -> tuple[StateComponent, ...]:

@@ -36,11 +36,11 @@ from kvxfer.session.protocol import (
     SessionClient,
     SessionServer,
 )
+from kvxfer.testing import POISON
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 SECRET = "correct horse battery staple"
 ITEM = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
-POISON = 0xA5
 
 
 @pytest.fixture

@@ -29,13 +29,13 @@ from ec_cases import (
 )
 
 from kvxfer.ec import ECConnectorFactory, ECLoadError
+from kvxfer.testing import POISON
 from kvxfer.testing.signals import freeze, stopped, thread_states, wait_stopped
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 ITEMS = items()
 HASHES = list(ITEMS)
 BIG = 16 << 20  # float32 elements: a 64 MiB item, far more than a socket buffer holds
-POISON = 0xA5
 # For tests of what is loaded, not how fast: a producer slow to answer on a loaded machine is
 # waited for, never skipped (the timing tests keep the defaults, 0.5 s and 5 s).
 PATIENT = {"query_timeout_s": 30.0, "retry_after_s": 0.0}

@@ -42,6 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvxfer.testing.memory import POISON
+
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 6, 16, 256
 MODEL = {
     "architectures": ["LlamaForCausalLM"],
@@ -79,7 +81,6 @@ MULTIMODAL_MODEL = {
     "vision_feature_select_strategy": "default",
     "torch_dtype": "bfloat16",
 }
-POISON = 0xA5
 
 
 def write_model(directory: Path, config: dict[str, Any] = MODEL) -> str:
