@@ -12,7 +12,6 @@ import torch
 from state_cases import (
     NUM_BLOCKS,
     PAGE_BYTES,
-    POISON,
     components,
     global_states,
     layout,
@@ -24,6 +23,7 @@ from state_cases import (
 from kvxfer import reshard
 from kvxfer.connector import GroupedConsumer, GroupedProducer
 from kvxfer.state import StateComponent, StateLayout
+from kvxfer.testing import POISON
 
 SRC_BLOCK, DST_BLOCK = 4, 1
 TP_PAIRS = [(2, 4), (4, 2), (1, 2), (2, 2)]

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from state_cases import POISON, global_states, layout, pages, write_state
+from state_cases import global_states, layout, pages, write_state
 
 from kvxfer import reshard
+from kvxfer.testing import POISON
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
