@@ -183,6 +183,29 @@ def test_cost_model_prefers_pack_unpack_when_layouts_scatter():
         assert by_name["pack+unpack"].num_ops < by_name["pack"].num_ops < by_name["direct"].num_ops
 
 
+def test_equal_estimates_choose_pack_unpack_whose_short_reads_stay_one_segment():
+    # kvxfer bench's and benchmarks/latency.py's pair: pack and pack+unpack tie at the
+    # reference request (whole blocks), but a 16-token request fills half a decode block, and
+    # pack's read then breaks at every unwritten slot. (A connector's plans land in the
+    # consumer's staging: pack's mirror then is one segment too, for whole blocks.)
+    src = side_specs(2, heads=8, block_size=16, layout="NHD", num_layers=8, head_dim=128)
+    dst = side_specs(4, heads=8, block_size=32, layout="HND", num_layers=8, head_dim=128)
+    plans = plan_pairs(src, dst, landing=True)
+    for plan in plans:
+        by_name = {e.strategy: e for e in plan.estimates}
+        assert by_name["pack"].seconds == by_name["pack+unpack"].seconds
+        assert plan.strategy == "pack+unpack"
+    route = plans[0].route
+    one = np.zeros(1, dtype=np.int64)
+
+    def reads(strategy: str) -> int:
+        program = build_program(route, strategy, src[0], dst[0], one, one, 0, 16, landing=True)
+        return len(program.segments)
+
+    assert reads("pack+unpack") == 1
+    assert reads("pack") > 8  # a piece per layer, plane and head at least
+
+
 def test_cost_model_constants_change_the_choice():
     # When kernel passes are very expensive and operations free, direct wins.
     src = side_specs(2, heads=8, block_size=16, num_layers=2)

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvxfer.plan.cost import Chunking, CostModel, choose_chunking
-from kvxfer.plan.pairs import PairPlan
+from kvxfer.plan.pairs import PairPlan, by_preference
 from kvxfer.plan.program import chunk_alignment, max_chunk_tokens
 from kvxfer.spec import KVCacheSpec
 
@@ -72,7 +72,7 @@ def fit_pair(
         ValueError: no strategy, or not the forced one, fits one token (or `chunk_tokens`) in
             a slot; the message names what to change.
     """
-    order = [plan.chosen] if forced else sorted(plan.estimates, key=lambda e: e.seconds)
+    order = [plan.chosen] if forced else by_preference(plan.estimates)
     refusals = []
     for estimate in order:
         strategy = estimate.strategy

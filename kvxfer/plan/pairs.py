@@ -225,7 +225,20 @@ def _plan_into(
         estimates = estimate_strategies(
             strategies, route, src[route.src_rank], d, model, reference_tokens, landing
         )
-        # min() keeps the first of equal costs: STRATEGIES lists the simplest first.
-        chosen = forced or min(estimates, key=lambda e: e.seconds).strategy
+        chosen = forced or by_preference(estimates)[0].strategy
         plans.append(PairPlan(route, chosen, estimates))
     return plans
+
+
+# Equal estimates: the simplest strategy first (STRATEGIES' order), except that pack+unpack goes
+# before pack. The two tie whenever a mirror copy costs what a wire-buffer copy does (the
+# Triton kernels), and the reference request fills its blocks; but a real request's last block
+# is partly filled, and pack's read then breaks at every unwritten slot (a 16-token request
+# from TP 2 to TP 4: 64 segments per decode rank against pack+unpack's one, the first cause of
+# its fixed latency; benchmarks/latency.py, benchmarks/RESULTS.md).
+_TIE_ORDER = {"direct": 0, "pack+unpack": 1, "pack": 2, "unpack": 3}
+
+
+def by_preference(estimates: Sequence[StrategyEstimate]) -> list[StrategyEstimate]:
+    """Estimates from the cheapest; equal ones in `_TIE_ORDER` (pack+unpack before pack)."""
+    return sorted(estimates, key=lambda e: (e.seconds, _TIE_ORDER[e.strategy]))
