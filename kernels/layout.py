@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import overload
@@ -67,7 +68,7 @@ class KVBuffer:
         """Whether tokens are found through a block table."""
         return self.block_ids is not None
 
-    @property
+    @functools.cached_property  # asked several times per copy; the layers never change
     def canonical_shape(self) -> tuple[int, int, int, int, int]:
         """(planes, blocks, block_size, heads, head_dim)."""
         return canonical_shape(self.layers[0], self.layout, self.kv_placement, self.mla)
