@@ -261,6 +261,8 @@ class KVProducer:
             raise
         if aborted:
             self._release(request_id, "its decode engine aborted it before the publish")
+        else:  # chunks asked for before the publish are served now, not at the next tick
+            self._server.post(self._serve_waiting)
 
     @property
     def pending_requests(self) -> list[str]:
@@ -483,6 +485,12 @@ class KVProducer:
             self._expire_leases(session, now)
             if session.waiting:
                 self._dispatch_waiting(session, now)
+
+    def _serve_waiting(self) -> None:
+        now = time.monotonic()
+        for link in self._sessions.open_sessions():
+            if link.state.waiting:
+                self._dispatch_waiting(link.state, now)
 
     def _dispatch_waiting(self, session: _Session, now: float) -> None:
         still = []

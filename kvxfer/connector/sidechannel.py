@@ -2,14 +2,16 @@
 
 It owns sockets and framing only: each incoming message (an identity, then its frames) goes
 to the service's `on_frames`, which must never block (work that may wait goes to the
-service's own per-peer workers); replies may be sent from any thread. The KV producer and
-the encoder-cache producer both serve through it.
+service's own per-peer workers); replies may be sent from any thread, and so may work for the
+server thread (`post`: it runs at once, not at the next tick). The KV producer and the
+encoder-cache producer both serve through it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import threading
 from collections.abc import Callable
 
@@ -18,6 +20,7 @@ import zmq
 log = logging.getLogger(__name__)
 
 HARD_FRAME_LIMIT = 64 << 20  # ZeroMQ drops peers that send more; smaller frames get a reply
+_POSTED = b""  # an outbox message of this one frame: run what was posted (never an identity)
 _instances = itertools.count()
 
 
@@ -69,6 +72,7 @@ class SideChannelServer:
         self._local = threading.local()
         self._senders: list[zmq.Socket] = []
         self._senders_lock = threading.Lock()
+        self._posted: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
@@ -80,6 +84,19 @@ class SideChannelServer:
         if threading.current_thread() is self._thread:
             self._router.send_multipart([identity, *frames])
             return
+        self._outbox_socket().send_multipart([identity, *frames])
+
+    def post(self, work: Callable[[], None]) -> None:
+        """Run `work` on the server thread as soon as it is free (from any thread): what must
+        not wait for the next tick, such as serving chunks that waited for a publish."""
+        if self._stop.is_set():
+            return
+        self._posted.put(work)
+        if threading.current_thread() is not self._thread:
+            self._outbox_socket().send_multipart([_POSTED])
+
+    def _outbox_socket(self) -> zmq.Socket:
+        """This thread's PUSH socket into the server thread's outbox."""
         sock = getattr(self._local, "sock", None)
         if sock is None:
             sock = self._ctx.socket(zmq.PUSH)
@@ -87,13 +104,14 @@ class SideChannelServer:
             self._local.sock = sock
             with self._senders_lock:
                 self._senders.append(sock)
-        sock.send_multipart([identity, *frames])
+        return sock
 
     def close(self) -> None:
         """Stop the thread and close every socket."""
         if self._stop.is_set():
             return
         self._stop.set()
+        self._outbox_socket().send_multipart([_POSTED])  # end the poll now, not at its tick
         self._thread.join()
         with self._senders_lock:
             for sock in self._senders:
@@ -112,13 +130,24 @@ class SideChannelServer:
                 self._drain(self._router, self._dispatch)
             if self._outbox in events:
                 self._drain(self._outbox, self._forward)
+            self._run_posted()
             if self._on_tick is not None:
                 self._guarded(self._on_tick)
 
     def _dispatch(self, frames: list[bytes]) -> None:
         self._guarded(self._on_frames, frames[0], frames[1:])
 
+    def _run_posted(self) -> None:
+        while True:
+            try:
+                work = self._posted.get_nowait()
+            except queue.Empty:
+                return
+            self._guarded(work)
+
     def _forward(self, frames: list[bytes]) -> None:
+        if frames == [_POSTED]:
+            return  # a wake-up: `_run_posted` follows the drain
         try:
             self._router.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the peer is gone or not reading: its loss only

@@ -299,6 +299,8 @@ class KVConsumer:
 
     def _drain(self, sock: zmq.Socket) -> None:
         self._sessions.drain(sock)
+        for pending, done in list(self._connects):  # a handshake may have finished now
+            self._await_sessions(pending, done)
 
     def _tick(self) -> None:
         now = time.monotonic()

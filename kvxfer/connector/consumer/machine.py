@@ -291,7 +291,7 @@ class FetchMachine:
         self._advance(chunk, ChunkEvent.COPIED)
         self._release_slot(chunk)
         chunk.fetch.handle.chunks_done += 1
-        self._finish_if_done(chunk.fetch)
+        self._move_on(chunk.fetch)
 
     def _fail(self, chunk: Chunk, why: str) -> None:
         """Give up on `chunk`, unless it is settled, or copying (the copy settles it)."""
@@ -308,6 +308,16 @@ class FetchMachine:
         else:
             self._release_slot(chunk)
         self._finish_if_done(chunk.fetch)
+
+    def _move_on(self, fetch: Fetch) -> None:
+        """A chunk of `fetch` landed in the cache and freed its place in flight and its slot:
+        ask for the next chunks and start the reads that waited for a slot now, not at the
+        next tick (a fetch of many chunks would otherwise wait up to a tick per chunk), or
+        finish. (A failed chunk leaves its successors to the tick: an abandoned fetch fails
+        its chunks one by one and must not ask for the next meanwhile.)"""
+        if fetch in self.fetches and not fetch.handle.done():
+            self._send_ready(fetch)
+        self._finish_if_done(fetch)
 
     def _release_slot(self, chunk: Chunk) -> None:
         if chunk.slot is not None:

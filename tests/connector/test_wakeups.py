@@ -1,0 +1,81 @@
+"""The fetch path wakes on events, never on the periodic ticks (issue 23, "a request costs what
+the wire costs"): with every tick stretched to a minute, a connect, a fetch asked before its
+publish, and a fetch of many chunks one at a time still complete at once, bit-exact. Before,
+each of them waited for a tick (the consumer's 10 ms, the producer's 10 ms) at least once.
+
+In one process over real Mooncake TCP on 127.0.0.1; the ticks are patched on the classes
+before the producers and consumers start, so every loop of this test sleeps up to a minute
+between turns unless an event wakes it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvxfer.connector import KVConsumer, KVProducer
+from kvxfer.connector import sidechannel as sidechannel_module
+from kvxfer.connector.consumer import loop as loop_module
+from kvxfer.connector.sidechannel import SideChannelServer
+from kvxfer.testing import make_scenario, side_specs
+
+A_MINUTE = 60.0
+WAIT_S = 20.0  # far below a tick: a result within it came from an event
+
+
+@pytest.fixture
+def slow_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loop_module, "_TICK_S", A_MINUTE)
+    original = SideChannelServer.__init__
+
+    def with_slow_tick(self: SideChannelServer, *args: object, **kwargs: object) -> None:
+        kwargs["tick_s"] = A_MINUTE
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sidechannel_module.SideChannelServer, "__init__", with_slow_tick)
+
+
+def test_posted_work_runs_without_waiting_for_a_tick(slow_ticks: None) -> None:
+    ran = threading.Event()
+    server = SideChannelServer("127.0.0.1", 0, lambda identity, frames: None, lambda: None)
+    try:
+        # The server thread is asleep in a minute-long poll: only the post's wake-up runs it.
+        server.post(ran.set)
+        assert ran.wait(WAIT_S), "posted work waited for the tick"
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 16], ids=["one-chunk", "chunks-of-16"])
+def test_connect_late_publish_and_chunks_need_no_tick(slow_ticks: None, chunk_tokens) -> None:
+    num_tokens = 100
+    src = side_specs(2, heads=4, block_size=16, num_blocks=40)
+    dst = side_specs(2, heads=4, block_size=32, layout="HND", num_blocks=40)
+    scenario = make_scenario(src, dst, num_tokens)
+    # One slot each side: a chunk of 16 tokens is asked only once the one before is copied.
+    pool = {"staging_bytes": 1 << 16, "staging_slots": 1}
+    producers = [KVProducer(s, c, "prefill", **pool) for s, c, _ in scenario.src]
+    consumers = [
+        KVConsumer(s, c, "decode", chunk_tokens=chunk_tokens, **pool) for s, c, _ in scenario.dst
+    ]
+    try:
+        for consumer in consumers:  # completes when the handshakes do, not at a tick
+            consumer.connect([p.address for p in producers], timeout=WAIT_S)
+        handles = [
+            consumer.fetch("r", ids, num_tokens, timeout=2 * WAIT_S)
+            for consumer, (_, _, ids) in zip(consumers, scenario.dst, strict=True)
+        ]
+        # The asks arrived before the request exists: the publish serves them at once.
+        for producer, (_, _, ids) in zip(producers, scenario.src, strict=True):
+            producer.publish("r", ids, num_tokens)
+        results = [handle.wait(WAIT_S) for handle in handles]
+        assert all(r.ok for r in results), [r.errors for r in results]
+        if chunk_tokens is not None:
+            assert all(h.chunks_done == -(-num_tokens // chunk_tokens) for h in handles)
+        scenario.assert_exact()
+    finally:
+        for consumer in consumers:
+            consumer.close()
+        for producer in producers:
+            producer.close()
