@@ -1,0 +1,58 @@
+"""benchmarks/latency.py runs end to end: `--quick --json` starts the prefill and decode
+processes, fetches every request on all four decode ranks, checks every byte, stops by itself,
+and prints one JSON object of the documented shape. Its speed is never asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "latency.py"
+ENV = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
+QUICK_TOKENS = [16, 128]
+
+
+def test_quick_json_checks_every_fetch():
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=ENV,
+        cwd=ROOT,
+    )
+    # 0 only when every fetch was ok, every fetched byte matched kvxfer.reference, every
+    # floor read matched and every published request was released.
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    report = json.loads(run.stdout)
+    assert set(report) >= {"rows", "concurrent", "idle_cpu", "config", "checks"}
+
+    rows = report["rows"]
+    assert [r["tokens"] for r in rows] == QUICK_TOKENS
+    for row in rows:
+        assert set(row) == {"tokens", "bytes", "kvxfer_ms", "floor_ms", "ratio"}
+        assert row["bytes"] == 8 * 2 * 8 * 128 * 2 * row["tokens"]
+        assert row["kvxfer_ms"] > 0 and row["floor_ms"] > 0 and row["ratio"] > 0
+
+    concurrent = report["concurrent"]
+    assert set(concurrent) == {"requests", "tokens", "kvxfer_per_s", "floor_serial_per_s", "ratio"}
+    assert concurrent["requests"] == 4 and concurrent["tokens"] == 256
+    assert concurrent["kvxfer_per_s"] > 0 and concurrent["floor_serial_per_s"] > 0
+
+    assert set(report["idle_cpu"]) == {"prefill", "decode"}
+    assert all(v >= 0 for v in report["idle_cpu"].values())
+
+    checks = report["checks"]
+    assert checks["passed"], checks
+    rounds = report["config"]["repeats"] + report["config"]["warmup_rounds"]
+    requests = rounds * (len(QUICK_TOKENS) + concurrent["requests"])
+    assert checks["fetches"] == checks["fetches_ok"] == 4 * requests  # four decode ranks each
+    assert checks["bad_blocks"] == 0 and checks["bytes_checked"] > 0
+    assert checks["published"] == checks["released"] == requests
+    assert report["errors"] == []
+    assert report["config"]["prefill"] == {"tp": 2, "block_size": 16, "layout": "NHD"}
+    assert report["config"]["decode"] == {"tp": 4, "block_size": 32, "layout": "HND"}
