@@ -55,7 +55,7 @@ from kvxfer.connector.messages import (
     encode,
 )
 from kvxfer.connector.registration import CacheRegistration
-from kvxfer.connector.requests import RequestTable
+from kvxfer.connector.requests import PublishedRequest, RequestTable
 from kvxfer.connector.sidechannel import SideChannelServer
 from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.streams import Fence, copy_stream_for
@@ -211,9 +211,15 @@ class KVProducer:
         num_tokens: int,
         deadline_s: float | None = None,
         first_token: int = 0,
+        ready_tokens: int | None = None,
     ) -> None:
         """Offer a request's KV (tokens `[first_token, num_tokens)` in `block_ids`) to decode
         ranks.
+
+        `ready_tokens`: publish while the prefill still runs (its blocks allocated, tokens
+        before `ready_tokens` computed; None: all of them). Chunks of tokens not ready yet are
+        held until `mark_ready` covers them, so a decode rank's fetch, asked for at once, reads
+        each chunk of a chunked prefill as soon as it is computed; `fail` ends it early.
 
         `first_token` > 0: the tokens before it are not held (a sliding-window cache group's
         dropped blocks, whose `block_ids` entries are never read); a fetch that asks for them
@@ -247,13 +253,14 @@ class KVProducer:
                 "the first token whose KV the blocks still hold (0 for all of them)"
             )
         ids = check_block_ids(self.spec, block_ids, tokens, where, held_from)
+        ready = tokens if ready_tokens is None else _check_ready(ready_tokens, tokens, where)
         timeout = self._request_timeout_s if deadline_s is None else deadline_s
         fence = self._copy_stream.fence()  # before the table: a pack may start right after it
         if fence is not None:
             with self._lock:
                 self._fences[request_id] = fence
         try:
-            aborted = self._requests.publish(request_id, ids, tokens, timeout, held_from)
+            aborted = self._requests.publish(request_id, ids, tokens, timeout, held_from, ready)
         except ValueError:
             if fence is not None and self._requests.get(request_id) is None:
                 with self._lock:
@@ -263,6 +270,34 @@ class KVProducer:
             self._release(request_id, "its decode engine aborted it before the publish")
         else:  # chunks asked for before the publish are served now, not at the next tick
             self._server.post(self._serve_waiting)
+
+    def mark_ready(self, request_id: str, tokens: int) -> None:
+        """Tokens before `tokens` of a request published with `ready_tokens` are computed now:
+        the chunks they complete are served at once.
+
+        CUDA: as `publish`, call it on the thread and current stream that wrote those tokens
+        (packs from now on run after what that stream enqueued before this call).
+
+        Raises:
+            ValueError: the request is not live, or `tokens` is below what was ready or beyond
+                its length.
+        """
+        where = f"mark_ready({request_id!r})"
+        tokens = _check_ready(tokens, None, where)
+        fence = self._copy_stream.fence()
+        self._requests.mark_ready(request_id, tokens)
+        if fence is not None:
+            with self._lock:
+                self._fences[request_id] = fence  # later than the publish's: covers these
+        self._server.post(self._serve_waiting)
+
+    def fail(self, request_id: str, reason: str = "the prefill failed") -> None:
+        """The prefill of a request published with `ready_tokens` failed or was aborted
+        half-way: every chunk not served yet fails (its fetch reports those blocks), chunks
+        being read fail their confirmation, and the request is released once. Unknown or
+        released ids are ignored."""
+        if self._requests.fail(request_id, reason):
+            self._server.post(lambda: self._fail_request(request_id))
 
     @property
     def pending_requests(self) -> list[str]:
@@ -409,12 +444,13 @@ class KVProducer:
                 f"{session.spec.rank_name} needs"
             )
             self._send(session, _failed(ask, reason))
-        elif self._requests.get(ask.request_id) is not None:
+        elif _servable(self._requests.get(ask.request_id), ask):
             self._serve_chunk(session, ask)
         elif self._requests.was_released(ask.request_id):
             self._send(session, _failed(ask, "the request was already released"))
         elif len(session.waiting) >= _MAX_WAITING_PER_SESSION:
-            self._send(session, _failed(ask, "too many chunks wait for unpublished requests"))
+            reason = "too many chunks wait for unpublished requests or uncomputed tokens"
+            self._send(session, _failed(ask, reason))
         else:
             session.waiting.append(_Waiting(ask, time.monotonic() + ask.wait_seconds))
 
@@ -422,6 +458,9 @@ class KVProducer:
         request = self._requests.get(ask.request_id)
         if request is None:
             self._send(session, _failed(ask, "the request was released before its chunk ran"))
+            return
+        if request.failure:
+            self._send(session, _failed(ask, f"the prefill failed: {request.failure}"))
             return
         if ask.num_tokens != request.num_tokens or not (
             request.first_token <= ask.token_start < ask.token_end <= request.num_tokens
@@ -486,6 +525,11 @@ class KVProducer:
             if session.waiting:
                 self._dispatch_waiting(session, now)
 
+    def _fail_request(self, request_id: str) -> None:
+        """(side-channel thread) Answer the request's held chunks, then release it."""
+        self._serve_waiting()
+        self._release(request_id, "its prefill failed")
+
     def _serve_waiting(self) -> None:
         now = time.monotonic()
         for link in self._sessions.open_sessions():
@@ -495,12 +539,14 @@ class KVProducer:
     def _dispatch_waiting(self, session: _Session, now: float) -> None:
         still = []
         for chunk in session.waiting:
-            if self._requests.get(chunk.ask.request_id) is not None:
+            request = self._requests.get(chunk.ask.request_id)
+            if _servable(request, chunk.ask):
                 self._serve_chunk(session, chunk.ask)
             elif self._requests.was_released(chunk.ask.request_id):
                 self._send(session, _failed(chunk.ask, "the request was already released"))
             elif now >= chunk.deadline:
-                reason = f"not published within {chunk.ask.wait_seconds:.1f} s"
+                what = "published" if request is None else "computed (mark_ready)"
+                reason = f"not {what} within {chunk.ask.wait_seconds:.1f} s"
                 self._send(session, _failed(chunk.ask, reason))
             else:
                 still.append(chunk)
@@ -664,3 +710,30 @@ def _with_staging(ready: ChunkReady, staging: RegionInfo) -> ChunkReady:
 
 def _failed(ask: TransferRequest, reason: str) -> ChunkFailed:
     return ChunkFailed(request_id=ask.request_id, chunk_id=ask.chunk_id, reason=reason)
+
+
+def _check_ready(ready_tokens: object, num_tokens: int | None, where: str) -> int:
+    """`ready_tokens` as an int in `[0, num_tokens]` (no upper bound when None)."""
+    if isinstance(ready_tokens, bool) or not isinstance(ready_tokens, (int, np.integer)):
+        raise ValueError(f"{where}: ready_tokens must be an int, got {ready_tokens!r}")
+    ready = int(ready_tokens)
+    if ready < 0 or (num_tokens is not None and ready > num_tokens):
+        raise ValueError(
+            f"{where}: ready_tokens {ready} is outside [0, num_tokens={num_tokens}]; pass how "
+            "many of the request's first tokens are computed"
+        )
+    return ready
+
+
+def _servable(request: PublishedRequest | None, ask: TransferRequest) -> bool:
+    """Whether a chunk can be answered now: its request is published, and its tokens are
+    computed, or the prefill failed, or the ask does not fit the request (the answer is then
+    the failure or the refusal, at once)."""
+    if request is None:
+        return False
+    awaits_compute = (
+        not request.failure
+        and ask.num_tokens == request.num_tokens
+        and request.ready_tokens < ask.token_end <= request.num_tokens
+    )
+    return not awaits_compute

@@ -30,6 +30,8 @@ class PublishedRequest:
     deadline: float
     generation: int  # tells this publication from an earlier one of the same id
     first_token: int = 0  # tokens before it are not held (a sliding window's dropped blocks)
+    ready_tokens: int = 0  # tokens before it are computed: chunks up to it can be served
+    failure: str = ""  # the prefill failed it: every chunk not served yet fails with this
     fetchers: dict[str, int] = field(default_factory=dict)  # engine id -> its ranks (PP x TP)
     reported: set[tuple[str, int]] = field(default_factory=set)  # (engine, rank) done
 
@@ -56,9 +58,11 @@ class RequestTable:
         num_tokens: int,
         timeout: float,
         first_token: int = 0,
+        ready_tokens: int | None = None,
     ) -> bool:
         """Add a request that expires `timeout` seconds from now, holding tokens
-        `[first_token, num_tokens)`.
+        `[first_token, num_tokens)`, of which those before `ready_tokens` (default: all) are
+        computed.
 
         Returns:
             Whether a decode engine aborted the request before it was published: then release
@@ -75,9 +79,44 @@ class RequestTable:
                     f"request_id: {request_id!r} was already published; use a new id per request"
                 )
             self._live[request_id] = PublishedRequest(
-                block_ids, num_tokens, now + timeout, next(_generations), first_token=first_token
+                block_ids,
+                num_tokens,
+                now + timeout,
+                next(_generations),
+                first_token=first_token,
+                ready_tokens=num_tokens if ready_tokens is None else ready_tokens,
             )
             return self._aborted.pop(request_id, None) is not None
+
+    def mark_ready(self, request_id: str, tokens: int) -> None:
+        """Tokens before `tokens` are computed now (never fewer than before).
+
+        Raises:
+            ValueError: the request is not live, or `tokens` is below what was ready or above
+                its length.
+        """
+        with self._lock:
+            request = self._live.get(request_id)
+            if request is None:
+                raise ValueError(
+                    f"mark_ready({request_id!r}): not published, or released already; publish "
+                    "it first (with ready_tokens for a prefill still running)"
+                )
+            if not request.ready_tokens <= tokens <= request.num_tokens:
+                raise ValueError(
+                    f"mark_ready({request_id!r}): tokens {tokens} outside "
+                    f"[{request.ready_tokens}, {request.num_tokens}] (what was ready, the "
+                    "request's length); readiness only grows"
+                )
+            request.ready_tokens = tokens
+
+    def fail(self, request_id: str, reason: str) -> bool:
+        """The prefill will not compute the rest of the request. Returns whether it is live."""
+        with self._lock:
+            request = self._live.get(request_id)
+            if request is not None:
+                request.failure = reason or "the prefill failed"
+            return request is not None
 
     def get(self, request_id: str) -> PublishedRequest | None:
         """The live request, if published and not released."""

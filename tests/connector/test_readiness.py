@@ -1,0 +1,150 @@
+"""Readiness finer than the request (issue 23): a producer publishes a request while its prefill
+still runs (`ready_tokens`), marks chunks of tokens computed (`mark_ready`, as a chunked prefill
+advances), and a fetch asked for at once is served chunk by chunk as they become ready; a
+prefill that fails half-way (`fail`) fails the fetch with exactly the blocks it had not written,
+no late byte lands, and the request is released once.
+
+In one process over real Mooncake TCP on 127.0.0.1, decode blocks of 32 tokens fetched in
+chunks of 32 (a chunk is a decode block), every byte compared with `kvxfer.reference`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvxfer.connector import KVConsumer, KVProducer
+from kvxfer.testing import POISON, bits, make_scenario, side_specs
+
+NUM_TOKENS = 128
+CHUNK = 32
+WAIT_S = 30.0
+
+
+class Streamed:
+    """Two prefill ranks (blocks of 16, NHD) -> two decode ranks (blocks of 32, HND)."""
+
+    def __init__(self) -> None:
+        src = side_specs(2, heads=4, block_size=16, num_blocks=40)
+        dst = side_specs(2, heads=4, block_size=32, layout="HND", num_blocks=40)
+        self.scenario = make_scenario(src, dst, NUM_TOKENS)
+        self.released: list[str] = []
+        pool = {"staging_bytes": 1 << 16, "staging_slots": 2}
+        self.producers = [
+            KVProducer(s, c, "prefill", release=self.released.append, **pool)
+            for s, c, _ in self.scenario.src
+        ]
+        self.consumers = [
+            KVConsumer(s, c, "decode", chunk_tokens=CHUNK, **pool) for s, c, _ in self.scenario.dst
+        ]
+        for consumer in self.consumers:
+            consumer.connect([p.address for p in self.producers])
+
+    def publish(self, ready_tokens: int) -> None:
+        for producer, (_, _, ids) in zip(self.producers, self.scenario.src, strict=True):
+            producer.publish("r", ids, NUM_TOKENS, ready_tokens=ready_tokens)
+
+    def fetch(self) -> list:
+        return [
+            consumer.fetch("r", ids, NUM_TOKENS, timeout=WAIT_S)
+            for consumer, (_, _, ids) in zip(self.consumers, self.scenario.dst, strict=True)
+        ]
+
+    def mark_ready(self, tokens: int) -> None:
+        for producer in self.producers:
+            producer.mark_ready("r", tokens)
+
+    def close(self) -> None:
+        for consumer in self.consumers:
+            consumer.close()
+        for producer in self.producers:
+            producer.close()
+
+
+@pytest.fixture
+def streamed():
+    engines = Streamed()
+    yield engines
+    engines.close()
+
+
+def wait_for_chunks(handles: list, count: int) -> None:
+    """Until every handle has `count` chunks in its cache (a state to reach, not a delay)."""
+    deadline = time.monotonic() + WAIT_S
+    while not all(h.chunks_done >= count for h in handles):
+        assert time.monotonic() < deadline, [h.chunks_done for h in handles]
+        time.sleep(0.005)
+
+
+def blocks_hold(streamed: Streamed, first: int, last: int, expected: bool) -> bool:
+    """Whether decode blocks `[first, last)` of the request hold what they must (or, with
+    `expected` False, still the poison) on every decode rank, every layer."""
+    for (_, caches, ids), want in zip(
+        streamed.scenario.dst, streamed.scenario.expected, strict=True
+    ):
+        for got, ref in zip(caches, want, strict=True):
+            for block in ids[first:last].tolist():
+                got_block = bits(got.select(1, block))  # HND kv_first: [2, blocks, ...]
+                if expected and not torch.equal(got_block, bits(ref.select(1, block))):
+                    return False
+                if not expected and not bool((got_block == POISON).all()):
+                    return False
+    return True
+
+
+def test_a_fetch_asked_early_is_served_chunk_by_chunk_as_tokens_are_marked(streamed):
+    streamed.publish(ready_tokens=0)
+    handles = streamed.fetch()
+    streamed.mark_ready(CHUNK)
+    wait_for_chunks(handles, 1)
+    assert not any(h.done() for h in handles)  # the other chunks are not computed yet
+    assert blocks_hold(streamed, 0, 1, expected=True)
+    streamed.mark_ready(100)  # completes the chunks of tokens [32, 96)
+    wait_for_chunks(handles, 3)
+    assert not any(h.done() for h in handles)  # [96, 128) needs token 127
+    streamed.mark_ready(NUM_TOKENS)
+    results = [h.wait(WAIT_S) for h in handles]
+    assert all(r.ok for r in results), [r.errors for r in results]
+    streamed.scenario.assert_exact()
+
+
+def test_a_prefill_that_fails_half_way_fails_exactly_the_blocks_not_written(streamed):
+    streamed.publish(ready_tokens=0)
+    handles = streamed.fetch()
+    streamed.mark_ready(2 * CHUNK)
+    wait_for_chunks(handles, 2)
+    # The decode ranks asked for the other two chunks, which their producers hold.
+    deadline = time.monotonic() + WAIT_S
+    while not all(p.stats_snapshot()["waiting_chunks"] == 2 for p in streamed.producers):
+        assert time.monotonic() < deadline, [p.stats_snapshot() for p in streamed.producers]
+        time.sleep(0.005)
+    for producer in streamed.producers:
+        producer.fail("r", "the prefill engine aborted the request")
+    results = [h.wait(WAIT_S) for h in handles]
+    for result, (_, _, ids) in zip(results, streamed.scenario.dst, strict=True):
+        assert not result.ok
+        assert result.failed_block_ids == sorted(ids[2:].tolist())
+        assert any("aborted the request" in e for e in result.errors), result.errors
+    assert blocks_hold(streamed, 0, 2, expected=True)
+    assert blocks_hold(streamed, 2, 4, expected=False)  # nothing landed, nor lands later
+    assert sorted(streamed.released) == ["r", "r"]  # once per prefill rank
+    for producer in streamed.producers:
+        assert producer.pending_requests == []
+
+
+def test_readiness_errors_name_the_problem(streamed):
+    with pytest.raises(ValueError, match="ready_tokens 200 is outside"):
+        streamed.producers[0].publish(
+            "x", streamed.scenario.src[0][2], NUM_TOKENS, ready_tokens=200
+        )
+    streamed.publish(ready_tokens=64)
+    with pytest.raises(ValueError, match="readiness only grows"):
+        streamed.producers[0].mark_ready("r", 32)
+    with pytest.raises(ValueError, match="not published"):
+        streamed.producers[0].mark_ready("nobody", 32)
+    streamed.mark_ready(NUM_TOKENS)
+    results = [h.wait(WAIT_S) for h in streamed.fetch()]
+    assert all(r.ok for r in results)
+    streamed.scenario.assert_exact()
