@@ -14,6 +14,10 @@ front a user calls (the engine, kvxfer's P/D proxy, or `vllm-router` for vLLM's
 - `one engine`: TP 1, blocks of 32;
 - `kvxfer`: prefill TP 1 / 32 -> decode TP 1 / 32, the geometry every connector supports;
 - `kvxfer hetero`: prefill TP 1 / 32 -> decode TP 2 / 64, which vLLM's connectors refuse;
+  the same engines then behind `vllm-router` in its two P/D modes: `--kv-connector nixl`
+  (sequential: the prefill request, then the decode request with its parameters) and
+  `--kv-connector mooncake` (concurrent: both at once, the decode's fetch asked before the
+  prefill has the KV);
 - `vLLM MooncakeConnector` (TP 1 / 32 both sides, behind `vllm-router --kv-connector
   mooncake`) and `vLLM NixlConnector` (behind kvxfer's proxy, which speaks NIXL's flow): where
   one cannot run here, its row says why, with the error it gave.
@@ -29,7 +33,6 @@ import argparse
 import http.client
 import json
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -44,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import vllm_e2e_driver as driver
 from tiny_model import SPECIAL_TOKENS, make_tiny_model, vocabulary_size
-from vllm_cpu_engines import HOST, MODEL_NAME, Processes, Server, free_port
+from vllm_cpu_engines import MODEL_NAME, Processes, Server, free_port
 
 PROMPT_LENGTHS = (128, 512, 1024, 2048, 4000)
 MAX_TOKENS = 16
@@ -163,11 +166,13 @@ def run_config(
     return row
 
 
-def kvxfer_config(role: str, name: str) -> dict[str, Any]:
-    """kvxfer's kv-transfer-config for one side (timeouts for 2 shared cores: tests/e2e)."""
+def kvxfer_config(role: str, name: str, bootstrap_port: int = 0) -> dict[str, Any]:
+    """kvxfer's kv-transfer-config for one side (timeouts for 2 shared cores: tests/e2e); a
+    prefill's bootstrap service on `bootstrap_port` (default: a free port)."""
     if role == "kv_producer":
+        extra = {"bootstrap_port": bootstrap_port or free_port()}
         return driver.kv_transfer_config(
-            role, name, side_channel_port=0, secret=SECRET, extra={"bootstrap_port": free_port()}
+            role, name, side_channel_port=0, secret=SECRET, extra=extra
         )
     return driver.kv_transfer_config(
         role,
@@ -203,19 +208,6 @@ def start_pair(
     return engines[0], engines[1]
 
 
-def start_router(processes: Processes, prefill: Server, decode: Server, bootstrap: int) -> Server:
-    """`vllm-router` in vLLM's P/D mode with the Mooncake convention in front of a pair."""
-    router = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
-    port = free_port()
-    argv = [router, "--host", HOST, "--port", str(port), "--vllm-pd-disaggregation"]
-    argv += ["--kv-connector", "mooncake", "--prefill", prefill.url, str(bootstrap)]
-    argv += ["--decode", decode.url]
-    launched = driver.launch("vllm-router", argv, processes.log_dir)
-    front = Server("vllm-router", f"http://{HOST}:{port}", launched)
-    driver.wait_ready(front.url + "/health", timeout=60.0, pid=launched.pgid, any_status=True)
-    return front
-
-
 def nixl_missing() -> str | None:
     """Why vLLM's NixlConnector cannot run here, or None when its library imports."""
     found = subprocess.run(
@@ -245,15 +237,25 @@ def main(argv: list[str] | None = None) -> int:
         processes.wait_ready([engine])
         return [engine], engine
 
-    def kvxfer(decode: tuple[int, int], label: str) -> Callable[[], tuple[list[Server], Server]]:
+    def kvxfer(
+        decode: tuple[int, int], label: str, front: str = "proxy"
+    ) -> Callable[[], tuple[list[Server], Server]]:
+        """A kvxfer pair behind kvxfer's proxy, or behind `vllm-router` in the mode `front`
+        names ("router-nixl", "router-mooncake")."""
+
         def start() -> tuple[list[Server], Server]:
+            bootstrap = free_port()
             configs = (
-                kvxfer_config("kv_producer", f"prefill-{label}"),
+                kvxfer_config("kv_producer", f"prefill-{label}", bootstrap),
                 kvxfer_config("kv_consumer", f"decode-{label}"),
             )
             prefill, decode_engine = start_pair(processes, model, (1, 32), decode, configs, label)
-            proxy = processes.start_proxy(prefill, decode_engine, timeout=REQUEST_TIMEOUT)
-            return [proxy, decode_engine, prefill], proxy
+            if front == "proxy":
+                entry = processes.start_proxy(prefill, decode_engine, timeout=REQUEST_TIMEOUT)
+            else:
+                mode = front.removeprefix("router-")
+                entry = processes.start_router(prefill, bootstrap, decode_engine, mode)
+            return [entry, decode_engine, prefill], entry
 
         return start
 
@@ -287,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             error = _error_of(dead[0])
             processes.stop(started)
             raise driver.E2EError(f"{dead[0].name}: {error}") from None
-        router = start_router(processes, started[0], started[1], bootstrap)
+        router = processes.start_router(started[0], bootstrap, started[1], "mooncake")
         return [router, *started], router
 
     rows.append(run_config(processes, Row("one engine", "TP 1 / 32"), one_engine, request_set))
@@ -307,6 +309,15 @@ def main(argv: list[str] | None = None) -> int:
             request_set,
         )
     )
+    for mode in ("nixl", "mooncake"):
+        rows.append(
+            run_config(
+                processes,
+                Row(f"kvxfer hetero, vllm-router {mode} mode", "TP 1 / 32 -> TP 2 / 64"),
+                kvxfer((2, 64), f"hetero-{mode}", front=f"router-{mode}"),
+                request_set,
+            )
+        )
     rows.append(
         run_config(
             processes,

@@ -169,6 +169,37 @@ class Processes:
         driver.wait_ready(proxy.url + "/", timeout=60.0, pid=launched.pgid, any_status=True)
         return proxy
 
+    def start_router(
+        self, prefill: Server, bootstrap_port: int, decode: Server, kv_connector: str
+    ) -> Server:
+        """Start `vllm-router` (its Rust binary, from this environment's `vllm-router` wheel)
+        in P/D mode in front of `prefill` (whose bootstrap service listens on
+        `bootstrap_port`) and `decode`, speaking `kv_connector`'s flow ("nixl": the prefill
+        first, then the decode with the prefill's parameters; "mooncake": both at once with a
+        `transfer_id`, the prefill's engine id read from its bootstrap `/query`); wait for it."""
+        port = free_port()
+        argv = [
+            str(Path(sys.executable).with_name("vllm-router")),
+            "--vllm-pd-disaggregation",
+            "--prefill",
+            prefill.url,
+            str(bootstrap_port),
+            "--decode",
+            decode.url,
+            "--kv-connector",
+            kv_connector,
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+        ]
+        name = f"router-{kv_connector}-{prefill.name}-{decode.name}"
+        launched = driver.launch(name, argv, self.log_dir, {"NO_PROXY": HOST, "no_proxy": HOST})
+        self._started.append(launched)
+        router = Server(launched.name, f"http://{HOST}:{port}", launched)
+        driver.wait_ready(router.url + "/health", timeout=60.0, pid=launched.pgid, any_status=True)
+        return router
+
     def wait_ready(self, servers: Sequence[Server], timeout: float = START_TIMEOUT) -> float:
         """Wait until every server answers `/health`; the seconds that took.
 

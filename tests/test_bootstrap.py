@@ -117,6 +117,55 @@ def test_lookup_returns_every_pipeline_stage_pp_major(server, client):
     assert [w.address for w in found] == [f"tcp://127.0.0.1:{6200 + r}" for r in range(4)]
 
 
+def test_query_answers_vllm_mooncake_bootstrap_contract(server, client):
+    """`GET /query` answers what vLLM's MooncakeConnector bootstrap serves and what
+    `vllm-router --kv-connector mooncake` reads: by DP rank, the engine id and every worker's
+    address by TP rank, then PP rank (JSON object keys are strings)."""
+    status, answer = _raw(server, "GET", "/query")
+    assert status == 200 and answer == {}
+    for info in [
+        _worker("prefill_dp0", 0, 1),
+        _worker("prefill_dp0", 0, 0),
+        new_worker_info("prefill_dp1", 1, 0, 1, "tcp://127.0.0.1:6110", 1, 2),
+        new_worker_info("prefill_dp1", 1, 0, 0, "tcp://127.0.0.1:6100", 1, 2),
+    ]:
+        client.register(info)
+    status, answer = _raw(server, "GET", "/query")
+    assert status == 200
+    assert answer == {
+        "0": {
+            "engine_id": "prefill_dp0",
+            "worker_addr": {"0": {"0": "tcp://127.0.0.1:6000"}, "1": {"0": "tcp://127.0.0.1:6001"}},
+        },
+        "1": {
+            "engine_id": "prefill_dp1",
+            "worker_addr": {"0": {"0": "tcp://127.0.0.1:6100", "1": "tcp://127.0.0.1:6110"}},
+        },
+    }
+    # Workers of one engine id under no DP rank filter: one DP rank, found by its engine id
+    # alone, as a decode engine driven by vllm-router knows it (no remote_dp_rank).
+    assert [w.address for w in client.lookup("prefill_dp0", None, timeout_s=1)] == [
+        "tcp://127.0.0.1:6000",
+        "tcp://127.0.0.1:6001",
+    ]
+
+
+def test_query_refuses_two_engines_on_one_dp_rank(server, client):
+    client.register(_worker("prefill-a", 0, 0, tp_size=1))
+    client.register(_worker("prefill-b", 0, 0, port=7000, tp_size=1))
+    status, answer = _raw(server, "GET", "/query")
+    assert status == 409
+    assert "DP rank 0 is registered by engines ['prefill-a', 'prefill-b']" in answer["error"]
+    assert "one bootstrap service per prefill engine" in answer["error"]
+
+
+def test_lookup_without_dp_rank_refuses_an_engine_id_on_several_dp_ranks(server, client):
+    client.register(_worker("shared", 0, 0, tp_size=1))
+    client.register(_worker("shared", 1, 0, tp_size=1))
+    with pytest.raises(LookupError, match=r"DP ranks \[0, 1\].*remote_dp_rank"):
+        client.lookup("shared", None, timeout_s=0.2)
+
+
 def test_renewal_and_restart_replace_the_entry(server, client):
     first = _worker(tp=0, port=7000)
     assert client.register(first) == "registered"

@@ -68,15 +68,15 @@ def secret() -> str:
     return secrets.token_hex(16)
 
 
-def prefill_config(engine_id: str, secret: str) -> dict[str, Any]:
+def prefill_config(engine_id: str, secret: str, bootstrap_port: int) -> dict[str, Any]:
     """A prefill engine's kv-transfer-config: side channels on free ports, its own bootstrap
-    service on a free port (several prefill engines run at once)."""
+    service on `bootstrap_port` (several prefill engines run at once: a free port each)."""
     return driver.kv_transfer_config(
         "kv_producer",
         engine_id,
         side_channel_port=0,
         secret=secret,
-        extra={"bootstrap_port": free_port()},
+        extra={"bootstrap_port": bootstrap_port},
     )
 
 
@@ -110,8 +110,10 @@ class Pair:
         decode_tp: int,
         label: str,
         spare: Server | None = None,
+        bootstrap_port: int = 0,
     ) -> None:
         self.prefill, self.decode, self.proxy = prefill, decode, proxy
+        self.bootstrap_port = bootstrap_port  # the prefill engine's bootstrap service
         self.decode_tp = decode_tp
         self.label = label
         self.spare = spare
@@ -122,15 +124,21 @@ class Pair:
 
 
 def start_prefill(
-    processes: Processes, model: Path, secret: str, name: str, geometry: tuple[int, int]
+    processes: Processes,
+    model: Path,
+    secret: str,
+    name: str,
+    geometry: tuple[int, int],
+    bootstrap_port: int | None = None,
 ) -> Server:
-    """Start a prefill engine (TP size, block size) without waiting for it."""
+    """Start a prefill engine (TP size, block size) without waiting for it, its bootstrap
+    service on `bootstrap_port` (default: a free port)."""
     return processes.start_engine(
         name,
         model,
         tensor_parallel_size=geometry[0],
         block_size=geometry[1],
-        kv_transfer_config=prefill_config(name, secret),
+        kv_transfer_config=prefill_config(name, secret, bootstrap_port or free_port()),
     )
 
 
@@ -147,7 +155,10 @@ def start_pair(
     """Start a prefill engine (TP size, block size) and a decode engine at once (and a spare
     prefill engine), then the proxy; wait until the pair answers."""
     started = time.monotonic()
-    prefill_engine = start_prefill(processes, model, secret, f"prefill-{label}", prefill)
+    bootstrap_port = free_port()
+    prefill_engine = start_prefill(
+        processes, model, secret, f"prefill-{label}", prefill, bootstrap_port
+    )
     decode_engine = processes.start_engine(
         f"decode-{label}",
         model,
@@ -162,7 +173,9 @@ def start_pair(
     proxy = processes.start_proxy(prefill_engine, decode_engine)
     observe(event="engines started", pair=label, seconds=round(time.monotonic() - started, 1))
     first_request(proxy, decode_engine, label)
-    return Pair(prefill_engine, decode_engine, proxy, decode[0], label, spare_engine)
+    return Pair(
+        prefill_engine, decode_engine, proxy, decode[0], label, spare_engine, bootstrap_port
+    )
 
 
 def first_request(proxy: Server, decode: Server, label: str) -> None:

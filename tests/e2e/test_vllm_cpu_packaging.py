@@ -11,7 +11,7 @@ from pathlib import Path
 
 import vllm_e2e_driver as driver
 from conftest import prefill_config
-from vllm_cpu_engines import START_TIMEOUT, Processes
+from vllm_cpu_engines import START_TIMEOUT, Processes, free_port
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
@@ -52,7 +52,7 @@ def test_a_worker_pinned_to_one_core_is_refused_at_start_with_the_fix(
         tiny_model,
         tensor_parallel_size=1,
         block_size=32,
-        kv_transfer_config=prefill_config("prefill-pinned", secret),
+        kv_transfer_config=prefill_config("prefill-pinned", secret, free_port()),
         env={"VLLM_CPU_OMP_THREADS_BIND": "auto"},
     )
     driver.wait_until(

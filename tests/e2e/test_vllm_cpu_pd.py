@@ -170,13 +170,19 @@ def _once_at_least(read: Callable[[], float], expected: float, what: str) -> flo
         return read()
 
 
-def check_case(pair: Pair, baseline: dict[str, Any], prompts: list[list[int]], case: Case) -> None:
-    """One case through the proxy: the same token ids as the baseline, and the decode engine
-    loaded the whole prompt's KV through kvxfer with no failed load."""
+def check_case(
+    pair: Pair,
+    baseline: dict[str, Any],
+    prompts: list[list[int]],
+    case: Case,
+    via: Server | None = None,
+) -> None:
+    """One case through the proxy (or the router `via`): the same token ids as the baseline,
+    and the decode engine loaded the whole prompt's KV through kvxfer with no failed load."""
     index = CASES.index(case)
     counters = Counters(pair.decode)
     started = time.monotonic()
-    result = collect(pair.proxy.url, [prompts[index]])
+    result = collect((via or pair.proxy).url, [prompts[index]])
     seconds = time.monotonic() - started
     # kvxfer's loads first: a 1-token prompt's expected count (0) cannot be waited for.
     transfers = counters.transfers_at_least(pair.decode_tp)
@@ -185,6 +191,7 @@ def check_case(pair: Pair, baseline: dict[str, Any], prompts: list[list[int]], c
     mismatch = comparison.report["mismatches"][0] if comparison.report["mismatches"] else None
     observe(
         pair=pair.label,
+        front=(via or pair.proxy).name,
         case=case.name,
         same_tokens=comparison.ok,
         first_different_token=mismatch and mismatch["first_different_token"],
@@ -236,10 +243,39 @@ class GreedyCases:
         check_case(pair, baseline_outputs, case_prompts, case)
 
 
+# What the routers' tests send: under a block, blocks and a part, over the chunk budget.
+ROUTED_CASES = tuple(c for c in CASES if c.length in (20, 3 * 64 + 17, 700))
+
+
 class TestPrefillTp1Block32ToDecodeTp2Block64(GreedyCases):
-    """Prefill TP 1 with blocks of 32 -> decode TP 2 with blocks of 64."""
+    """Prefill TP 1 with blocks of 32 -> decode TP 2 with blocks of 64; then vLLM's own router
+    in front of the same engines, in both of its P/D modes."""
 
     GEOMETRY = ((1, 32), (2, 64))
+
+    @pytest.mark.parametrize("kv_connector", ["nixl", "mooncake"])
+    def test_vllm_router_drives_kvxfer_unchanged(
+        self,
+        pair: Pair,
+        processes: Processes,
+        baseline_outputs: dict[str, Any],
+        case_prompts: list[list[int]],
+        kv_connector: str,
+    ) -> None:
+        """`vllm-router --vllm-pd-disaggregation` with `--kv-connector nixl` (its default: the
+        prefill request first, then the decode request with the prefill's parameters: kvxfer's
+        sequential flow) and `--kv-connector mooncake` (both requests at once with a
+        `transfer_id` it mints, the prefill's engine id read from kvxfer's bootstrap `/query`:
+        the concurrent flow): the baseline's token ids, every prompt's KV loaded through
+        kvxfer, no failed load."""
+        router = processes.start_router(
+            pair.prefill, pair.bootstrap_port, pair.decode, kv_connector
+        )
+        try:
+            for case in ROUTED_CASES:
+                check_case(pair, baseline_outputs, case_prompts, case, via=router)
+        finally:
+            processes.stop([router])
 
 
 def stream_until_running(proxy: Server, decode: Server, prompt: list[int]) -> int:

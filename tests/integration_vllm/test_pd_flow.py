@@ -6,7 +6,9 @@ allocated by vLLM's own allocator. Runs in the separate vLLM environment (`make 
 from __future__ import annotations
 
 import functools
+import json
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 import pytest
@@ -18,6 +20,7 @@ from pd_engines import (
     EngineSpec,
     failed_load,
     free_port_base,
+    load_and_check,
     random_prompt,
     run_until,
     write_model,
@@ -176,6 +179,51 @@ def test_pd_flow_moves_kv_bit_exact_and_frees_blocks(engines):
         "failures": 0,
         "bytes": sum(len(p) for p in prompts.values()) * LAYERS * 2 * KV_HEADS * HEAD_DIM * 2,
     }
+
+
+def test_concurrent_flow_as_vllm_router_sends_it_in_mooncake_mode(engines):
+    """`vllm-router --kv-connector mooncake`: it reads the prefill engine's id per DP rank from
+    the bootstrap service's `/query`, mints a `transfer_id`, and sends the request to both
+    engines at once: the decode engine allocates its blocks and asks for the KV before the
+    prefill engine has computed it (the producer holds the asks), the prefill engine offers
+    the request under the transfer id when it finishes; bit-exact on every decode rank, and
+    the prefill engine's blocks come back."""
+    prefill, decode, _ = engines
+    bootstrap = f"http://127.0.0.1:{prefill.spec.extra['bootstrap_port']}"
+    with urllib.request.urlopen(f"{bootstrap}/query", timeout=10) as answer:
+        query = json.loads(answer.read())
+    assert set(query) == {"0"}
+    engine_id = query["0"]["engine_id"]
+    assert engine_id == "prefill-engine"
+    assert sorted(query["0"]["worker_addr"]) == [str(t) for t in range(PREFILL_TP)]
+    prompts = {"req-x": random_prompt(11, 70), "req-y": random_prompt(12, 20)}
+    loads = {}
+    for request_id, prompt in prompts.items():
+        transfer_id = f"xfer-{request_id}"  # what the router mints
+        prefill.add(
+            request_id,
+            prompt,
+            max_tokens=1,
+            params={
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "transfer_id": transfer_id,
+            },
+        )
+        decode_params = {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "transfer_id": transfer_id,
+            "remote_bootstrap_addr": bootstrap,
+            "remote_engine_id": engine_id,
+        }
+        loads[request_id] = (prompt, decode_params)
+    # The decode engine steps first: its loads start before the prefill computes anything.
+    seen = load_and_check(decode, [prefill], loads, timeout=90.0, what="(concurrent flow)")
+    assert seen.checked == {r: [[]] * DECODE_TP for r in prompts}, "KV differs on a decode rank"
+    assert seen.first_compute == {r: 1 for r in prompts}  # only the last prompt token
+    assert prefill.free_blocks() == prefill.free_blocks_at_start
+    assert decode.free_blocks() == decode.free_blocks_at_start
 
 
 def test_failed_load_reports_exactly_its_blocks_and_vllm_recomputes(engines):

@@ -16,6 +16,7 @@ import msgspec
 
 from kvxfer.integrations.bootstrap.schema import (
     PROOF_HEADER,
+    AmbiguousEngine,
     EngineWorkers,
     Unregister,
     WorkerInfo,
@@ -87,9 +88,11 @@ class BootstrapClient:
         path = f"/v1/engines/{quote(engine_id, safe='')}{query}"
         return msgspec.convert(self._call("GET", path), EngineWorkers)
 
-    def lookup(self, engine_id: str, dp_rank: int, timeout_s: float) -> list[WorkerInfo]:
+    def lookup(self, engine_id: str, dp_rank: int | None, timeout_s: float) -> list[WorkerInfo]:
         """Every worker of one DP rank of an engine, in (PP, TP) rank order; waits up to
         `timeout_s` for ranks that have not registered yet (an engine starting or restarting).
+        `dp_rank` None: the engine id's only DP rank (vLLM's ids are per DP rank: a router
+        that names the engine id only, as vllm-router does, names one DP rank).
 
         Raises:
             LookupError: ranks still missing, or the service unreachable, at the deadline; the
@@ -100,12 +103,15 @@ class BootstrapClient:
         while True:
             try:
                 return complete_workers(self.workers(engine_id, dp_rank))
+            except AmbiguousEngine:
+                raise
             except (BootstrapError, BootstrapUnavailable, LookupError) as exc:
                 if isinstance(exc, BootstrapError) and exc.status != 404:
                     raise LookupError(f"{self.url}: {exc}") from exc
                 if time.monotonic() + pause > deadline:
+                    where = "" if dp_rank is None else f" DP rank {dp_rank}"
                     raise LookupError(
-                        f"engine {engine_id!r} DP rank {dp_rank} not found through the "
+                        f"engine {engine_id!r}{where} not found through the "
                         f"bootstrap service {self.url} in {timeout_s:g} s: {exc}"
                     ) from exc
             time.sleep(pause)

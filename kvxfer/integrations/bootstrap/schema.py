@@ -224,6 +224,11 @@ def bootstrap_url(address: object, where: str = "bootstrap address") -> str:
     return f"http://{host}:{int(port)}"
 
 
+class AmbiguousEngine(LookupError):
+    """An engine id registered by several DP ranks, asked for without a DP rank: waiting does
+    not help."""
+
+
 def complete_workers(info: EngineWorkers) -> list[WorkerInfo]:
     """Every rank of one DP rank of an engine, in (PP rank, TP rank) order.
 
@@ -234,6 +239,12 @@ def complete_workers(info: EngineWorkers) -> list[WorkerInfo]:
     where = f"engine {info.engine_id!r} DP rank {info.dp_rank}"
     if not info.workers:
         raise LookupError(f"{where}: no worker is registered")
+    dp_ranks = sorted({w.dp_rank for w in info.workers})
+    if len(dp_ranks) > 1:  # asked by engine id alone
+        raise AmbiguousEngine(
+            f"engine {info.engine_id!r} has workers of DP ranks {dp_ranks}: name the DP rank "
+            "(remote_dp_rank in kv_transfer_params), or give each DP rank its own engine id"
+        )
     sizes = {(w.tp_size, w.pp_size) for w in info.workers}
     if len(sizes) != 1:
         raise LookupError(f"{where}: workers disagree on (tp_size, pp_size): {sorted(sizes)}")

@@ -79,6 +79,9 @@ class BootstrapServer:
         self._app.router.add_get("/v1/engines", self._engines)
         self._app.router.add_get("/v1/engines/{engine_id}", self._engine)
         self._app.router.add_get("/v1/health", self._health)
+        # vLLM MooncakeConnector's bootstrap contract: `vllm-router --kv-connector mooncake`
+        # reads it to learn the prefill engine's id per DP rank (docs/vllm.md, "Routers").
+        self._app.router.add_get("/query", self._query)
 
     @property
     def address(self) -> str:
@@ -245,6 +248,30 @@ class BootstrapServer:
         return _json(
             {"engines": [{"engine_id": e, "dp_ranks": sorted(r)} for e, r in sorted(ranks.items())]}
         )
+
+    async def _query(self, request: web.Request) -> web.Response:
+        """`{dp_rank: {"engine_id": ..., "worker_addr": {tp_rank: {pp_rank: address}}}}`, as
+        vLLM's MooncakeConnector bootstrap answers it (object keys are strings in JSON)."""
+        by_dp: dict[int, dict[str, Any]] = {}
+        engines: dict[int, set[str]] = {}
+        for key, entry in sorted(
+            self._live().items(), key=lambda kv: (kv[0].dp_rank, kv[0].tp_rank, kv[0].pp_rank)
+        ):
+            engines.setdefault(key.dp_rank, set()).add(key.engine_id)
+            rank = by_dp.setdefault(key.dp_rank, {"engine_id": key.engine_id, "worker_addr": {}})
+            rank["worker_addr"].setdefault(str(key.tp_rank), {})[str(key.pp_rank)] = (
+                entry.info.address
+            )
+        shared = {dp: sorted(ids) for dp, ids in engines.items() if len(ids) > 1}
+        if shared:
+            dp, ids = next(iter(sorted(shared.items())))
+            raise _error(
+                web.HTTPConflict,
+                f"/query: DP rank {dp} is registered by engines {ids}; the MooncakeConnector "
+                "contract names one engine per DP rank: run one bootstrap service per prefill "
+                "engine for vllm-router's mooncake mode",
+            )
+        return _json({str(dp): rank for dp, rank in sorted(by_dp.items())})
 
     async def _health(self, request: web.Request) -> web.Response:
         return _json({"status": "ok", "workers": len(self._live())})

@@ -32,6 +32,13 @@ P/D flow (the conventions of vLLM's own P/D connectors):
    worker reports the request as finished sending, and vLLM frees its blocks once every worker
    of the prefill engine did (its `KVOutputAggregator` counts `world_size` reports; the same
    on the decode side for finished loads).
+The concurrent flow (`vllm-router --kv-connector mooncake`, vLLM MooncakeConnector's
+convention): the router reads the prefill engine's id per DP rank from the bootstrap service's
+`/query`, mints a `transfer_id` and sends the request to both engines at once, the prefill
+with `{"do_remote_decode": true, "transfer_id": ...}`, the decode with `{"do_remote_prefill":
+true, "transfer_id": ..., "remote_engine_id": ..., "remote_bootstrap_addr": ...}`. The decode
+engine starts its load at once (the producers hold the asks); the prefill engine publishes the
+request under the `transfer_id` when it finishes (step 2), and the held asks are served then.
 5. A decode request that vLLM finishes before its KV was loaded (aborted while waiting or
    loading, or a full local prefix hit) is aborted on the prefill engine through the next
    step's metadata (`KVConsumer.abort`), which frees its blocks at once, as vLLM's NIXL

@@ -26,7 +26,7 @@ class RemoteEngine:
     """
 
     engine_id: str
-    dp_rank: int = 0
+    dp_rank: int | None = 0  # None: the engine id's only DP rank (vllm-router names no rank)
     bootstrap_addr: str | None = None
     host: str | None = None
     port: int | None = None
@@ -44,11 +44,12 @@ class RemoteEngine:
         engine_id = params.get("remote_engine_id")
         if not isinstance(engine_id, str) or not engine_id:
             raise ValueError(f"remote_engine_id {engine_id!r} is not an engine id")
-        dp_rank = _count(params, "remote_dp_rank", 0, lowest=0) or 0
+        dp_rank = _count(params, "remote_dp_rank", None, lowest=0)
         tp_size = _count(params, "tp_size", None, lowest=1)
         bootstrap = params.get("remote_bootstrap_addr")
-        if bootstrap is not None:
+        if bootstrap is not None:  # without remote_dp_rank, the service knows the engine's
             return cls(engine_id, dp_rank, bootstrap_url(bootstrap, "remote_bootstrap_addr"))
+        dp_rank = dp_rank or 0  # fixed ports: the rank plays no part in the addresses
         host, port = params.get("remote_host"), _count(params, "remote_port", None, lowest=1)
         if not isinstance(host, str) or not host or port is None or tp_size is None:
             raise ValueError(
@@ -73,7 +74,8 @@ class RemoteEngine:
 
     def __str__(self) -> str:
         where = self.bootstrap_addr or f"{self.host}:{self.port}"
-        return f"{self.engine_id} (DP rank {self.dp_rank}, {where})"
+        rank = "its DP rank" if self.dp_rank is None else f"DP rank {self.dp_rank}"
+        return f"{self.engine_id} ({rank}, {where})"
 
 
 def _count(params: dict[str, Any], key: str, default: int | None, *, lowest: int) -> int | None:
@@ -109,6 +111,14 @@ class SendSpec:
     request_id: str
     block_ids: list[list[int]]
     num_tokens: int
+    # The id it is offered under, when not `request_id`: the router's `transfer_id`, which the
+    # decode engine, sent the request at the same time, fetches by.
+    published_id: str | None = None
+
+    @property
+    def offered_as(self) -> str:
+        """The id decode engines fetch it by."""
+        return self.published_id or self.request_id
 
 
 @dataclass

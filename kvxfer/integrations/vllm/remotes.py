@@ -59,7 +59,7 @@ BACKGROUND_THREADS = 32  # connects in flight at once (one per remote engine), a
 Fingerprint = tuple[tuple[str, str], ...]  # (address, generation) per rank, from the service
 # How a remote's ranks are looked up: (bootstrap address, engine id, DP rank) -> each rank's
 # side channels (`rank_channels`) and the registrations they come from.
-LookUp = Callable[[str, str, int], tuple[tuple[str, ...], Fingerprint]]
+LookUp = Callable[[str, str, int | None], tuple[tuple[str, ...], Fingerprint]]
 
 
 class Connection(enum.Enum):
@@ -158,7 +158,7 @@ class Remote:
     """
 
     engine_id: str
-    dp_rank: int
+    dp_rank: int | None  # None: the engine id's only DP rank, found through the bootstrap
     consumer: GroupedConsumer | None = None
     connected: tuple[str, ...] | None = None
     route: Route | None = None
@@ -176,12 +176,13 @@ class Remote:
         return self._state
 
     @property
-    def key(self) -> tuple[str, int]:
+    def key(self) -> tuple[str, int | None]:
         """(engine id, DP rank)."""
         return self.engine_id, self.dp_rank
 
     def __str__(self) -> str:
-        return f"{self.engine_id} (DP rank {self.dp_rank})"
+        rank = "its DP rank" if self.dp_rank is None else f"DP rank {self.dp_rank}"
+        return f"{self.engine_id} ({rank})"
 
     def ready(self, route: Route) -> bool:
         """Whether its consumer serves `route` as it is, with no connect in flight: for fixed
@@ -305,7 +306,7 @@ class RemoteEngines:
     ) -> None:
         self._new_consumer, self._look_up = new_consumer, look_up
         self._handshake_timeout_s = handshake_timeout_s
-        self._remotes: dict[tuple[str, int], Remote] = {}
+        self._remotes: dict[tuple[str, int | None], Remote] = {}
         self._outcomes: queue.SimpleQueue[_Outcome] = queue.SimpleQueue()
         self._pool = executor or ThreadPoolExecutor(
             BACKGROUND_THREADS, thread_name_prefix=thread_name_prefix
@@ -519,7 +520,12 @@ class RemoteEngines:
 
 
 def look_up_ranks(
-    bootstrap: str, engine_id: str, dp_rank: int, *, secret: str | None, timeout_s: float
+    bootstrap: str,
+    engine_id: str,
+    dp_rank: int | None,
+    *,
+    secret: str | None,
+    timeout_s: float,
 ) -> tuple[tuple[str, ...], Fingerprint]:
     """The side channels of every worker of one DP rank of an engine (every TP rank of every
     pipeline stage, in (PP, TP) rank order) from its bootstrap service, waiting up to

@@ -110,7 +110,7 @@ class SchedulerSide:
             )
             params["do_remote_prefill"] = False
             return 0, False
-        count = _remote_tokens(request) - num_computed_tokens
+        count = _remote_tokens(request, self._has_state) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -126,7 +126,7 @@ class SchedulerSide:
             self._aborts.append(remote)
             return
         self._loading[request.request_id] = remote
-        num_tokens = _remote_tokens(request)
+        num_tokens = _remote_tokens(request, self._has_state)
         self._loads.append(
             LoadSpec(
                 request_id=request.request_id,
@@ -181,12 +181,16 @@ class SchedulerSide:
             )
             return False, nothing_to_load()
         num_tokens = request.num_computed_tokens
-        self._sends.append(SendSpec(request.request_id, tables, num_tokens))
+        # The concurrent flow (a router that sent the decode request at the same time, with
+        # the `transfer_id` it minted): offered under that id, which the decode fetches by.
+        transfer_id = params.get("transfer_id")
+        published = transfer_id if isinstance(transfer_id, str) and transfer_id else None
+        self._sends.append(SendSpec(request.request_id, tables, num_tokens, published))
         handed = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self._engine_id,
-            "remote_request_id": request.request_id,
+            "remote_request_id": published or request.request_id,
             "remote_bootstrap_addr": self._bootstrap_url,
             "remote_dp_rank": self._dp_rank,
             "remote_host": self._settings.side_channel_host,
@@ -236,14 +240,19 @@ def _block_tables(block_ids: list[int] | tuple[list[int], ...]) -> list[list[int
 
 
 def _abort_spec(request_id: str, params: dict[str, Any]) -> AbortSpec:
-    """Where a decode request's KV lies, read from its parameters, as an abort order.
+    """Where a decode request's KV lies, read from its parameters, as an abort order: the
+    prefill engine's `remote_request_id` (the sequential flow: its answer's parameters), else
+    the router's `transfer_id` (the concurrent flow: vllm-router's mooncake mode sends both
+    engines the request at once, with `remote_engine_id` and `remote_bootstrap_addr`).
 
     Raises:
         ValueError: a key missing or malformed, naming it.
     """
-    remote_request_id = params.get("remote_request_id")
+    remote_request_id = params.get("remote_request_id", params.get("transfer_id"))
     if not isinstance(remote_request_id, str) or not remote_request_id:
-        raise ValueError(f"remote_request_id {remote_request_id!r} is not a request id")
+        raise ValueError(
+            f"neither remote_request_id nor transfer_id names a request ({remote_request_id!r})"
+        )
     return AbortSpec(request_id, remote_request_id, RemoteEngine.from_params(params))
 
 
@@ -254,9 +263,14 @@ def data_parallel_rank(vllm_config: VllmConfig) -> int:
     return int(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank))
 
 
-def _remote_tokens(request: Request) -> int:
-    """Prompt tokens the prefill engine holds KV for."""
+def _remote_tokens(request: Request, has_state: bool) -> int:
+    """Prompt tokens the prefill engine holds KV for: as its parameters say (the sequential
+    flow), else the prompt, less its last token for a model with recurrent state (the prefill
+    engine drops it: `SchedulerSide.on_new_request`), when the request was sent to both
+    engines at once."""
     params = request.kv_transfer_params or {}
     prompt = len(request.prompt_token_ids or [])
     remote = params.get("remote_num_tokens")
-    return min(prompt, int(remote)) if remote is not None else prompt
+    if remote is not None:
+        return min(prompt, int(remote))
+    return prompt - 1 if has_state and prompt > 1 else prompt

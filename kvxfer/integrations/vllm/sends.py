@@ -12,7 +12,9 @@ class Sends:
 
     vLLM accepts a finished send only for a request it has told this worker is finished (it
     always has, in the step that publishes; kept as a guard). Only published ids are
-    remembered, so the sets stay as small as the requests in flight.
+    remembered, so the sets stay as small as the requests in flight. A request may be offered
+    under another id than vLLM's (a router's `transfer_id`): the producer releases that id,
+    vLLM hears of its own.
     """
 
     def __init__(self) -> None:
@@ -20,10 +22,13 @@ class Sends:
         self._unreported: set[str] = set()  # released, not reported yet
         self._published: set[str] = set()
         self._finished_seen: set[str] = set()  # published requests vLLM said are finished
+        self._by_offered: dict[str, str] = {}  # offered id -> vLLM's, where they differ
 
-    def published(self, request_id: str) -> None:
-        """The producer now offers `request_id`."""
+    def published(self, request_id: str, offered_as: str | None = None) -> None:
+        """The producer now offers vLLM's `request_id` (under `offered_as`, if given)."""
         self._published.add(request_id)
+        if offered_as is not None and offered_as != request_id:
+            self._by_offered[offered_as] = request_id
 
     def release(self, request_id: str) -> None:
         """The producer released `request_id` (any thread: the producer's `release`)."""
@@ -35,9 +40,10 @@ class Sends:
         self._finished_seen.update(finished_req_ids & self._published)
         while True:
             try:
-                self._unreported.add(self._released.get_nowait())
+                offered = self._released.get_nowait()
             except queue.Empty:
                 break
+            self._unreported.add(self._by_offered.pop(offered, offered))
         sending = self._unreported & self._finished_seen
         self._unreported -= sending
         self._finished_seen -= sending

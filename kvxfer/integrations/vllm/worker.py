@@ -207,8 +207,8 @@ class WorkerSide:
                     "kv_producer or kv_both"
                 )
             tables = group_tables(self._tables_of, send.block_ids, send.num_tokens)
-            self._producer.publish(send.request_id, tables, send.num_tokens)
-            self._sends.published(send.request_id)
+            self._producer.publish(send.offered_as, tables, send.num_tokens)
+            self._sends.published(send.request_id, send.offered_as)
         for load in metadata.loads:
             if not self._consumes:
                 raise RuntimeError(
