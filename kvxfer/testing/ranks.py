@@ -229,7 +229,9 @@ class _ConsumerRank:
         outcome: dict[str, Any] = {"ok": 0, "failed": 0, "errors": []}
         handles: list[Any] = []
         for i in range(count):
-            handles.append(self.consumer.fetch(f"{prefix}{i}", ids, num_tokens, timeout=10.0))
+            # Generous: a window's last fetches wait for the 49 before them through 4 staging
+            # slots, and a loaded machine (the parallel suite) made them pass 10 s.
+            handles.append(self.consumer.fetch(f"{prefix}{i}", ids, num_tokens, timeout=30.0))
             if len(handles) >= window or i == count - 1:
                 for h in handles:
                     r = h.wait()
