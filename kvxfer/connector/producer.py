@@ -76,6 +76,9 @@ from kvxfer.validation import check_block_ids, check_caches, check_num_tokens, c
 log = logging.getLogger(__name__)
 
 _MAX_WAITING_PER_SESSION = 4096  # chunks waiting for their request to be published
+# With no published request, held chunk or lease, the side channel's tick checks only
+# handshakes and sessions' silence (10 s): ten times a second is enough.
+_IDLE_TICK_S = 0.1
 _MAX_FINISHED_PER_SESSION = 1024  # recent ids a session said it is done with
 
 
@@ -195,7 +198,13 @@ class KVProducer:
         self._closed = False
         try:
             self._server = SideChannelServer(
-                host, port, self._on_frames, self._on_tick, name="kvxfer-producer"
+                host,
+                port,
+                self._on_frames,
+                self._on_tick,
+                name="kvxfer-producer",
+                idle_tick_s=_IDLE_TICK_S,
+                busy=self._busy,
             )
         except Exception:
             self._registration.close()
@@ -354,6 +363,10 @@ class KVProducer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _busy(self) -> bool:
+        """(server thread) Published requests, held chunks or leases: deadlines to watch."""
+        return self._requests.live_count > 0 or any(s.waiting or s.leases for s in self._peers())
 
     def _peers(self) -> list[_Session]:
         return [link.state for link in self._sessions.open_sessions()]

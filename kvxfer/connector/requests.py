@@ -188,6 +188,12 @@ class RequestTable:
             self._forget_old(time.monotonic())
             return True
 
+    @property
+    def live_count(self) -> int:
+        """Published requests not released."""
+        with self._lock:
+            return len(self._live)
+
     def pending(self) -> list[str]:
         """Published ids not released, sorted."""
         with self._lock:

@@ -31,9 +31,12 @@ class SideChannelServer:
         host: the address to bind (127.0.0.1 by default in the connectors).
         port: the port (0: a free one; see `address`).
         on_frames: called on the server thread with (identity, frames) of each message.
-        on_tick: called on the server thread at least every `tick_s` seconds.
+        on_tick: called on the server thread at least every `tick_s` seconds (every
+            `idle_tick_s` while `busy` says there is nothing whose deadline needs `tick_s`).
         name: the thread's name.
         tick_s: the longest wait between two `on_tick` calls.
+        idle_tick_s: the same while not busy (default: `tick_s`).
+        busy: whether the service has work that needs the short tick (default: always).
     """
 
     def __init__(
@@ -44,9 +47,12 @@ class SideChannelServer:
         on_tick: Callable[[], None] | None = None,
         name: str = "kvxfer-side-channel",
         tick_s: float = 0.01,
+        idle_tick_s: float | None = None,
+        busy: Callable[[], bool] | None = None,
     ) -> None:
-        self._on_frames, self._on_tick = on_frames, on_tick
+        self._on_frames, self._on_tick, self._busy = on_frames, on_tick, busy
         self._tick_ms = max(1, int(tick_s * 1000))
+        self._idle_tick_ms = max(1, int((tick_s if idle_tick_s is None else idle_tick_s) * 1000))
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.MAXMSGSIZE, HARD_FRAME_LIMIT)
@@ -125,7 +131,8 @@ class SideChannelServer:
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._outbox, zmq.POLLIN)
         while not self._stop.is_set():
-            events = dict(poller.poll(self._tick_ms))
+            idle = self._busy is not None and not self._busy()
+            events = dict(poller.poll(self._idle_tick_ms if idle else self._tick_ms))
             if self._router in events:
                 self._drain(self._router, self._dispatch)
             if self._outbox in events:

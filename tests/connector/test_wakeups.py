@@ -11,12 +11,14 @@ between turns unless an event wakes it.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from kvxfer.connector import KVConsumer, KVProducer
 from kvxfer.connector import sidechannel as sidechannel_module
 from kvxfer.connector.consumer import loop as loop_module
+from kvxfer.connector.consumer.loop import EventLoop
 from kvxfer.connector.sidechannel import SideChannelServer
 from kvxfer.testing import make_scenario, side_specs
 
@@ -27,10 +29,11 @@ WAIT_S = 20.0  # far below a tick: a result within it came from an event
 @pytest.fixture
 def slow_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loop_module, "_TICK_S", A_MINUTE)
+    monkeypatch.setattr(loop_module, "_IDLE_TICK_S", A_MINUTE)
     original = SideChannelServer.__init__
 
     def with_slow_tick(self: SideChannelServer, *args: object, **kwargs: object) -> None:
-        kwargs["tick_s"] = A_MINUTE
+        kwargs["tick_s"] = kwargs["idle_tick_s"] = A_MINUTE
         original(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(sidechannel_module.SideChannelServer, "__init__", with_slow_tick)
@@ -79,3 +82,40 @@ def test_connect_late_publish_and_chunks_need_no_tick(slow_ticks: None, chunk_to
             consumer.close()
         for producer in producers:
             producer.close()
+
+
+def test_idle_loops_tick_at_the_idle_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With nothing in flight, the consumer's loop and a side channel sleep their idle tick
+    between turns (an idle engine's threads stay idle). Only upper bounds are asserted: a
+    loaded machine makes fewer turns, not more."""
+    monkeypatch.setattr(loop_module, "_IDLE_TICK_S", 0.25)
+    busy = threading.Event()  # never set: idle throughout
+    loop_ticks: list[float] = []
+    server_ticks: list[float] = []
+    loop = EventLoop(
+        "test-loop",
+        "test",
+        lambda: [],
+        lambda sock: None,
+        lambda: loop_ticks.append(0),
+        busy.is_set,
+    )
+    loop.start()
+    server = SideChannelServer(
+        "127.0.0.1",
+        0,
+        lambda identity, frames: None,
+        lambda: server_ticks.append(0),
+        tick_s=0.01,
+        idle_tick_s=0.25,
+        busy=busy.is_set,
+    )
+    try:
+        time.sleep(1.0)
+        assert len(loop_ticks) <= 6, len(loop_ticks)  # 4 at 0.25 s, not 100 at 10 ms
+        assert len(server_ticks) <= 6, len(server_ticks)
+    finally:
+        loop.post(loop.stop)
+        loop.join()
+        loop.close()
+        server.close()

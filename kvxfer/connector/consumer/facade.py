@@ -132,7 +132,9 @@ class KVConsumer:
         # The loop polls the sessions' sockets and ticks; the sessions tell the fetch machine
         # what happened to them (a `SessionListener`); the machine sends on the sessions.
         self._copier = CacheCopier(caches, backend_name, copy_workers)
-        self._loop = EventLoop("kvxfer-consumer", engine_id, self._sockets, self._drain, self._tick)
+        self._loop = EventLoop(
+            "kvxfer-consumer", engine_id, self._sockets, self._drain, self._tick, self._busy
+        )
         self._machine = FetchMachine(
             spec, self._pools, self.transport, self._copier, self.stats, self._loop.post
         )
@@ -301,6 +303,10 @@ class KVConsumer:
         self._sessions.drain(sock)
         for pending, done in list(self._connects):  # a handshake may have finished now
             self._await_sessions(pending, done)
+
+    def _busy(self) -> bool:
+        """Fetches or connects in flight: their deadlines need the loop's short tick."""
+        return bool(self._machine.fetches or self._connects)
 
     def _tick(self) -> None:
         now = time.monotonic()

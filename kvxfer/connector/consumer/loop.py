@@ -3,7 +3,9 @@
 No thread per fetch or per session, so abandoned fetches cannot exhaust anything: other threads
 (the caller's, the transport's completions, the copy workers) `post` callables to it, and a
 pipe wakes it. Each turn it reads every readable socket, runs what was posted, then `tick`s
-(deadlines, heartbeats, chunks to ask for); it sleeps at most `_TICK_S` between turns.
+(deadlines, heartbeats, chunks to ask for); it sleeps at most `_TICK_S` between turns while its
+owner is busy (fetches or connects running), `_IDLE_TICK_S` otherwise: an idle consumer wakes
+ten times a second for its heartbeats, not a hundred.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import zmq
 
 log = logging.getLogger(__name__)
 
-_TICK_S = 0.01  # the loop's longest sleep: deadlines and heartbeats are checked this often
+_TICK_S = 0.01  # the loop's longest sleep while busy: fetch deadlines are checked this often
+# Idle: heartbeats (every `heartbeat_s`, 0.5 s by default) and peers' silence (2 s) only.
+# Measured with benchmarks/latency.py (four idle consumers in one process): see RESULTS.md.
+_IDLE_TICK_S = 0.1
 
 
 class EventLoop:
@@ -32,6 +37,7 @@ class EventLoop:
         sockets: the sockets to poll, asked every turn.
         drain: reads everything waiting on a readable socket.
         tick: runs once a turn, after the posted events.
+        busy: whether the owner has work whose deadlines need the short tick (default: always).
     """
 
     def __init__(
@@ -41,8 +47,10 @@ class EventLoop:
         sockets: Callable[[], list[zmq.Socket]],
         drain: Callable[[zmq.Socket], None],
         tick: Callable[[], None],
+        busy: Callable[[], bool] = lambda: True,
     ) -> None:
         self._owner, self._sockets, self._drain, self._tick = owner, sockets, drain, tick
+        self._busy = busy
         self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -105,7 +113,8 @@ class EventLoop:
             for sock in sockets - registered:
                 poller.register(sock, zmq.POLLIN)
             registered = sockets
-            for sock_or_fd, _ in poller.poll(int(_TICK_S * 1000)):
+            timeout_ms = int((_TICK_S if self._busy() else _IDLE_TICK_S) * 1000)
+            for sock_or_fd, _ in poller.poll(timeout_ms):
                 if sock_or_fd == self._wake_r:
                     os.read(self._wake_r, 4096)
                 else:
