@@ -145,8 +145,15 @@ class Processes:
         self._started.append(launched)
         return Server(name, f"http://{HOST}:{port}", launched)
 
-    def start_proxy(self, prefill: Server, decode: Server, timeout: float = 300.0) -> Server:
-        """Start kvxfer's P/D proxy in front of `prefill` and `decode`, and wait for it."""
+    def start_proxy(
+        self,
+        prefill: Server,
+        decode: Server,
+        timeout: float = 300.0,
+        bootstrap_port: int | None = None,
+    ) -> Server:
+        """Start kvxfer's P/D proxy in front of `prefill` and `decode`, and wait for it: in its
+        sequential flow, or in its concurrent flow when given the prefill's `bootstrap_port`."""
         port = free_port()
         argv = [
             sys.executable,
@@ -158,12 +165,14 @@ class Processes:
             str(port),
             "--prefill",
             prefill.url,
+            *([str(bootstrap_port), "--flow", "concurrent"] if bootstrap_port else []),
             "--decode",
             decode.url,
             "--timeout",
             str(timeout),
         ]
-        launched = driver.launch(f"proxy-{prefill.name}-{decode.name}", argv, self.log_dir)
+        flow = "-concurrent" if bootstrap_port else ""
+        launched = driver.launch(f"proxy{flow}-{prefill.name}-{decode.name}", argv, self.log_dir)
         self._started.append(launched)
         proxy = Server(launched.name, f"http://{HOST}:{port}", launched)
         driver.wait_ready(proxy.url + "/", timeout=60.0, pid=launched.pgid, any_status=True)

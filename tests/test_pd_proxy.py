@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -135,3 +136,72 @@ def test_a_prefill_with_no_kv_to_hand_over_is_decoded_from_the_prompt():
             server.server_close()
     assert status == 200 and json.loads(payload)["choices"][0]["text"] == "ok"
     assert decode_seen == [{"path": "/v1/completions", **body, "kv_transfer_params": nothing}]
+
+
+def test_the_concurrent_flow_sends_both_engines_the_request_at_once():
+    """`--flow concurrent`: the engine id from the prefill's bootstrap service (kvxfer's own,
+    over HTTP), one fresh `transfer_id` named to both engines, the decode request sent without
+    waiting for the prefill's answer (here the prefill engine answers only once the decode
+    request has arrived: a sequential proxy would wait forever)."""
+    from kvxfer.integrations.bootstrap import BootstrapClient, BootstrapServer, new_worker_info
+
+    decode_arrived = threading.Event()
+
+    def prefill_answer(body):
+        assert decode_arrived.wait(10), "the decode request waited for the prefill's answer"
+        return _prefill_answer(body)
+
+    def decode_answer(body):
+        decode_arrived.set()
+        return _decode_answer(body)
+
+    prefill, prefill_seen = _engine(prefill_answer)
+    decode, decode_seen = _engine(decode_answer)
+    url = lambda s: f"http://127.0.0.1:{s.server_address[1]}"  # noqa: E731
+    with BootstrapServer("127.0.0.1", 0) as bootstrap:
+        BootstrapClient(bootstrap.address).register(
+            new_worker_info("prefill-7_dp0", 0, 0, 0, "tcp://127.0.0.1:6000", 1)
+        )
+        port = int(bootstrap.address.rsplit(":", 1)[1])
+        proxy = make_server("127.0.0.1", 0, [url(prefill)], [url(decode)], 10, "concurrent", [port])
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        try:
+            bodies = [{"model": "m", "prompt": f"p{i}", "max_tokens": 5} for i in range(2)]
+            answers = [_post(url(proxy) + "/v1/completions", b) for b in bodies]
+            deadline = time.monotonic() + 10
+            while len(prefill_seen) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)  # the prefill requests run on the proxy's own threads
+        finally:
+            for server in (proxy, prefill, decode):
+                server.shutdown()
+                server.server_close()
+    assert [a[0] for a in answers] == [200, 200]
+    transfer_ids = []
+    for body, sent_prefill, sent_decode in zip(bodies, prefill_seen, decode_seen, strict=True):
+        transfer_id = sent_decode["kv_transfer_params"]["transfer_id"]
+        transfer_ids.append(transfer_id)
+        assert sent_decode == {
+            "path": "/v1/completions",
+            **body,
+            "kv_transfer_params": {
+                "do_remote_decode": False,
+                "do_remote_prefill": True,
+                "transfer_id": transfer_id,
+                "remote_engine_id": "prefill-7_dp0",
+                "remote_bootstrap_addr": f"http://127.0.0.1:{port}",
+            },
+        }
+        assert sent_prefill["kv_transfer_params"] == {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_id": transfer_id,
+        }
+        assert sent_prefill["max_tokens"] == 1 and sent_prefill["prompt"] == body["prompt"]
+    assert len(set(transfer_ids)) == 2  # one per request
+
+
+def test_the_concurrent_flow_needs_each_prefills_bootstrap_port():
+    with pytest.raises(ValueError, match="bootstrap port: --prefill URL PORT"):
+        make_server("127.0.0.1", 0, ["http://127.0.0.1:1"], ["http://127.0.0.1:2"], 1, "concurrent")
+    with pytest.raises(ValueError, match="flow: 'push' is not one of"):
+        make_server("127.0.0.1", 0, ["http://127.0.0.1:1"], ["http://127.0.0.1:2"], 1, "push")

@@ -277,6 +277,24 @@ class TestPrefillTp1Block32ToDecodeTp2Block64(GreedyCases):
         finally:
             processes.stop([router])
 
+    def test_the_proxys_concurrent_flow(
+        self,
+        pair: Pair,
+        processes: Processes,
+        baseline_outputs: dict[str, Any],
+        case_prompts: list[list[int]],
+    ) -> None:
+        """kvxfer's own proxy with `--flow concurrent` (the convention of vllm-router's
+        mooncake mode, standard library only): the baseline's token ids, the KV loaded."""
+        proxy = processes.start_proxy(
+            pair.prefill, pair.decode, REQUEST_TIMEOUT, bootstrap_port=pair.bootstrap_port
+        )
+        try:
+            for case in ROUTED_CASES:
+                check_case(pair, baseline_outputs, case_prompts, case, via=proxy)
+        finally:
+            processes.stop([proxy])
+
 
 def stream_until_running(proxy: Server, decode: Server, prompt: list[int]) -> int:
     """Start a long streamed completion through the proxy, read until the decode engine runs
