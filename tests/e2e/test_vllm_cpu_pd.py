@@ -245,6 +245,18 @@ class GreedyCases:
 
 # What the routers' tests send: under a block, blocks and a part, over the chunk budget.
 ROUTED_CASES = tuple(c for c in CASES if c.length in (20, 3 * 64 + 17, 700))
+# Fronts other than the pair's own proxy (sequential flow), started in front of a pair.
+FRONTS: dict[str, Callable[[Processes, Pair], Server]] = {
+    "vllm-router-nixl": lambda processes, pair: processes.start_router(
+        pair.prefill, pair.bootstrap_port, pair.decode, "nixl"
+    ),
+    "vllm-router-mooncake": lambda processes, pair: processes.start_router(
+        pair.prefill, pair.bootstrap_port, pair.decode, "mooncake"
+    ),
+    "proxy-concurrent": lambda processes, pair: processes.start_proxy(
+        pair.prefill, pair.decode, REQUEST_TIMEOUT, bootstrap_port=pair.bootstrap_port
+    ),
+}
 
 
 class TestPrefillTp1Block32ToDecodeTp2Block64(GreedyCases):
@@ -253,47 +265,27 @@ class TestPrefillTp1Block32ToDecodeTp2Block64(GreedyCases):
 
     GEOMETRY = ((1, 32), (2, 64))
 
-    @pytest.mark.parametrize("kv_connector", ["nixl", "mooncake"])
-    def test_vllm_router_drives_kvxfer_unchanged(
+    @pytest.mark.parametrize("front", list(FRONTS))
+    def test_routers_drive_kvxfer_unchanged(
         self,
         pair: Pair,
         processes: Processes,
         baseline_outputs: dict[str, Any],
         case_prompts: list[list[int]],
-        kv_connector: str,
+        front: str,
     ) -> None:
-        """`vllm-router --vllm-pd-disaggregation` with `--kv-connector nixl` (its default: the
-        prefill request first, then the decode request with the prefill's parameters: kvxfer's
-        sequential flow) and `--kv-connector mooncake` (both requests at once with a
+        """The same engines behind another front (`FRONTS`): `vllm-router` in its default mode
+        (the prefill request first, then the decode request with the prefill's parameters:
+        kvxfer's sequential flow) and in its mooncake mode (both requests at once with a
         `transfer_id` it mints, the prefill's engine id read from kvxfer's bootstrap `/query`:
-        the concurrent flow): the baseline's token ids, every prompt's KV loaded through
-        kvxfer, no failed load."""
-        router = processes.start_router(
-            pair.prefill, pair.bootstrap_port, pair.decode, kv_connector
-        )
+        the concurrent flow), and kvxfer's proxy in its concurrent flow: the baseline's token
+        ids, every prompt's KV loaded through kvxfer, no failed load."""
+        entry = FRONTS[front](processes, pair)
         try:
             for case in ROUTED_CASES:
-                check_case(pair, baseline_outputs, case_prompts, case, via=router)
+                check_case(pair, baseline_outputs, case_prompts, case, via=entry)
         finally:
-            processes.stop([router])
-
-    def test_the_proxys_concurrent_flow(
-        self,
-        pair: Pair,
-        processes: Processes,
-        baseline_outputs: dict[str, Any],
-        case_prompts: list[list[int]],
-    ) -> None:
-        """kvxfer's own proxy with `--flow concurrent` (the convention of vllm-router's
-        mooncake mode, standard library only): the baseline's token ids, the KV loaded."""
-        proxy = processes.start_proxy(
-            pair.prefill, pair.decode, REQUEST_TIMEOUT, bootstrap_port=pair.bootstrap_port
-        )
-        try:
-            for case in ROUTED_CASES:
-                check_case(pair, baseline_outputs, case_prompts, case, via=proxy)
-        finally:
-            processes.stop([proxy])
+            processes.stop([entry])
 
 
 def stream_until_running(proxy: Server, decode: Server, prompt: list[int]) -> int:
