@@ -205,3 +205,35 @@ def test_the_concurrent_flow_needs_each_prefills_bootstrap_port():
         make_server("127.0.0.1", 0, ["http://127.0.0.1:1"], ["http://127.0.0.1:2"], 1, "concurrent")
     with pytest.raises(ValueError, match="flow: 'push' is not one of"):
         make_server("127.0.0.1", 0, ["http://127.0.0.1:1"], ["http://127.0.0.1:2"], 1, "push")
+
+
+@pytest.mark.parametrize("answer", [b"[1, 2]", b'{"0": {}}', b"not json", b'{"x": {}}'])
+def test_a_bootstrap_port_that_is_not_one_is_a_clear_502(answer):
+    class Query(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args):
+            pass
+
+    bogus = ThreadingHTTPServer(("127.0.0.1", 0), Query)
+    threading.Thread(target=bogus.serve_forever, daemon=True).start()
+    decode, decode_seen = _engine(_decode_answer)
+    url = lambda s: f"http://127.0.0.1:{s.server_address[1]}"  # noqa: E731
+    proxy = make_server(
+        "127.0.0.1", 0, [url(bogus)], [url(decode)], 10, "concurrent", [bogus.server_address[1]]
+    )
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(urllib.error.HTTPError) as info:
+            _post(url(proxy) + "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 2})
+        assert info.value.code == 502
+        assert "/query did not answer" in json.loads(info.value.read())["error"]["message"]
+        assert decode_seen == []
+    finally:
+        for server in (proxy, bogus, decode):
+            server.shutdown()
+            server.server_close()

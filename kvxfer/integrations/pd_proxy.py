@@ -129,12 +129,28 @@ class PrefillEngine:
         with self._lock:
             if time.monotonic() - self._read_at > _QUERY_TTL_S:
                 with urllib.request.urlopen(self.bootstrap + "/query", timeout=timeout) as answer:
-                    ranks = json.loads(answer.read())
-                self._engine_ids = [ranks[k]["engine_id"] for k in sorted(ranks, key=int)]
+                    self._engine_ids = _engine_ids(answer.read(), self.bootstrap)
                 self._read_at = time.monotonic()
             if not self._engine_ids:
                 raise ValueError(f"{self.bootstrap}/query lists no prefill worker yet")
             return self._engine_ids[next(self._turn) % len(self._engine_ids)]
+
+
+def _engine_ids(answer: bytes, bootstrap: str) -> list[str]:
+    """The engine id of each DP rank, in rank order, from a `/query` answer.
+
+    Raises:
+        ValueError: the answer is not `{dp_rank: {"engine_id": ...}}`, naming the service.
+    """
+    try:
+        ranks = json.loads(answer)
+        return [str(ranks[k]["engine_id"]) for k in sorted(ranks, key=int)]
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ValueError(
+            f'{bootstrap}/query did not answer {{dp_rank: {{"engine_id": ...}}}} '
+            f"({type(exc).__name__}: {exc}); give --prefill a kvxfer or vLLM Mooncake "
+            "bootstrap port"
+        ) from None
 
 
 class _Backends:
