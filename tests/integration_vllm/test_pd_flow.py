@@ -226,6 +226,36 @@ def test_concurrent_flow_as_vllm_router_sends_it_in_mooncake_mode(engines):
     assert decode.free_blocks() == decode.free_blocks_at_start
 
 
+def test_a_transfer_id_used_twice_frees_the_second_request_and_keeps_the_engine(engines):
+    """A router that reuses a `transfer_id` (a retry, a bug): the second prefill request cannot
+    be offered under it. The prefill engine keeps running and frees that request's blocks at
+    once; the first request stays offered until its decode engine is done with it."""
+    prefill, decode, _ = engines
+    bootstrap = f"http://127.0.0.1:{prefill.spec.extra['bootstrap_port']}"
+    params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "xfer-dup"}
+    prompt = random_prompt(21, 40)
+    finished: set[str] = set()
+
+    def collect(_, outputs):
+        finished.update(o.request_id for o in outputs if o.finish_reason is not None)
+
+    prefill.add("req-first", prompt, max_tokens=1, params=dict(params))
+    _run_until(lambda: "req-first" in finished, [prefill], on_step=collect)
+    prefill.add("req-again", random_prompt(22, 50), max_tokens=1, params=dict(params))
+    _run_until(lambda: "req-again" in prefill.finished_sending, [prefill])
+    assert "req-first" not in prefill.finished_sending  # still offered, for its decode
+    decode_params = {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "transfer_id": "xfer-dup",
+        "remote_bootstrap_addr": bootstrap,
+        "remote_engine_id": "prefill-engine",
+    }
+    seen = load_and_check(decode, [prefill], {"req-first": (prompt, decode_params)}, 90.0)
+    assert seen.checked == {"req-first": [[]] * DECODE_TP}
+    assert prefill.free_blocks() == prefill.free_blocks_at_start
+
+
 def test_failed_load_reports_exactly_its_blocks_and_vllm_recomputes(engines):
     _, decode, port = engines
     finished: set[str] = set()

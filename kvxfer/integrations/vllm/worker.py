@@ -207,7 +207,19 @@ class WorkerSide:
                     "kv_producer or kv_both"
                 )
             tables = group_tables(self._tables_of, send.block_ids, send.num_tokens)
-            self._producer.publish(send.offered_as, tables, send.num_tokens)
+            try:
+                self._producer.publish(send.offered_as, tables, send.num_tokens)
+            except ValueError as exc:  # a router's transfer_id used twice: never the engine's end
+                log.warning(
+                    "kvxfer: request %s cannot be offered as %r (%s); its blocks are freed and "
+                    "a decode engine loading it recomputes it",
+                    send.request_id,
+                    send.offered_as,
+                    exc,
+                )
+                self._sends.published(send.request_id)
+                self._sends.release(send.request_id)
+                continue
             self._sends.published(send.request_id, send.offered_as)
         for load in metadata.loads:
             if not self._consumes:
