@@ -182,6 +182,20 @@ class _FloorServer:
         self.transport.close()
 
 
+def _send_traceback(conn: Any) -> None:
+    """(a child, in an `except`) Report the exception to the parent, if it still listens."""
+    with contextlib.suppress(OSError):
+        conn.send({"error": traceback.format_exc()})
+
+
+def _close_quietly(things: list[Any]) -> None:
+    """(a child, at its end) Close what it opened, whatever failed before."""
+    for thing in things:
+        if thing is not None:
+            with contextlib.suppress(Exception):
+                thing.close()
+
+
 def _on_release(released: list[tuple[int, str]], rank: int) -> Callable[[str], None]:
     return lambda request_id: released.append((rank, request_id))
 
@@ -255,15 +269,9 @@ def prefill_main(config: dict[str, Any], conn: Any) -> None:
             else:
                 raise ValueError(f"unknown command {op!r}")
     except Exception:
-        with contextlib.suppress(OSError):
-            conn.send({"error": traceback.format_exc()})
+        _send_traceback(conn)
     finally:
-        if floor is not None:
-            with contextlib.suppress(Exception):
-                floor.close()
-        for p in producers:
-            with contextlib.suppress(Exception):
-                p.close()
+        _close_quietly([floor, *producers])
 
 
 # ---- the decode process ---------------------------------------------------------------------
@@ -505,12 +513,9 @@ def decode_main(config: dict[str, Any], conn: Any) -> None:
             else:
                 raise ValueError(f"unknown command {op!r}")
     except Exception:
-        with contextlib.suppress(OSError):
-            conn.send({"error": traceback.format_exc()})
+        _send_traceback(conn)
     finally:
-        if decode is not None:
-            with contextlib.suppress(Exception):
-                decode.close()
+        _close_quietly([decode])
 
 
 # ---- the parent -----------------------------------------------------------------------------
