@@ -134,3 +134,58 @@ def test_a_given_size_is_kept_and_checked():
         choose_chunking("pack", route, s, d, TCP, 512, 4, tokens=1024)
     with pytest.raises(ValueError, match="slots"):
         choose_chunking("pack", route, s, d, TCP, 512, 0)
+
+
+# ---- streamed fetches: chunks of fewer layers -----------------------------------------------
+
+
+def _fitted(model: CostModel, chunk_tokens: int = 64, layers: int = 8, cap: int = 4096):
+    from kvxfer.plan.cost import Chunking
+    from kvxfer.plan.fitting import FittedPair
+
+    _, s, d = _pair("pack+unpack", layers=layers)
+    (plan,) = plan_pairs([s], [d], strategy="pack+unpack", landing=True)
+    return FittedPair(plan, Chunking(chunk_tokens, 2), s, d, model, cap)
+
+
+def _cells(cuts) -> list[tuple[int, int]]:
+    return sorted((t, layer) for c in cuts for t in range(*c[:2]) for layer in range(*c[2:]))
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_fetch_is_cut_into_chunks_that_cover_every_token_and_layer_once(streamed):
+    pair = _fitted(TCP)
+    cuts = pair.cuts(5, 3000, streamed)
+    assert _cells(cuts) == [(t, layer) for t in range(5, 3000) for layer in range(8)]
+    for cut in cuts:  # ends at multiples of the pair's chunk size, as a slot needs
+        assert cut.token_end == 3000 or cut.token_end % pair.chunk_tokens == 0
+        assert pair.route_of(cut).global_layers(pair.producer) == range(*cut[2:])
+    if not streamed:
+        assert {(c.layer_start, c.layer_end) for c in cuts} == {(0, 8)}
+
+
+def test_a_long_streamed_fetch_has_one_layer_per_chunk_of_what_a_slot_holds():
+    pair = _fitted(TCP, cap=1024)  # a slot holds 1024 tokens of 8 layers
+    cuts = pair.cuts(0, 65536, streamed=True)
+    assert {c.layer_end - c.layer_start for c in cuts} == {1}
+    assert {c.token_end - c.token_start for c in cuts} == {1024 * 8}
+    # In the order a prefill computes them: token ranges outer, layers inner.
+    assert [(c.token_start, c.layer_start) for c in cuts] == sorted(
+        (c.token_start, c.layer_start) for c in cuts
+    )
+
+
+def test_streamed_layers_per_chunk_grow_as_requests_shorten_and_round_trips_cost_more():
+    from kvxfer.plan.cost import choose_stream_layers
+
+    route, s, d = _pair("pack+unpack", layers=8)
+
+    def layers(model: CostModel, tokens: int) -> int:
+        return choose_stream_layers("pack+unpack", route, s, d, model, 64, 1024, tokens)[0]
+
+    by_length = [layers(TCP, n) for n in (16, 128, 1024, 8192, 32768)]
+    assert by_length == sorted(by_length, reverse=True)
+    assert by_length[0] == 8 and by_length[-1] == 1  # too short to stream; long: every layer
+    dearer = dataclasses.replace(TCP, seconds_per_chunk=TCP.seconds_per_chunk * 4)
+    assert all(layers(dearer, n) >= layers(TCP, n) for n in (128, 1024, 8192))
+    assert all(8 % layers(TCP, n) == 0 for n in (16, 128, 1024, 8192))  # equal groups

@@ -58,13 +58,16 @@ class KVTerms(msgspec.Struct, frozen=True):
 
 
 class TransferRequest(_Message, tag="transfer", frozen=True):
-    """Consumer -> producer: make tokens `[token_start, token_end)` of a request readable."""
+    """Consumer -> producer: make tokens `[token_start, token_end)` of global layers
+    `[layer_start, layer_end)` of a request readable (once computed: `KVProducer.mark_ready`)."""
 
     request_id: str
     chunk_id: int
     num_tokens: int
     token_start: int
     token_end: int
+    layer_start: int
+    layer_end: int
     strategy: str
     wait_seconds: float  # how long to wait for the request to be published
 

@@ -280,21 +280,30 @@ class KVProducer:
         else:  # chunks asked for before the publish are served now, not at the next tick
             self._server.post(self._serve_waiting)
 
-    def mark_ready(self, request_id: str, tokens: int) -> None:
-        """Tokens before `tokens` of a request published with `ready_tokens` are computed now:
-        the chunks they complete are served at once.
+    def mark_ready(self, request_id: str, tokens: int, layers: int | None = None) -> None:
+        """Tokens before `tokens` of a request published with `ready_tokens` are computed now,
+        in every layer (`layers` None) or in this rank's first `layers` layers (local indices:
+        an attention layer's write during the step that computes those tokens): the chunks
+        they complete are served at once, so the read of layer l overlaps the compute of layer
+        l + 1 for a consumer that fetches it streamed (`KVConsumer.fetch(streamed=True)`).
 
         CUDA: as `publish`, call it on the thread and current stream that wrote those tokens
-        (packs from now on run after what that stream enqueued before this call).
+        (packs from now on run after what that stream enqueued before this call: the event
+        recorded here, which the side stream waits on; the host never syncs).
 
         Raises:
-            ValueError: the request is not live, or `tokens` is below what was ready or beyond
-                its length.
+            ValueError: the request is not live, `tokens` is below what was ready in every
+                layer or beyond its length, `layers` is outside `[0, num_layers]` or below what
+                was marked for the same tokens.
         """
         where = f"mark_ready({request_id!r})"
         tokens = _check_ready(tokens, None, where)
+        if layers is not None:
+            layers = _check_layers(layers, self.spec.num_layers, where)
+            if layers == self.spec.num_layers:
+                layers = None  # every layer: the tokens are computed
         fence = self._copy_stream.fence()
-        self._requests.mark_ready(request_id, tokens)
+        self._requests.mark_ready(request_id, tokens, layers)
         if fence is not None:
             with self._lock:
                 self._fences[request_id] = fence  # later than the publish's: covers these
@@ -457,7 +466,7 @@ class KVProducer:
                 f"{session.spec.rank_name} needs"
             )
             self._send(session, _failed(ask, reason))
-        elif _servable(self._requests.get(ask.request_id), ask):
+        elif self._servable(self._requests.get(ask.request_id), ask):
             self._serve_chunk(session, ask)
         elif self._requests.was_released(ask.request_id):
             self._send(session, _failed(ask, "the request was already released"))
@@ -466,6 +475,33 @@ class KVProducer:
             self._send(session, _failed(ask, reason))
         else:
             session.waiting.append(_Waiting(ask, time.monotonic() + ask.wait_seconds))
+
+    def _servable(self, request: PublishedRequest | None, ask: TransferRequest) -> bool:
+        """Whether a chunk can be answered now: its request is published, and its tokens are
+        computed in its layers, or the prefill failed, or the ask does not fit the request (the
+        answer is then the failure or the refusal, at once)."""
+        if request is None:
+            return False
+        if request.failure or ask.num_tokens != request.num_tokens:
+            return True
+        if not 0 < ask.token_end <= request.num_tokens:
+            return True  # refused at once
+        layer_end = ask.layer_end - self.spec.layer_start  # this rank's own layer index
+        return self._requests.is_ready(request, ask.token_end, layer_end)
+
+    def _chunk_route(self, session: _Session, ask: TransferRequest) -> HeadRoute | str:
+        """The route of the chunk's layers (the session's, or fewer of them), or why not."""
+        route = session.route
+        assert route is not None
+        layers = route.global_layers(self.spec)
+        if range(ask.layer_start, ask.layer_end) == layers:
+            return route
+        if not layers.start <= ask.layer_start < ask.layer_end <= layers.stop:
+            return (
+                f"layers [{ask.layer_start}, {ask.layer_end}) are not among the layers "
+                f"[{layers.start}, {layers.stop}) this producer serves that consumer"
+            )
+        return route.narrowed(ask.layer_start, ask.layer_end)
 
     def _serve_chunk(self, session: _Session, ask: TransferRequest) -> None:
         request = self._requests.get(ask.request_id)
@@ -490,14 +526,17 @@ class KVProducer:
             )
             self._send(session, _failed(ask, reason))
             return
+        route = self._chunk_route(session, ask)
+        if isinstance(route, str):
+            self._send(session, _failed(ask, route))
+            return
         self._requests.note_fetcher(ask.request_id, session.engine_id, session.spec.engine_size)
-        assert session.route is not None
         # The chunk's blocks only (validated once, at publish): a chunk's work and message
         # are O(its tokens), never O(the request).
         lo, hi = ask.token_start, ask.token_end
         blocks = chunk_blocks(request.block_ids, self.spec.block_size, lo, hi)
         strategy = check_strategy(ask.strategy)
-        pack = chunk_pack_copy(strategy, session.route, self.spec, session.spec, blocks, lo, hi)
+        pack = chunk_pack_copy(strategy, route, self.spec, session.spec, blocks, lo, hi)
         ready = ChunkReady(
             request_id=ask.request_id,
             chunk_id=ask.chunk_id,
@@ -553,7 +592,7 @@ class KVProducer:
         still = []
         for chunk in session.waiting:
             request = self._requests.get(chunk.ask.request_id)
-            if _servable(request, chunk.ask):
+            if self._servable(request, chunk.ask):
                 self._serve_chunk(session, chunk.ask)
             elif self._requests.was_released(chunk.ask.request_id):
                 self._send(session, _failed(chunk.ask, "the request was already released"))
@@ -721,6 +760,17 @@ def _with_staging(ready: ChunkReady, staging: RegionInfo) -> ChunkReady:
     )
 
 
+def _check_layers(layers: object, num_layers: int, where: str) -> int:
+    if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)):
+        raise ValueError(f"{where}: layers must be an int or None, got {layers!r}")
+    if not 0 <= int(layers) <= num_layers:
+        raise ValueError(
+            f"{where}: layers {layers} is outside [0, {num_layers}]; pass how many of this "
+            "rank's layers (local, in order) have written the tokens"
+        )
+    return int(layers)
+
+
 def _failed(ask: TransferRequest, reason: str) -> ChunkFailed:
     return ChunkFailed(request_id=ask.request_id, chunk_id=ask.chunk_id, reason=reason)
 
@@ -736,17 +786,3 @@ def _check_ready(ready_tokens: object, num_tokens: int | None, where: str) -> in
             "many of the request's first tokens are computed"
         )
     return ready
-
-
-def _servable(request: PublishedRequest | None, ask: TransferRequest) -> bool:
-    """Whether a chunk can be answered now: its request is published, and its tokens are
-    computed, or the prefill failed, or the ask does not fit the request (the answer is then
-    the failure or the refusal, at once)."""
-    if request is None:
-        return False
-    awaits_compute = (
-        not request.failure
-        and ask.num_tokens == request.num_tokens
-        and request.ready_tokens < ask.token_end <= request.num_tokens
-    )
-    return not awaits_compute

@@ -30,7 +30,11 @@ class PublishedRequest:
     deadline: float
     generation: int  # tells this publication from an earlier one of the same id
     first_token: int = 0  # tokens before it are not held (a sliding window's dropped blocks)
-    ready_tokens: int = 0  # tokens before it are computed: chunks up to it can be served
+    ready_tokens: int = 0  # tokens before it are computed in every layer
+    # Tokens before `layer_tokens` are computed in this rank's layers before `ready_layers`
+    # (the prefill step under way: `mark_ready` per layer, as each attention layer writes).
+    layer_tokens: int = 0
+    ready_layers: int = 0
     failure: str = ""  # the prefill failed it: every chunk not served yet fails with this
     fetchers: dict[str, int] = field(default_factory=dict)  # engine id -> its ranks (PP x TP)
     reported: set[tuple[str, int]] = field(default_factory=set)  # (engine, rank) done
@@ -88,27 +92,52 @@ class RequestTable:
             )
             return self._aborted.pop(request_id, None) is not None
 
-    def mark_ready(self, request_id: str, tokens: int) -> None:
-        """Tokens before `tokens` are computed now (never fewer than before).
+    def mark_ready(self, request_id: str, tokens: int, layers: int | None = None) -> None:
+        """Tokens before `tokens` are computed now: in every layer (`layers` None), or in the
+        rank's first `layers` layers (the step under way). Readiness only grows; a layer mark
+        of more tokens than the last one keeps the fewer layers of the two for the tokens both
+        cover (conservative: a step's layers are marked for its own tokens).
 
         Raises:
             ValueError: the request is not live, or `tokens` is below what was ready or above
-                its length.
+                its length, or a layer mark of the same tokens names fewer layers.
         """
         with self._lock:
             request = self._live.get(request_id)
+            where = f"mark_ready({request_id!r})"
             if request is None:
                 raise ValueError(
-                    f"mark_ready({request_id!r}): not published, or released already; publish "
-                    "it first (with ready_tokens for a prefill still running)"
+                    f"{where}: not published, or released already; publish it first (with "
+                    "ready_tokens for a prefill still running)"
                 )
             if not request.ready_tokens <= tokens <= request.num_tokens:
                 raise ValueError(
-                    f"mark_ready({request_id!r}): tokens {tokens} outside "
-                    f"[{request.ready_tokens}, {request.num_tokens}] (what was ready, the "
-                    "request's length); readiness only grows"
+                    f"{where}: tokens {tokens} outside [{request.ready_tokens}, "
+                    f"{request.num_tokens}] (what was ready in every layer, the request's "
+                    "length); readiness only grows"
                 )
-            request.ready_tokens = tokens
+            if layers is None:
+                request.ready_tokens = tokens
+            elif tokens == request.layer_tokens:
+                if layers < request.ready_layers:
+                    raise ValueError(
+                        f"{where}: layers {layers} below the {request.ready_layers} marked for "
+                        f"tokens before {tokens}; readiness only grows"
+                    )
+                request.ready_layers = layers
+            elif tokens > request.layer_tokens:
+                partial = request.layer_tokens > request.ready_tokens
+                request.ready_layers = min(layers, request.ready_layers) if partial else layers
+                request.layer_tokens = tokens
+            # else: fewer tokens than the last layer mark, in every layer that already covers
+
+    def is_ready(self, request: PublishedRequest, token_end: int, layer_end: int) -> bool:
+        """Whether tokens before `token_end` are computed in the rank's layers before
+        `layer_end` (local indices)."""
+        with self._lock:
+            return token_end <= request.ready_tokens or (
+                token_end <= request.layer_tokens and layer_end <= request.ready_layers
+            )
 
     def fail(self, request_id: str, reason: str) -> bool:
         """The prefill will not compute the rest of the request. Returns whether it is live."""

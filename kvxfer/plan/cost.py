@@ -16,6 +16,7 @@ the slowest stage.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -307,3 +308,43 @@ def choose_chunking(
     slowest = max(chosen.pack, chosen.wire, chosen.unpack)
     depth = math.ceil(chosen.lifetime / slowest) if slowest > 0 else slots
     return Chunking(tokens, max(1, min(slots, depth)))
+
+
+@functools.lru_cache(maxsize=1024)
+def choose_stream_layers(
+    strategy: Strategy,
+    route: HeadRoute,
+    src_spec: KVCacheSpec,
+    dst_spec: KVCacheSpec,
+    model: CostModel,
+    chunk_tokens: int,
+    max_tokens: int,
+    request_tokens: int,
+) -> tuple[int, int]:
+    """(layers, tokens) per chunk of a streamed fetch of `request_tokens` tokens over one pair:
+    a fetch asked for while the prefill still computes, read as the producer marks its layers
+    ready.
+
+    A chunk of `g` of the route's `L` layers carries up to what a staging slot holds of `g`
+    layers (`max_tokens`, a slot's tokens of all `L` layers, times `L // g`), in multiples of
+    `chunk_tokens` so that chunks stay aligned as the slot needs. `g` is the fewest layers
+    (dividing `L`) whose chunk, at this request's length, has fixed costs at most its byte
+    time: reading it then takes at least as long as asking for it, so the reads keep pace with
+    the wire rather than with the round trips, and the tail after the prefill's last layer is
+    one chunk (`g` layers' bytes and one fixed cost). A request too short for any such chunk
+    gets `L`: one chunk per token range, as unstreamed (streaming it would only multiply round
+    trips).
+    """
+    layers = route.global_layers(src_spec)
+    total = len(layers)
+    for group in range(1, total + 1):
+        if total % group:
+            continue  # equal groups only, so that every chunk costs the same
+        tokens = max(chunk_tokens, max_tokens * (total // group) // chunk_tokens * chunk_tokens)
+        narrowed = route.narrowed(layers.start, layers.start + group)
+        cost = chunk_cost(
+            strategy, narrowed, src_spec, dst_spec, model, min(tokens, request_tokens)
+        )
+        if cost.fixed <= cost.byte_time or group == total:
+            return group, tokens if group < total else chunk_tokens
+    raise AssertionError("unreachable: the last group is every layer")

@@ -12,20 +12,37 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from kvxfer.plan.cost import Chunking, CostModel, choose_chunking
+from kvxfer.plan.cost import Chunking, CostModel, choose_chunking, choose_stream_layers
+from kvxfer.plan.heads import HeadRoute
 from kvxfer.plan.pairs import PairPlan, by_preference
-from kvxfer.plan.program import chunk_alignment, max_chunk_tokens
+from kvxfer.plan.program import chunk_alignment, chunk_bounds, max_chunk_tokens
 from kvxfer.spec import KVCacheSpec
+
+
+class ChunkCut(NamedTuple):
+    """One chunk of a fetch over one pair: tokens `[token_start, token_end)` of global layers
+    `[layer_start, layer_end)`."""
+
+    token_start: int
+    token_end: int
+    layer_start: int
+    layer_end: int
 
 
 @dataclass(frozen=True)
 class FittedPair:
     """A pair's plan for every fetch (made at `connect`, reused as is): its route and strategy,
-    tokens per chunk and chunks in flight (at most the staging slots)."""
+    tokens per chunk and chunks in flight (at most the staging slots), and what cuts a streamed
+    fetch (both sides' specs and the cost model)."""
 
     plan: PairPlan
     chunking: Chunking
+    producer: KVCacheSpec
+    consumer: KVCacheSpec
+    model: CostModel
+    max_tokens: int  # what a staging slot of each side holds of every layer
 
     @property
     def src_rank(self) -> int:
@@ -41,6 +58,45 @@ class FittedPair:
     def depth(self) -> int:
         """Chunks in flight per fetch."""
         return self.chunking.depth
+
+    @property
+    def layers(self) -> range:
+        """The global layers the pair moves."""
+        return self.plan.route.global_layers(self.producer)
+
+    def cuts(self, start: int, end: int, streamed: bool = False) -> list[ChunkCut]:
+        """Tokens `[start, end)` cut into chunks, in the order they are asked for.
+
+        Unstreamed: every layer per chunk, `chunk_tokens` tokens (ending at its multiples).
+        Streamed: `choose_stream_layers` layers and tokens per chunk (more tokens, as fewer
+        layers leave room for in a slot, still ending at multiples of `chunk_tokens`), token
+        ranges outer and layer groups inner, the order a (chunked) prefill computes them in.
+        """
+        layers = self.layers
+        group, tokens = len(layers), self.chunk_tokens
+        if streamed:
+            group, tokens = choose_stream_layers(
+                self.plan.strategy,
+                self.plan.route,
+                self.producer,
+                self.consumer,
+                self.model,
+                tokens,
+                self.max_tokens,
+                end - start,
+            )
+        return [
+            ChunkCut(lo, hi, first, min(first + group, layers.stop))
+            for lo, hi in chunk_bounds(start, end, tokens)
+            for first in range(layers.start, layers.stop, group)
+        ]
+
+    def route_of(self, cut: ChunkCut) -> HeadRoute:
+        """The route a chunk moves: the pair's, narrowed to the chunk's layers if fewer."""
+        route = self.plan.route
+        if range(cut.layer_start, cut.layer_end) == self.layers:
+            return route
+        return route.narrowed(cut.layer_start, cut.layer_end)
 
 
 def fit_pair(
@@ -98,7 +154,7 @@ def fit_pair(
             staging_slots,
             tokens=chunk_tokens,
         )
-        return FittedPair(chosen, chunking)
+        return FittedPair(chosen, chunking, producer, consumer, model, cap)
     raise _nothing_fits(plan, forced, chunk_tokens, refusals)
 
 

@@ -67,6 +67,18 @@ class HeadRoute:
             num_layers=layer_stop - layer_start,
         )
 
+    def global_layers(self, src_spec: KVCacheSpec) -> range:
+        """The global layers the route moves (a route without `num_layers`: all of the
+        source's, which then holds every layer)."""
+        if self.num_layers is None:
+            return range(src_spec.layer_start, src_spec.layer_start + src_spec.num_layers)
+        return range(self.layer_start, self.layer_start + self.num_layers)
+
+    def narrowed(self, layer_start: int, layer_stop: int) -> HeadRoute:
+        """These heads between the same ranks over global layers `[layer_start, layer_stop)`
+        only (one chunk of a streamed fetch: `FittedPair.cuts`)."""
+        return self.between(self.src_rank, self.dst_rank, layer_start, layer_stop)
+
     def layer_span(self, src_spec: KVCacheSpec, dst_spec: KVCacheSpec) -> tuple[int, int, int]:
         """(layers moved, local index of the first on the source, on the destination).
 

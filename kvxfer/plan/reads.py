@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvxfer.plan.pairs import PairPlan
+from kvxfer.plan.heads import HeadRoute
 from kvxfer.plan.program import (
     Strategy,
     TransferProgram,
@@ -58,7 +58,8 @@ def chunk_source_blocks(
 
 
 def chunk_read_program(
-    plan: PairPlan,
+    route: HeadRoute,
+    strategy: Strategy,
     producer: KVCacheSpec,
     consumer: KVCacheSpec,
     dst_block_ids: np.ndarray,
@@ -69,7 +70,9 @@ def chunk_read_program(
     """The landing program of chunk `[token_start, token_end)` of one pair.
 
     Args:
-        plan: the pair's plan (route and strategy).
+        route: the heads and layers the chunk moves (the pair's route, or a streamed chunk's
+            layers of it: `FittedPair.route_of`).
+        strategy: the pair's strategy.
         producer: the producer rank's spec.
         consumer: the consumer rank's spec.
         dst_block_ids: the consumer's whole block table of the request (only the chunk's part
@@ -82,18 +85,18 @@ def chunk_read_program(
     Raises:
         ValueError: the producer's answer does not fit the chunk or its strategy.
     """
-    staged = reads_from_staging(plan.strategy)
+    staged = reads_from_staging(strategy)
     if staged != (src_block_ids is None):
         where = "its staging" if src_block_ids is None else "its cache"
-        raise ValueError(f"it offered {where} for a chunk of strategy {plan.strategy}")
+        raise ValueError(f"it offered {where} for a chunk of strategy {strategy}")
     if src_block_ids is None:
         src_ids = np.zeros(chunk_block_count(producer.block_size, token_start, token_end), np.int64)
     else:
         src_ids = chunk_source_blocks(producer, src_block_ids, token_start, token_end)
     dst_ids = chunk_blocks(dst_block_ids, consumer.block_size, token_start, token_end)
     return chunk_program(
-        plan.route,
-        plan.strategy,
+        route,
+        strategy,
         producer,
         consumer,
         src_ids,

@@ -33,7 +33,9 @@ import msgspec
 # session layer (kvxfer.session) for the KV connector and the encoder cache: shared handshake
 # messages naming their `service`, the applications' claim and terms as proven bytes, session
 # frames as `[session, payload, MAC]` (the applications' messages no longer carry the session).
-PROTOCOL_VERSION = 6
+# 7: `TransferRequest` names its chunk's layers (`layer_start`, `layer_end`): a streamed fetch
+# asks for fewer layers than its pair moves, which a version-6 producer would pack in full.
+PROTOCOL_VERSION = 7
 MAX_FRAME_BYTES = 8 << 20  # a chunk's block ids, even a 128k-token chunk's, under 1 MiB
 SESSION_FRAMES = 3  # [session id, payload, MAC]
 

@@ -113,6 +113,47 @@ class _ProducerRank:
             timer.start()
         return time.monotonic()
 
+    def do_publish_computing(self, request: Request, block_ids: BlockIds) -> float:
+        """Publish the request before any of it is computed (`ready_tokens=0`), its blocks
+        holding `SOURCE_FILL` until `compute` writes them: a byte read before its layer was
+        marked ready shows as a mismatch. Returns when published."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        fill_blocks(self.spec, self.caches, ids.tolist(), SOURCE_FILL)
+        self.producer.publish(request.request_id, ids, request.num_tokens, ready_tokens=0)
+        with self.lock:
+            self.published.append(request.request_id)
+        return time.monotonic()
+
+    def do_compute(
+        self, request: Request, block_ids: BlockIds, tokens: int, layers: tuple[int, int]
+    ) -> float:
+        """What a prefill step does: write tokens `[0, tokens)` of this rank's local layers
+        `[first, stop)` (the request's own KV), then mark them ready. Returns when marked."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        first, stop = layers
+        kv = global_kv(self.spec, request)[first:]  # index i: global layer layer_start+first+i
+        write_rank_cells(self.spec, self.caches[first:stop], ids, kv, 0, tokens)
+        self.producer.mark_ready(request.request_id, tokens, layers=stop)
+        return time.monotonic()
+
+    def do_compute_paced(
+        self, request: Request, block_ids: BlockIds, seconds_per_layer: float
+    ) -> float:
+        """A simulated prefill in the background: every `seconds_per_layer`, the next layer of
+        every token is written and marked ready; each marking is a "layer_ready" event
+        `(request_id, layer, time.monotonic())`. Returns when it started."""
+
+        def prefill() -> None:
+            began = time.monotonic()
+            for layer in range(self.spec.num_layers):
+                wake = began + (layer + 1) * seconds_per_layer
+                time.sleep(max(0.0, wake - time.monotonic()))
+                done = self.do_compute(request, block_ids, request.num_tokens, (layer, layer + 1))
+                self.emit("layer_ready", (request.request_id, layer, done))
+
+        threading.Thread(target=prefill, name="prefill", daemon=True).start()
+        return time.monotonic()
+
     def do_publish_many(
         self, prefix: str, count: int, block_ids: BlockIds, num_tokens: int, seed: int
     ) -> None:
@@ -194,14 +235,21 @@ class _ConsumerRank:
         timeout: float | None = None,
         wait_timeout: float | None = None,
         repoison: bool = True,
+        streamed: bool = False,
     ) -> float:
-        """Start a fetch (`timeout`: the fetch's own) and `wait(wait_timeout)` for it; the
-        result comes back as a "result" event. When it fails, the failed blocks are re-poisoned
-        (`REPOISON`) right after `wait()` returns."""
+        """Start a fetch (`timeout`: the fetch's own; `streamed`: asked for while the prefill
+        computes) and `wait(wait_timeout)` for it; the result comes back as a "result" event.
+        When it fails, the failed blocks are re-poisoned (`REPOISON`) right after `wait()`
+        returns."""
         ids = np.asarray(block_ids, dtype=np.int64)
         began = time.monotonic()
         handle = self.consumer.fetch(
-            request.request_id, ids, request.num_tokens, request.start_token, timeout=timeout
+            request.request_id,
+            ids,
+            request.num_tokens,
+            request.start_token,
+            timeout=timeout,
+            streamed=streamed,
         )
 
         def waiter() -> None:

@@ -257,6 +257,27 @@ class Producer(Proc):
         """Publish now (returns when published) or after `delay` seconds (returns at once)."""
         return self.call("publish", request, np.asarray(block_ids).tolist(), delay, deadline_s)
 
+    def publish_computing(self, request: Request, block_ids: BlockIds) -> float:
+        """Publish before the prefill computed anything (`ready_tokens=0`); see `compute`."""
+        return self.call("publish_computing", request, np.asarray(block_ids).tolist())
+
+    def compute(
+        self, request: Request, block_ids: BlockIds, tokens: int, layers: tuple[int, int]
+    ) -> float:
+        """Write tokens `[0, tokens)` of local layers `layers` (first, stop) and mark them
+        ready, as a prefill step's attention layers do. Returns when marked."""
+        ids = np.asarray(block_ids).tolist()
+        return self.call("compute", request, ids, tokens, layers)
+
+    def compute_paced(
+        self, request: Request, block_ids: BlockIds, seconds_per_layer: float
+    ) -> float:
+        """A background prefill: one layer of every token per `seconds_per_layer`, each
+        marked ready ("layer_ready" events). Returns when it started."""
+        return self.call(
+            "compute_paced", request, np.asarray(block_ids).tolist(), seconds_per_layer
+        )
+
     def count_releases(self) -> Counter[str]:
         """Release callbacks seen so far, per request id."""
         for rid in self.take_events("release"):
@@ -328,11 +349,13 @@ class Consumer(Proc):
         block_ids: BlockIds,
         timeout: float | None = None,
         wait_timeout: float | None = None,
+        streamed: bool = False,
     ) -> float:
-        """Start a fetch (`timeout`: the fetch's own; `wait_timeout`: the `wait()` call's);
-        returns its start time (`time.monotonic()`, comparable across processes)."""
+        """Start a fetch (`timeout`: the fetch's own; `wait_timeout`: the `wait()` call's;
+        `streamed`: asked for while the prefill computes); returns its start time
+        (`time.monotonic()`, comparable across processes)."""
         ids = np.asarray(block_ids).tolist()
-        return self.call("fetch", request, ids, timeout, wait_timeout)
+        return self.call("fetch", request, ids, timeout, wait_timeout, streamed=streamed)
 
     def result(self, request_id: str, timeout: float = 30.0) -> dict[str, Any]:
         """The fetch's result event (the TransferResult's fields, `started`, `finished`)."""

@@ -41,7 +41,7 @@ from kvxfer.connector.messages import (
 from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.stats import TransferStats
 from kvxfer.plan import plan_pairs
-from kvxfer.plan.cost import Chunking
+from kvxfer.plan.cost import Chunking, CostModel
 from kvxfer.plan.fitting import FittedPair
 from kvxfer.transport.base import Region
 
@@ -142,7 +142,7 @@ SLOT_BYTES = 16 << 10  # 64 tokens of this geometry's wire buffer
 
 def fitted(chunk_tokens: int = 32, depth: int = 2) -> FittedPair:
     (plan,) = plan_pairs(SRC, DST, strategy="pack+unpack", landing=True)
-    return FittedPair(plan, Chunking(chunk_tokens, depth))
+    return FittedPair(plan, Chunking(chunk_tokens, depth), SRC[0], DST[0], CostModel(), 64)
 
 
 def new_fetch(num_tokens: int = 128, timeout: float = 60.0) -> Fetch:

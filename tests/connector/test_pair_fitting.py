@@ -73,9 +73,9 @@ def test_a_read_program_is_the_chunks_part_of_the_whole_program(strategy):
     staged = reads_from_staging(strategy)
     assert staged == (strategy in ("pack", "pack+unpack"))
     given = None if staged else chunk_blocks(src_ids, SRC.block_size, lo, hi).tolist()
-    program = chunk_read_program(pair, SRC, DST, dst_ids, lo, hi, given)
+    program = chunk_read_program(pair.route, strategy, SRC, DST, dst_ids, lo, hi, given)
     whole = build_program(pair.route, strategy, SRC, DST, src_ids, dst_ids, lo, hi, landing=True)
     assert program.segments.nbytes == whole.segments.nbytes
     assert len(program.segments) == len(whole.segments)
     with pytest.raises(ValueError, match=r"it offered its (staging|cache) for a chunk of strategy"):
-        chunk_read_program(pair, SRC, DST, dst_ids, lo, hi, [] if staged else None)
+        chunk_read_program(pair.route, strategy, SRC, DST, dst_ids, lo, hi, [] if staged else None)

@@ -55,3 +55,26 @@ def test_released_ids_are_refused_then_forgotten_within_bounds():
     with pytest.raises(ValueError, match="already published"):
         table.publish("r999", IDS, 10, timeout=60)
     table.publish("r0", IDS, 10, timeout=60)  # forgotten: may be published again
+
+
+def test_layer_readiness_grows_per_step_and_never_over_promises():
+    table = RequestTable()
+    table.publish("r", IDS, 64, timeout=60, ready_tokens=0)
+    request = table.get("r")
+    assert request is not None
+    assert not table.is_ready(request, 16, 1)
+    table.mark_ready("r", 32, layers=1)  # a step computing tokens [0, 32), its first layer
+    assert table.is_ready(request, 32, 1) and not table.is_ready(request, 32, 2)
+    assert not table.is_ready(request, 48, 1)
+    table.mark_ready("r", 32, layers=3)
+    assert table.is_ready(request, 32, 3)
+    with pytest.raises(ValueError, match="layers 2 below the 3 marked"):
+        table.mark_ready("r", 32, layers=2)
+    # The next step's first layer, without the last step marked whole: the tokens both cover
+    # keep the fewer layers.
+    table.mark_ready("r", 64, layers=1)
+    assert table.is_ready(request, 32, 1) and not table.is_ready(request, 32, 2)
+    table.mark_ready("r", 32)  # the first step done in every layer
+    assert table.is_ready(request, 32, 8) and table.is_ready(request, 64, 1)
+    table.mark_ready("r", 64)
+    assert table.is_ready(request, 64, 8)

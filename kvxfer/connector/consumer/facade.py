@@ -207,11 +207,20 @@ class KVConsumer:
         num_tokens: int,
         start_token: int = 0,
         timeout: float | None = None,
+        streamed: bool = False,
     ) -> FetchHandle:
         """Start fetching tokens `[start_token, num_tokens)` of a request into `block_ids`.
 
         Waits for the producers to publish the request, up to `timeout` (default `timeout_s`)
         for the whole fetch. Earlier tokens' slots are never written.
+
+        `streamed`: the prefill may still be computing the request (its producers publish it
+        with `ready_tokens` and `mark_ready` its tokens and layers as they are computed). The
+        fetch is then cut into chunks of fewer layers (`kvxfer.plan.cost.choose_stream_layers`)
+        and asks for all of them at once; each is read as soon as its producer marks it
+        computed, so the fetch ends about one chunk after the prefill's last layer. Unstreamed,
+        chunks hold every layer and are asked for a few at a time (the cheaper cut for a
+        request already computed).
 
         CUDA: call it on the engine's thread: the copies into `block_ids` run on a side stream
         after the kernels enqueued on the caller's current stream before this call (one that
@@ -234,7 +243,7 @@ class KVConsumer:
         handle = FetchHandle(request_id, self._loop.wake)
         budget = self._timeout_s if timeout is None else timeout
         now = time.monotonic()
-        fetch = Fetch(handle, ids, num_tokens, start_token, now + budget, now)
+        fetch = Fetch(handle, ids, num_tokens, start_token, now + budget, now, streamed=streamed)
         fetch.fence = self._copier.fence()  # on the caller's (the engine's) current stream
         self._loop.post(lambda: self._machine.start(fetch, self._pairs))
         return handle

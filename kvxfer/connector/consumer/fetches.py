@@ -2,7 +2,8 @@
 change: `Fetch.advance` (the move from `kvxfer.connector.consumer.states.TRANSITIONS`, plus the
 fetch's bookkeeping of that move).
 
-A fetch is cut into chunks per pair (`Fetch.cut`), each of `chunk_tokens` tokens at most;
+A fetch is cut into chunks per pair (`Fetch.cut`, `FittedPair.cuts`): each of `chunk_tokens`
+tokens at most and every layer of the pair, or, streamed, of fewer layers and more tokens;
 `advance` keeps what the loop needs at every step in O(1) per chunk, whatever the request's
 length: the chunks not asked for yet by producer rank (in token order), the active chunks by
 producer rank (the pair's chunks in flight), and how many chunks are not settled yet.
@@ -19,8 +20,9 @@ import numpy as np
 
 from kvxfer.connector.consumer.results import FetchHandle
 from kvxfer.connector.consumer.states import ChunkEvent, ChunkState, next_state
-from kvxfer.plan.fitting import FittedPair
-from kvxfer.plan.program import CellCopy, chunk_bounds
+from kvxfer.plan.fitting import ChunkCut, FittedPair
+from kvxfer.plan.heads import HeadRoute
+from kvxfer.plan.program import CellCopy
 
 if TYPE_CHECKING:  # the records only point at these
     from kvxfer.connector.consumer.sessions import ProducerSession
@@ -30,13 +32,17 @@ if TYPE_CHECKING:  # the records only point at these
 
 @dataclass(eq=False)  # identity: compared and hashed as objects
 class Chunk:
-    """Tokens `[start, end)` of one pair of a fetch, on their way into the cache."""
+    """Tokens `[start, end)` of global layers `[layer_start, layer_end)` of one pair of a
+    fetch, on their way into the cache."""
 
     fetch: Fetch
     pair: FittedPair
     chunk_id: int  # unique in the consumer's life: a late answer never matches a newer chunk
     start: int
     end: int
+    layer_start: int
+    layer_end: int
+    route: HeadRoute  # the pair's, narrowed to the chunk's layers
     session: ProducerSession | None = None  # the session it was asked on
     slot: int | None = None  # its staging slot, from `read` until it settles
     read_pending: bool = False  # a read into `slot` has not settled
@@ -63,6 +69,7 @@ class Fetch:
     deadline: float
     began: float
     fence: Fence = None  # CUDA: the engine's stream when the fetch began
+    streamed: bool = False  # asked for while the prefill may still compute it
     pairs: list[FittedPair] = field(default_factory=list)
     chunks: list[Chunk] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -80,16 +87,20 @@ class Fetch:
         """Cut the fetch into each pair's chunks (all queued), numbered from `chunk_ids`."""
         self.pairs = list(pairs)
         for pair in self.pairs:
-            chunks = [
-                Chunk(self, pair, next(chunk_ids), lo, hi)
-                for lo, hi in chunk_bounds(self.start, self.num_tokens, pair.chunk_tokens)
-            ]
+            cuts = pair.cuts(self.start, self.num_tokens, self.streamed)
+            chunks = [_chunk(self, pair, next(chunk_ids), cut) for cut in cuts]
             self.chunks.extend(chunks)
             self.queued[pair.src_rank] = deque(chunks)
             self.active[pair.src_rank] = 0
         self.unsettled = len(self.chunks)
         self.handle.chunks_total = len(self.chunks)
         return self.chunks
+
+    def ask_limit(self, pair: FittedPair) -> int:
+        """Chunks of `pair` asked for at once: its depth, or, streamed, every chunk (the
+        producer answers each as soon as its tokens and layers are computed, in whatever order
+        they are; the staging slots still bound the reads)."""
+        return len(self.chunks) if self.streamed else pair.depth
 
     def advance(self, chunk: Chunk, event: ChunkEvent) -> ChunkState:
         """Move `chunk` by `event` (the transition table) and keep the fetch's counts and
@@ -117,3 +128,8 @@ class Fetch:
     def chunks_in(self, state: ChunkState) -> list[Chunk]:
         """Its chunks in `state`."""
         return [c for c in self.chunks if c.state is state]
+
+
+def _chunk(fetch: Fetch, pair: FittedPair, chunk_id: int, cut: ChunkCut) -> Chunk:
+    start, end, first, stop = cut
+    return Chunk(fetch, pair, chunk_id, start, end, first, stop, pair.route_of(cut))

@@ -184,7 +184,8 @@ class FetchMachine:
         for pair in fetch.pairs:
             rank = pair.src_rank
             queue = fetch.queued[rank]
-            while queue and fetch.active[rank] < pair.depth:
+            limit = fetch.ask_limit(pair)
+            while queue and fetch.active[rank] < limit:
                 chunk = queue[0]
                 if chunk.state is not ChunkState.QUEUED:  # failed while it waited
                     queue.popleft()
@@ -209,6 +210,8 @@ class FetchMachine:
             num_tokens=fetch.num_tokens,
             token_start=chunk.start,
             token_end=chunk.end,
+            layer_start=chunk.layer_start,
+            layer_end=chunk.layer_end,
             strategy=chunk.pair.plan.strategy,
             wait_seconds=max(0.0, fetch.deadline - time.monotonic()),
         )
@@ -226,7 +229,8 @@ class FetchMachine:
         try:
             src_ids = None if ready.staging is not None else ready.src_block_ids
             program = chunk_read_program(
-                chunk.pair.plan,
+                chunk.route,
+                chunk.pair.plan.strategy,
                 session.spec,
                 self._spec,
                 chunk.fetch.block_ids,
