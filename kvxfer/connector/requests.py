@@ -158,10 +158,11 @@ class RequestTable:
             return request_id in self._released
 
     def holds(self, request_id: str, generation: int) -> bool:
-        """Whether that publication of the request is still live (its blocks untouched)."""
+        """Whether that publication of the request is still live and not failed (its blocks
+        untouched: once `fail` returned, the prefill may give them to another request)."""
         with self._lock:
             request = self._live.get(request_id)
-            return request is not None and request.generation == generation
+            return request is not None and request.generation == generation and not request.failure
 
     def note_fetcher(self, request_id: str, engine_id: str, engine_size: int) -> None:
         """A session of `engine_id` (`engine_size` ranks: PP x TP) asked for the request."""

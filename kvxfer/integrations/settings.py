@@ -56,6 +56,10 @@ class ConnectorSettings:
             the engine's own threads can starve kvxfer's (CPU engines pinned to every core).
         staging_bytes, staging_slots: staging pool per remote rank, and chunks in flight.
         backend: pack/unpack backend, "auto", "torch" or "triton".
+        stream_prefill: prefill: offer a request the moment its prompt is scheduled and mark
+            each attention layer ready as the forward pass writes it, when that is safe (the
+            concurrent flow; docs/vllm.md, "Streaming the prefill"); false: offer it when it
+            finished. Decode: fetch a concurrent-flow request streamed (layer by layer).
     """
 
     side_channel_host: str = "127.0.0.1"
@@ -74,6 +78,7 @@ class ConnectorSettings:
     staging_bytes: int = 32 << 20
     staging_slots: int = DEFAULT_STAGING_SLOTS
     backend: str = "auto"
+    stream_prefill: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -179,6 +184,10 @@ def _coerce(name: str, value: Any, defaults: ConnectorSettings) -> Any:
             raise fail("a string")
         return value
     default = getattr(defaults, name)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise fail("true or false")
+        return value
     if isinstance(default, int):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise fail("a positive integer")

@@ -78,3 +78,15 @@ def test_layer_readiness_grows_per_step_and_never_over_promises():
     assert table.is_ready(request, 32, 8) and table.is_ready(request, 64, 1)
     table.mark_ready("r", 64)
     assert table.is_ready(request, 64, 8)
+
+
+def test_a_failed_publication_confirms_no_read_from_then_on():
+    """After `fail` returns the engine may give the blocks away (a preemption): a read
+    reported after that is not confirmed, even before the release."""
+    table = RequestTable()
+    table.publish("r", IDS, 64, timeout=60, ready_tokens=0)
+    request = table.get("r")
+    assert request is not None and table.holds("r", request.generation)
+    assert table.fail("r", "preempted")
+    assert not table.holds("r", request.generation)
+    assert table.release("r")

@@ -37,6 +37,7 @@ REQUEST_TIMEOUT = 300.0
 METRIC_TIMEOUT = 30.0
 KVXFER_FAILED = "vllm:kvxfer_failed_transfers"
 KVXFER_TRANSFERS = "vllm:kvxfer_transfers"
+KVXFER_STREAMED = "vllm:kvxfer_streamed_requests"
 RUNNING = "vllm:num_requests_running"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 GENERATED = "vllm:generation_tokens"
@@ -176,17 +177,28 @@ def check_case(
     prompts: list[list[int]],
     case: Case,
     via: Server | None = None,
+    concurrent: bool = False,
 ) -> None:
     """One case through the proxy (or the router `via`): the same token ids as the baseline,
-    and the decode engine loaded the whole prompt's KV through kvxfer with no failed load."""
+    and the decode engine loaded the whole prompt's KV through kvxfer with no failed load.
+    `concurrent` (a front sending both engines the request at once): the prefill engine
+    streamed it (offered it as scheduled, layer by layer) exactly when one step computes its
+    whole prompt (`MAX_NUM_BATCHED_TOKENS`), and offered it when finished otherwise."""
     index = CASES.index(case)
     counters = Counters(pair.decode)
+    streamed_before = pair.prefill.metric(KVXFER_STREAMED)
     started = time.monotonic()
     result = collect((via or pair.proxy).url, [prompts[index]])
     seconds = time.monotonic() - started
     # kvxfer's loads first: a 1-token prompt's expected count (0) cannot be waited for.
     transfers = counters.transfers_at_least(pair.decode_tp)
     loaded = counters.loaded_since(external_tokens(case.length))
+    streams = concurrent and case.length <= MAX_NUM_BATCHED_TOKENS
+    streamed = _once_at_least(
+        lambda: pair.prefill.metric(KVXFER_STREAMED) - streamed_before,
+        1 if streams else 0,
+        "kvxfer's streamed-request counter",
+    )
     comparison = driver.compare(one_prompt(baseline, index), result, require_transfer=False)
     mismatch = comparison.report["mismatches"][0] if comparison.report["mismatches"] else None
     observe(
@@ -198,11 +210,13 @@ def check_case(
         external_kv_tokens=loaded,
         kvxfer_transfers=transfers,
         kvxfer_failed=counters.failed_since(),
+        prefill_streamed=streamed,
         seconds=round(seconds, 1),
     )
     assert loaded == external_tokens(case.length), f"the decode engine loaded {loaded} tokens"
     assert transfers == pair.decode_tp, "one finished kvxfer load per decode rank"
     assert counters.failed_since() == 0, "a kvxfer load failed (its blocks were recomputed)"
+    assert (streamed >= 1) == streams, f"prefill streamed {streamed} times (expected: {streams})"
     assert comparison.ok, "\n".join(comparison.problems)
 
 
@@ -245,7 +259,9 @@ class GreedyCases:
 
 # What the routers' tests send: under a block, blocks and a part, over the chunk budget.
 ROUTED_CASES = tuple(c for c in CASES if c.length in (20, 3 * 64 + 17, 700))
-# Fronts other than the pair's own proxy (sequential flow), started in front of a pair.
+# Fronts other than the pair's own proxy (sequential flow), started in front of a pair; those
+# that send both engines the request at once (the concurrent flow).
+CONCURRENT_FRONTS = ("vllm-router-mooncake", "proxy-concurrent")
 FRONTS: dict[str, Callable[[Processes, Pair], Server]] = {
     "vllm-router-nixl": lambda processes, pair: processes.start_router(
         pair.prefill, pair.bootstrap_port, pair.decode, "nixl"
@@ -281,9 +297,10 @@ class TestPrefillTp1Block32ToDecodeTp2Block64(GreedyCases):
         the concurrent flow), and kvxfer's proxy in its concurrent flow: the baseline's token
         ids, every prompt's KV loaded through kvxfer, no failed load."""
         entry = FRONTS[front](processes, pair)
+        concurrent = front in CONCURRENT_FRONTS
         try:
             for case in ROUTED_CASES:
-                check_case(pair, baseline_outputs, case_prompts, case, via=entry)
+                check_case(pair, baseline_outputs, case_prompts, case, entry, concurrent)
         finally:
             processes.stop([entry])
 

@@ -544,12 +544,24 @@ def _state_pages(group: Group) -> list[torch.Tensor]:
     return [cache.view(torch.uint8).flatten(1) for cache in group.caches]
 
 
-def write_kv(groups: list[Group], spec, worker: Worker, token_ids, tables, start, end) -> None:
+def write_kv(
+    groups: list[Group],
+    spec,
+    worker: Worker,
+    token_ids,
+    tables,
+    start,
+    end,
+    saved: Callable[[str], None] | None = None,
+) -> None:
     """The stand-in forward pass of one worker: write its KV of positions `[start, end)` in
-    every group (`tables[g]`: group `g`'s block table)."""
+    every group (`tables[g]`: group `g`'s block table), one attention layer after another in
+    model order, calling `saved(layer_name)` after each, as vLLM's attention layers call the
+    connector's `save_kv_layer`."""
     if end <= start:
         return
     positions = torch.arange(start, end)
+    writes = []  # (model layer, its tensor, its values, blocks, slots)
     for group, table in zip(groups, tables, strict=True):
         if group.kind == MAMBA:  # the state after `end` tokens, in its last token's block
             for layer, page in zip(group.layers, _state_pages(group), strict=True):
@@ -559,10 +571,14 @@ def write_kv(groups: list[Group], spec, worker: Worker, token_ids, tables, start
         values = expected_kv(token_ids, range(start, end), worker.heads, group.layers)
         ids = torch.as_tensor(table, dtype=torch.int64)
         blocks, slots = ids[positions // spec.block_size], positions % spec.block_size
-        for layer, cache in enumerate(group.caches):
-            for plane in (0, 1):  # advanced indexing reads copies: write through the index
-                dims = slice(plane * HEAD_DIM, (plane + 1) * HEAD_DIM)
-                cache.view(torch.int16)[blocks, :, slots, dims] = values[layer, plane]
+        for index, (layer, cache) in enumerate(zip(group.layers, group.caches, strict=True)):
+            writes.append((layer, cache, values[index], blocks, slots))
+    for layer, cache, value, blocks, slots in sorted(writes, key=lambda w: w[0]):
+        for plane in (0, 1):  # advanced indexing reads copies: write through the index
+            dims = slice(plane * HEAD_DIM, (plane + 1) * HEAD_DIM)
+            cache.view(torch.int16)[blocks, :, slots, dims] = value[plane]
+        if saved is not None:
+            saved(layer_names([layer])[0])
 
 
 def mismatched_tokens(groups: list[Group], spec, worker: Worker, token_ids, tables, num_tokens):
@@ -651,6 +667,10 @@ def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int, hold: bo
     declare_attention_layers(config, kv_cache_config(spec, config, worker.pp_rank))
     connector.register_kv_caches(registered)
     groups = worker_groups(spec, registered, worker.layers)
+
+    def save_layer(name: str) -> None:  # as vLLM's attention layer does after its write
+        connector.save_kv_layer(name, registered[name], None)
+
     conn.send(("ready", rank))
     while True:
         command, *args = conn.recv()
@@ -663,7 +683,7 @@ def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int, hold: bo
             connector.bind_connector_metadata(metadata)
             connector.start_load_kv(None)
             for token_ids, tables, start, end in compute:
-                write_kv(groups, spec, worker, token_ids, tables, start, end)
+                write_kv(groups, spec, worker, token_ids, tables, start, end, save_layer)
             connector.wait_for_save()
             sending, recving = connector.get_finished(set(finished_ids))
             invalid = connector.get_block_ids_with_load_errors()
@@ -715,6 +735,7 @@ class Engine:
         self.invalid_block_ids: list[set[int]] = []
         self.stats: list[dict[str, Any]] = []
         self.last_scheduled: dict[str, int] = {}
+        self.metadata: list[Any] = []  # each step's connector metadata, in step order
         # Every worker's own reports, and the step in which vLLM's aggregation let each
         # request through: ("sending" | "recving", request id) -> [(step, worker rank)], and
         # -> step.
@@ -805,6 +826,7 @@ class Engine:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.scheduler.schedule()
+        self.metadata.append(out.kv_connector_metadata)
         compute, sampled = [], {}
         started = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs

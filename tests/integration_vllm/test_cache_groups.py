@@ -26,6 +26,7 @@ from kvxfer.integrations.vllm.cache_groups import (
     cache_groups,
     group_tables,
     layer_indices,
+    layer_positions,
     mamba_state_layout,
     window_of,
 )
@@ -107,6 +108,29 @@ def test_full_attention_and_a_window_are_a_group_each_with_their_own_block_size(
         caches[ATTN[1]].data_ptr(),
         caches[ATTN[3]].data_ptr(),
     ]
+
+
+def test_layer_positions_say_which_group_and_local_layer_a_saved_layer_is() -> None:
+    """What a worker marks ready when vLLM's forward pass saves a layer: the layer's group and
+    its index there, in the order the group's caches are in (model-layer order)."""
+    caches = {name: _attention_layer(16 if i % 2 == 0 else 32) for i, name in enumerate(ATTN)}
+    config = _config(
+        ([ATTN[2], ATTN[0]], _attention(16)),  # vLLM's order; the group's caches are sorted
+        ([ATTN[1], ATTN[3]], _attention(32, sliding_window=24)),
+    )
+    groups, _ = cache_groups(caches, config, _geometry(), _cpu(caches))
+    positions = layer_positions(caches, config, pp_size=1)
+    assert positions == {ATTN[0]: (0, 0), ATTN[2]: (0, 1), ATTN[1]: (1, 0), ATTN[3]: (1, 1)}
+    for name, (group, local) in positions.items():
+        assert groups[group].caches[local].data_ptr() == caches[name].data_ptr()
+    reversed_order = {name: _attention_layer() for name in reversed(ATTN)}
+    assert layer_positions(reversed_order, None, pp_size=1) == {
+        name: (0, i) for i, name in enumerate(ATTN)
+    }
+    page = _attention().page_size_bytes
+    hybrid = {ATTN[0]: _attention_layer(), MIXERS[0]: torch.zeros(BLOCKS, page, dtype=torch.uint8)}
+    mamba = _config(([ATTN[0]], _attention()), ([MIXERS[0]], _mamba(page=page)))
+    assert layer_positions(hybrid, mamba, pp_size=1) == {}  # state is never streamed
 
 
 def test_one_group_takes_every_registered_layer_and_keeps_its_window() -> None:

@@ -184,10 +184,12 @@ def test_pd_flow_moves_kv_bit_exact_and_frees_blocks(engines):
 def test_concurrent_flow_as_vllm_router_sends_it_in_mooncake_mode(engines):
     """`vllm-router --kv-connector mooncake`: it reads the prefill engine's id per DP rank from
     the bootstrap service's `/query`, mints a `transfer_id`, and sends the request to both
-    engines at once: the decode engine allocates its blocks and asks for the KV before the
-    prefill engine has computed it (the producer holds the asks), the prefill engine offers
-    the request under the transfer id when it finishes; bit-exact on every decode rank, and
-    the prefill engine's blocks come back."""
+    engines at once: the decode engine allocates its blocks and asks for the KV (streamed)
+    before the prefill engine has computed it. The prefill engine offers a one-token request
+    under the transfer id in the very step that schedules its prompt, and each attention layer
+    is marked ready as the forward pass saves it (`save_kv_layer`); a request that goes on
+    decoding there (`max_tokens` 2, which a later step could preempt) is offered only when it
+    finishes. Bit-exact on every decode rank, and both engines' blocks come back."""
     prefill, decode, _ = engines
     bootstrap = f"http://127.0.0.1:{prefill.spec.extra['bootstrap_port']}"
     with urllib.request.urlopen(f"{bootstrap}/query", timeout=10) as answer:
@@ -197,13 +199,15 @@ def test_concurrent_flow_as_vllm_router_sends_it_in_mooncake_mode(engines):
     assert engine_id == "prefill-engine"
     assert sorted(query["0"]["worker_addr"]) == [str(t) for t in range(PREFILL_TP)]
     prompts = {"req-x": random_prompt(11, 70), "req-y": random_prompt(12, 20)}
+    max_tokens = {"req-x": 1, "req-y": 2}
     loads = {}
+    first_step = len(prefill.metadata)
     for request_id, prompt in prompts.items():
         transfer_id = f"xfer-{request_id}"  # what the router mints
         prefill.add(
             request_id,
             prompt,
-            max_tokens=1,
+            max_tokens=max_tokens[request_id],
             params={
                 "do_remote_decode": True,
                 "do_remote_prefill": False,
@@ -222,6 +226,21 @@ def test_concurrent_flow_as_vllm_router_sends_it_in_mooncake_mode(engines):
     seen = load_and_check(decode, [prefill], loads, timeout=90.0, what="(concurrent flow)")
     assert seen.checked == {r: [[]] * DECODE_TP for r in prompts}, "KV differs on a decode rank"
     assert seen.first_compute == {r: 1 for r in prompts}  # only the last prompt token
+    sends = [
+        (step, send) for step, m in enumerate(prefill.metadata[first_step:]) for send in m.sends
+    ]
+    offered = {send.request_id: (step, send) for step, send in sends}
+    assert len(sends) == len(offered) == 2  # one offer each
+    streamed_step, streamed = offered["req-x"]
+    assert streamed_step == 0 and streamed.ready_tokens == 0  # as its prompt is scheduled
+    assert streamed.offered_as == "xfer-req-x" and streamed.num_tokens == 70
+    late_step, late = offered["req-y"]
+    assert late_step > 0 and late.ready_tokens is None  # once it finished
+    decode_loads = [load for m in decode.metadata for load in m.loads if load.request_id in loads]
+    assert {load.request_id: load.streamed for load in decode_loads} == {
+        "req-x": True,
+        "req-y": True,
+    }
     assert prefill.free_blocks() == prefill.free_blocks_at_start
     assert decode.free_blocks() == decode.free_blocks_at_start
 

@@ -43,6 +43,7 @@ COUNTERS = {
     "failures": "vllm:kvxfer_failed_transfers_total",
     "bytes": "vllm:kvxfer_transferred_bytes_total",
     "expired": "vllm:kvxfer_expired_requests_total",
+    "streamed": "vllm:kvxfer_streamed_requests_total",
 }
 SECONDS = "vllm:kvxfer_transfer_time_seconds"
 DESCRIPTORS = "vllm:kvxfer_num_descriptors"
@@ -103,6 +104,7 @@ def test_recorded_results_reach_the_registry_with_vllm_labels(model, clean_regis
     first.record(TransferResult(False, [7, 8], 0, 0, "", 0.0, ["peer gone"]))
     second.record(TransferResult(True, [], 1 << 20, 40, "direct", 0.3))
     second.record_expired(2)
+    second.record_streamed()
     # vLLM's KVOutputAggregator merges the workers; the frontend rebuilds from the dict.
     payload = KvxferConnector.build_kv_connector_stats(first.aggregate(second).to_dict())
     assert payload is not None
@@ -112,6 +114,7 @@ def test_recorded_results_reach_the_registry_with_vllm_labels(model, clean_regis
         "failures": 1,
         "bytes": 4096 + (1 << 20),
         "expired": 2,
+        "streamed": 1,
         "transfer_seconds": [0.004, 0.3],
         "descriptors": [3, 40],
     }
@@ -119,6 +122,7 @@ def test_recorded_results_reach_the_registry_with_vllm_labels(model, clean_regis
         "Transfers": 3,
         "Failed transfers": 1,
         "Expired requests": 2,
+        "Streamed requests": 1,
         "MB moved": 1.053,
         "Avg transfer ms": 152.0,
         "P90 transfer ms": 270.4,
@@ -138,6 +142,7 @@ def test_recorded_results_reach_the_registry_with_vllm_labels(model, clean_regis
         COUNTERS["failures"]: 2.0,
         COUNTERS["bytes"]: 2.0 * (4096 + (1 << 20)),
         COUNTERS["expired"]: 4.0,
+        COUNTERS["streamed"]: 2.0,
         f"{SECONDS}_count": 4.0,
         f"{SECONDS}_sum": pytest.approx(2 * 0.304),
         f"{DESCRIPTORS}_count": 4.0,
@@ -282,6 +287,7 @@ def test_a_real_transfer_and_an_expired_request_on_vllms_endpoint(model, clean_r
         COUNTERS["failures"]: 0.0,
         COUNTERS["bytes"]: nbytes,
         COUNTERS["expired"]: 0.0,
+        COUNTERS["streamed"]: 0.0,
         f"{SECONDS}_count": DECODE_TP,
         f"{SECONDS}_sum": pytest.approx(sum(seconds)),
         f"{DESCRIPTORS}_count": DECODE_TP,

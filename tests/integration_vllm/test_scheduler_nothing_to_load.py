@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import RequestStatus
 
 from kvxfer.integrations.settings import ConnectorSettings
@@ -51,7 +52,8 @@ def test_nothing_to_hand_over_sends_the_decode_engine_to_compute_the_prompt(
     side = _scheduler_side()
     delay_free, params = side.request_finished(_request(status, computed), blocks)  # type: ignore[arg-type]
     assert (delay_free, params) == (False, nothing_to_load())
-    assert side.build_connector_meta().sends == []  # nothing published, blocks freed now
+    metadata = side.build_connector_meta(SchedulerOutput.make_empty())
+    assert metadata.sends == []  # nothing published, blocks freed now
 
 
 def test_a_prompt_shorter_than_a_block_is_handed_over() -> None:
@@ -61,7 +63,8 @@ def test_a_prompt_shorter_than_a_block_is_handed_over() -> None:
     assert delay_free and params is not None
     assert params["do_remote_prefill"] and params["remote_block_ids"] == [7]
     assert params["remote_num_tokens"] == 1
-    assert [s.request_id for s in side.build_connector_meta().sends] == ["r-1"]
+    metadata = side.build_connector_meta(SchedulerOutput.make_empty())
+    assert [s.request_id for s in metadata.sends] == ["r-1"]
 
 
 def test_the_decode_side_computes_the_prompt_given_those_params() -> None:

@@ -120,6 +120,32 @@ def cache_groups(
     return result, tables
 
 
+def layer_positions(
+    kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheConfig | None, pp_size: int
+) -> dict[str, tuple[int, int]]:
+    """Each attention layer's kvxfer group and local index in it (the order `cache_groups`
+    gives a group's layers: by model-layer index when the names give one each, else vLLM's),
+    for marking layers ready as vLLM's forward pass saves them (`save_kv_layer`). Empty for a
+    configuration with a Mamba group (its state is written whole, never streamed)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
+    if len(groups) <= 1:
+        names_by_group = [list(kv_caches)]
+    elif any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups):
+        return {}
+    else:
+        names_by_group = [[n for n in g.layer_names if n in kv_caches] for g in groups]
+    positions: dict[str, tuple[int, int]] = {}
+    for group, names in enumerate(names_by_group):
+        indices = layer_indices(names, pp_size)
+        ordered = (
+            names if indices is None else [n for _, n in sorted(zip(indices, names, strict=True))]
+        )
+        positions.update((name, (group, local)) for local, name in enumerate(ordered))
+    return positions
+
+
 def group_tables(
     sources: Sequence[TableSource], vllm_tables: Sequence[list[int]], num_tokens: int
 ) -> list[list[int]]:

@@ -115,8 +115,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        """This step's loads and sends."""
-        return self._scheduler_side().build_connector_meta()
+        """This step's loads and sends (a streamed prefill's among them, as it is scheduled)."""
+        return self._scheduler_side().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Note the loads every worker finished (they need no abort any more)."""
@@ -155,11 +155,14 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """Nothing: no copy is saved; a prefill rank writes from its cache when decode ranks
-        ask for the request (after `request_finished`)."""
+        """An attention layer wrote this step's KV: the requests offered while computing
+        (streamed) have that layer ready, and decode ranks read it while the next layers
+        compute. No copy is saved: decode ranks read the cache itself."""
+        self._worker_side().layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
-        """Nothing: see `save_kv_layer`."""
+        """The step's forward pass is done: its streamed requests are ready in every layer."""
+        self._worker_side().step_saved()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests decoders are done with, requests whose load finished, ok or not)."""

@@ -101,6 +101,9 @@ class LoadSpec:
     block_ids: list[list[int]]
     num_tokens: int
     start_token: int
+    # The concurrent flow: the prefill engine may still be computing it (fetched layer by
+    # layer, `KVConsumer.fetch(streamed=True)`).
+    streamed: bool = False
 
 
 @dataclass
@@ -114,11 +117,26 @@ class SendSpec:
     # The id it is offered under, when not `request_id`: the router's `transfer_id`, which the
     # decode engine, sent the request at the same time, fetches by.
     published_id: str | None = None
+    # Offered as its prefill is scheduled, tokens before it computed already (a local prefix
+    # hit): the worker marks each attention layer ready as the step writes it (`save_kv_layer`)
+    # and the whole request at the step's end (`wait_for_save`). None: computed, offered whole.
+    ready_tokens: int | None = None
 
     @property
     def offered_as(self) -> str:
         """The id decode engines fetch it by."""
         return self.published_id or self.request_id
+
+
+@dataclass
+class SendFailure:
+    """A prefill worker's order: a request offered while computing (`SendSpec.ready_tokens`)
+    will not be handed over (vLLM finished it otherwise): fail its publication, so that its
+    fetches fail with their blocks and the producer releases it (then vLLM frees its blocks)."""
+
+    request_id: str
+    offered_as: str
+    reason: str
 
 
 @dataclass
@@ -139,3 +157,4 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     sends: list[SendSpec] = field(default_factory=list)
     aborts: list[AbortSpec] = field(default_factory=list)
+    send_failures: list[SendFailure] = field(default_factory=list)

@@ -14,12 +14,14 @@ from kvxfer.integrations.vllm.metadata import (
     KvxferConnectorMetadata,
     LoadSpec,
     RemoteEngine,
+    SendFailure,
     SendSpec,
 )
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -33,6 +35,21 @@ class SchedulerSide:
     where every worker of every DP rank registers its side channel, unless `bootstrap_address`
     names one run elsewhere. A finished prefill's parameters name the service and this
     scheduler's DP rank, so decode workers find exactly this DP rank's workers.
+
+    Streaming the prefill (`stream_prefill`, the concurrent flow): a request that a router sent
+    to both engines at once (with its `transfer_id`) is offered in the step that schedules its
+    whole prompt, not when it finishes, so that the decode engine, which asked for it already,
+    reads each layer as the forward pass writes it. Only where its blocks stay its own until
+    `request_finished` (which then keeps them until the decode engine is done), or their loss
+    is seen before anything else can write them: `max_tokens` 1 (it finishes in that very step
+    or, with async scheduling or pipeline parallelism, the step after it), its whole prompt
+    scheduled at once (no chunked prefill: the block table is complete), never preempted
+    before, and no recurrent state (written whole at the prompt's end). vLLM frees a preempted
+    request's blocks without telling its KV connector, but lists it in the next
+    `SchedulerOutput.preempted_req_ids`; the step that could first write its blocks for another
+    request starts by failing the publication (`SendFailure`), so no chunk read after that is
+    confirmed (docs/vllm.md, "Streaming the prefill"). Anything else is offered when it
+    finishes, as before.
     """
 
     def __init__(
@@ -71,7 +88,11 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._sends: list[SendSpec] = []
         self._aborts: list[AbortSpec] = []
+        self._send_failures: list[SendFailure] = []
         self._loading: dict[str, AbortSpec] = {}  # loads not finished on every worker yet
+        self._streams = produces and settings.stream_prefill and not self._has_state
+        self._stream_candidates: dict[str, Request] = {}  # allocated this step
+        self._streaming: dict[str, SendSpec] = {}  # offered while computing, not finished
 
     def on_new_request(self, request: Request) -> None:
         """Prefill of a model with recurrent state (Mamba layers): drop the prompt's last
@@ -117,6 +138,8 @@ class SchedulerSide:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
+        if self._streams and _streamable(request):
+            self._stream_candidates[request.request_id] = request
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request
@@ -135,15 +158,52 @@ class SchedulerSide:
                 block_ids=[[int(b) for b in group] for group in blocks.get_block_ids()],
                 num_tokens=num_tokens,
                 start_token=num_tokens - num_external_tokens,
+                # Sent to both engines at once (no `remote_num_tokens`: the prefill engine has
+                # not answered): its prefill may still be computing.
+                streamed=self._settings.stream_prefill and "remote_num_tokens" not in params,
             )
         )
 
-    def build_connector_meta(self) -> KvxferConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvxferConnectorMetadata:
+        self._fail_preempted(scheduler_output)
+        self._offer_streams(scheduler_output)
         metadata = KvxferConnectorMetadata(
-            loads=self._loads, sends=self._sends, aborts=self._aborts
+            loads=self._loads,
+            sends=self._sends,
+            aborts=self._aborts,
+            send_failures=self._send_failures,
         )
-        self._loads, self._sends, self._aborts = [], [], []
+        self._loads, self._sends, self._aborts, self._send_failures = [], [], [], []
         return metadata
+
+    def _fail_preempted(self, output: SchedulerOutput) -> None:
+        """Streamed requests vLLM preempted (their blocks freed, perhaps given to a request
+        this step writes): their publications fail before this step's forward pass runs."""
+        for request_id in getattr(output, "preempted_req_ids", None) or ():
+            send = self._streaming.pop(request_id, None)
+            if send is not None:
+                why = "the prefill engine preempted it (its blocks were freed)"
+                self._send_failures.append(SendFailure(request_id, send.offered_as, why))
+
+    def _offer_streams(self, output: SchedulerOutput) -> None:
+        """Offer this step's streamable requests whose whole prompt it schedules (the rest,
+        a chunked prefill, are offered when they finish)."""
+        candidates, self._stream_candidates = self._stream_candidates, {}
+        for new in output.scheduled_new_reqs if candidates else ():
+            request = candidates.get(new.req_id)
+            scheduled = output.num_scheduled_tokens.get(new.req_id, 0)
+            if request is None or new.num_computed_tokens + scheduled < request.num_prompt_tokens:
+                continue
+            params = request.kv_transfer_params or {}
+            send = SendSpec(
+                new.req_id,
+                _block_tables(new.block_ids),
+                request.num_prompt_tokens,
+                params["transfer_id"],
+                ready_tokens=new.num_computed_tokens,
+            )
+            self._sends.append(send)
+            self._streaming[new.req_id] = send
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for request_id in output.finished_recving or ():
@@ -167,6 +227,9 @@ class SchedulerSide:
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         )
+        streamed = self._streaming.pop(request.request_id, None)
+        if streamed is not None:
+            return self._finish_stream(request, streamed, finished_normally)
         if not finished_normally or not any(tables) or request.num_computed_tokens <= 0:
             # Aborted, or no KV computed: nothing to hand over, its blocks are freed now. The
             # answer still carries parameters, saying so: a router then sends the request to
@@ -185,12 +248,32 @@ class SchedulerSide:
         # the `transfer_id` it minted): offered under that id, which the decode fetches by.
         transfer_id = params.get("transfer_id")
         published = transfer_id if isinstance(transfer_id, str) and transfer_id else None
+        if published is not None:
+            # The decode engine was sent the prompt, not this answer: it asks for the prompt's
+            # tokens, which a prefill that went on decoding (`max_tokens` > 1) passed.
+            num_tokens = min(num_tokens, request.num_prompt_tokens)
         self._sends.append(SendSpec(request.request_id, tables, num_tokens, published))
+        return True, self._handed(published or request.request_id, tables, num_tokens)
+
+    def _finish_stream(
+        self, request: Request, send: SendSpec, finished_normally: bool
+    ) -> tuple[bool, dict[str, Any]]:
+        """A request offered while it computed: handed over as offered, or (vLLM finished it
+        otherwise) its publication fails. Its blocks are freed once the producer released
+        it, either way (the decode engine may be reading them)."""
+        if finished_normally and request.num_computed_tokens >= send.num_tokens:
+            return True, self._handed(send.offered_as, send.block_ids, send.num_tokens)
+        why = f"the prefill engine finished it as {request.status.name}"
+        self._send_failures.append(SendFailure(request.request_id, send.offered_as, why))
+        return True, nothing_to_load()
+
+    def _handed(self, offered_as: str, tables: list[list[int]], num_tokens: int) -> dict[str, Any]:
+        """A finished prefill's answer: where a decode engine finds its KV."""
         handed = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self._engine_id,
-            "remote_request_id": published or request.request_id,
+            "remote_request_id": offered_as,
             "remote_bootstrap_addr": self._bootstrap_url,
             "remote_dp_rank": self._dp_rank,
             "remote_host": self._settings.side_channel_host,
@@ -202,7 +285,7 @@ class SchedulerSide:
         }
         if self._first_port is not None:
             handed["remote_port"] = self._first_port
-        return True, handed
+        return handed
 
     def close(self) -> None:
         """Stop the bootstrap service, if this scheduler runs it."""
@@ -237,6 +320,22 @@ def _block_tables(block_ids: list[int] | tuple[list[int], ...]) -> list[list[int
     if groups and isinstance(groups[0], (list, tuple)):
         return [[int(b) for b in group] for group in groups]
     return [[int(b) for b in groups]]
+
+
+def _streamable(request: Request) -> bool:
+    """A prefill request of the concurrent flow (a router's `transfer_id`) that finishes once
+    its prompt is computed (`max_tokens` 1), offered for the first time (a preempted one had
+    its publication failed: it is offered again, under its id, only when it finishes)."""
+    params = request.kv_transfer_params or {}
+    transfer_id = params.get("transfer_id")
+    return (
+        bool(params.get("do_remote_decode"))
+        and isinstance(transfer_id, str)
+        and bool(transfer_id)
+        and request.max_tokens == 1
+        and request.prompt_token_ids is not None
+        and not getattr(request, "num_preemptions", 0)
+    )
 
 
 def _abort_spec(request_id: str, params: dict[str, Any]) -> AbortSpec:

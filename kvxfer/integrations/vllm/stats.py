@@ -51,7 +51,8 @@ class KvxferConnectorStats(KVConnectorStats):
 
     `data` keys: `transfers` (finished loads on decode ranks, ok or not), `failures`, `bytes`
     (of the ok loads), `expired` (prefill ranks: requests released at `request_timeout_s`
-    because not every decode rank reported done), and per ok load, in order,
+    because not every decode rank reported done), `streamed` (prefill ranks: requests offered
+    while their prefill computed, docs/vllm.md "Streaming the prefill"), and per ok load, in order,
     `transfer_seconds` and `descriptors` (transport operations).
     """
 
@@ -69,6 +70,7 @@ class KvxferConnectorStats(KVConnectorStats):
             "failures": 0,
             "bytes": 0,
             "expired": 0,
+            "streamed": 0,
             "transfer_seconds": [],
             "descriptors": [],
         }
@@ -86,6 +88,10 @@ class KvxferConnectorStats(KVConnectorStats):
     def record_expired(self, count: int) -> None:
         """Count requests a prefill rank released at their deadline."""
         self.data["expired"] += count
+
+    def record_streamed(self) -> None:
+        """Count a request a prefill rank offered while computing it."""
+        self.data["streamed"] += 1
 
     def aggregate(self, other: KVConnectorStats) -> KvxferConnectorStats:
         """Add another worker's (or interval's) counts."""
@@ -106,6 +112,7 @@ class KvxferConnectorStats(KVConnectorStats):
             "Transfers": self.data["transfers"],
             "Failed transfers": self.data["failures"],
             "Expired requests": self.data["expired"],
+            "Streamed requests": self.data.get("streamed", 0),
             "MB moved": round(self.data["bytes"] / 1e6, 3),
             "Avg transfer ms": round(total_seconds / ok * 1e3, 3) if ok else 0.0,
             "P90 transfer ms": round(float(np.percentile(seconds, 90)) * 1e3, 3) if ok else 0.0,
@@ -117,7 +124,7 @@ class KvxferConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         """Whether nothing was recorded."""
-        return self.data["transfers"] == 0 and self.data["expired"] == 0
+        return not (self.data["transfers"] or self.data["expired"] or self.data.get("streamed"))
 
 
 class KvxferPromMetrics(KVConnectorPromMetrics):
@@ -128,7 +135,9 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
     - `vllm:kvxfer_failed_transfers`: loads with blocks to recompute;
     - `vllm:kvxfer_transferred_bytes`: bytes of the ok loads;
     - `vllm:kvxfer_expired_requests`: prefill side: requests released at `request_timeout_s`
-      before every decode rank reported done.
+      before every decode rank reported done;
+    - `vllm:kvxfer_streamed_requests`: prefill side: requests offered while their prefill
+      computed (one per prefill rank and request).
 
     Histograms, per ok load: `vllm:kvxfer_transfer_time_seconds` and
     `vllm:kvxfer_num_descriptors` (transport operations). A decode engine reports loads, a
@@ -177,6 +186,11 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
                 "vllm:kvxfer_expired_requests",
                 "Requests whose KV a prefill rank released at request_timeout_s before every "
                 "decode rank was done. NOTE: tracked on the prefill instance.",
+            ),
+            "streamed": counter(
+                "vllm:kvxfer_streamed_requests",
+                "Requests a prefill rank offered while computing them, layer by layer (one per "
+                "prefill rank and request). NOTE: tracked on the prefill instance.",
             ),
         }
         self.histograms = {

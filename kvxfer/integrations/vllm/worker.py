@@ -30,10 +30,20 @@ from kvxfer.connector import CacheGroup, GroupedConsumer, GroupedProducer, Trans
 from kvxfer.connector.groups import fetched_blocks
 from kvxfer.integrations.bootstrap import BootstrapClient, Registration, new_worker_info
 from kvxfer.integrations.settings import ConnectorSettings
-from kvxfer.integrations.vllm.cache_groups import TableSource, cache_groups, group_tables
+from kvxfer.integrations.vllm.cache_groups import (
+    TableSource,
+    cache_groups,
+    group_tables,
+    layer_positions,
+)
 from kvxfer.integrations.vllm.geometry import attention_backends, engine_geometry
 from kvxfer.integrations.vllm.loads import Load, Loads
-from kvxfer.integrations.vllm.metadata import AbortSpec, KvxferConnectorMetadata, LoadSpec
+from kvxfer.integrations.vllm.metadata import (
+    AbortSpec,
+    KvxferConnectorMetadata,
+    LoadSpec,
+    SendSpec,
+)
 from kvxfer.integrations.vllm.remotes import Remote, RemoteEngines, look_up_ranks
 from kvxfer.integrations.vllm.scheduler import data_parallel_rank
 from kvxfer.integrations.vllm.sends import Sends
@@ -83,6 +93,8 @@ class WorkerSide:
         self._produces, self._consumes = produces, consumes
         self._groups: list[CacheGroup] = []
         self._tables_of: list[TableSource] = []  # per group: where its block table comes from
+        self._layers: dict[str, tuple[int, int]] = {}  # attention layer -> (group, local index)
+        self._computing: dict[str, int] = {}  # offered while this step computes: id -> tokens
         self._producer: GroupedProducer | None = None
         parallel = vllm_config.parallel_config
         self._dp_rank = data_parallel_rank(vllm_config)
@@ -123,6 +135,7 @@ class WorkerSide:
             self._geometry,
             attention_backends(self._vllm_config, list(kv_caches)),
         )
+        self._layers = layer_positions(kv_caches, self._kv_cache_config, self._pp_size)
         for index, group in enumerate(self._groups):
             window = "" if group.sliding_window is None else f", window {group.sliding_window}"
             log.info("kvxfer %s group %d%s: %s", group.spec.rank_name, index, window, group.spec)
@@ -198,29 +211,15 @@ class WorkerSide:
         )
 
     def start_step(self, metadata: KvxferConnectorMetadata) -> None:
-        """Apply one step's orders: publish its sends, start its loads, then its aborts."""
+        """Apply one step's orders: publish its sends, fail the streamed sends vLLM finished
+        otherwise, start its loads, then its aborts."""
         self._take_connects()
+        self._computing = {}
         for send in metadata.sends:
-            if self._producer is None:
-                raise RuntimeError(
-                    "KvxferConnector: asked to send KV but this engine's kv_role is not "
-                    "kv_producer or kv_both"
-                )
-            tables = group_tables(self._tables_of, send.block_ids, send.num_tokens)
-            try:
-                self._producer.publish(send.offered_as, tables, send.num_tokens)
-            except ValueError as exc:  # a router's transfer_id used twice: never the engine's end
-                log.warning(
-                    "kvxfer: request %s cannot be offered as %r (%s); its blocks are freed and "
-                    "a decode engine loading it recomputes it",
-                    send.request_id,
-                    send.offered_as,
-                    exc,
-                )
-                self._sends.published(send.request_id)
-                self._sends.release(send.request_id)
-                continue
-            self._sends.published(send.request_id, send.offered_as)
+            self._publish(send)
+        for failure in metadata.send_failures:
+            assert self._producer is not None  # it was published here
+            self._producer.fail(failure.offered_as, failure.reason)
         for load in metadata.loads:
             if not self._consumes:
                 raise RuntimeError(
@@ -231,6 +230,60 @@ class WorkerSide:
         for abort in metadata.aborts:  # after the loads: a step may start and abort one
             if self._consumes:
                 self._abort(abort)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """vLLM's forward pass wrote `layer_name`'s KV for this step (`save_kv_layer`): that
+        layer of the requests it computes streamed is ready (on CUDA, from the event each mark
+        records on the forward's stream)."""
+        place = self._layers.get(layer_name)
+        if self._computing and place is not None:
+            group, local = place
+            for offered, tokens in list(self._computing.items()):
+                self._mark_ready(offered, tokens, group, local + 1)
+
+    def step_saved(self) -> None:
+        """The step's forward pass is done (`wait_for_save`): its streamed requests are
+        computed in every layer."""
+        computing, self._computing = self._computing, {}
+        for offered, tokens in computing.items():
+            self._mark_ready(offered, tokens)
+
+    def _mark_ready(
+        self, offered: str, tokens: int, group: int | None = None, layers: int | None = None
+    ) -> None:
+        assert self._producer is not None  # it published what it computes
+        try:
+            self._producer.mark_ready(offered, tokens, group, layers)
+        except ValueError:  # released meanwhile (its decode engine aborted it): nobody reads
+            self._computing.pop(offered, None)
+
+    def _publish(self, send: SendSpec) -> None:
+        """Offer a request (whole, or, streamed, before this step computes it)."""
+        if self._producer is None:
+            raise RuntimeError(
+                "KvxferConnector: asked to send KV but this engine's kv_role is not "
+                "kv_producer or kv_both"
+            )
+        tables = group_tables(self._tables_of, send.block_ids, send.num_tokens)
+        try:
+            self._producer.publish(
+                send.offered_as, tables, send.num_tokens, ready_tokens=send.ready_tokens
+            )
+        except ValueError as exc:  # a router's transfer_id used twice: never the engine's end
+            log.warning(
+                "kvxfer: request %s cannot be offered as %r (%s); its blocks are freed and "
+                "a decode engine loading it recomputes it",
+                send.request_id,
+                send.offered_as,
+                exc,
+            )
+            self._sends.published(send.request_id)
+            self._sends.release(send.request_id)
+            return
+        self._sends.published(send.request_id, send.offered_as)
+        if send.ready_tokens is not None:
+            self._computing[send.offered_as] = send.num_tokens
+            self._stats.record_streamed()
 
     # ---- loads (the engine's thread) ----
 
@@ -253,6 +306,7 @@ class WorkerSide:
                 spec.num_tokens,
                 spec.start_token,
                 timeout=max(0.0, load.deadline - time.monotonic()),
+                streamed=spec.streamed,
             )
         except Exception as exc:  # refused before any transfer: every block fails
             load.result = self._failed(spec, exc)
