@@ -100,6 +100,15 @@ def check_token_range(num_tokens: object, start_token: object) -> tuple[int, int
     return tokens, start
 
 
+def covered_tokens(
+    spec: KVCacheSpec, block_ids: Sequence[int] | np.ndarray, num_tokens: int
+) -> int:
+    """How many of a request's `num_tokens` tokens a (possibly partial) block table holds: a
+    publication made while a chunked prefill still allocates its blocks
+    (`KVProducer.publish(ready_tokens=...)`, then `KVProducer.extend`)."""
+    return min(num_tokens, len(block_ids) * spec.block_size)
+
+
 def check_block_ids(
     spec: KVCacheSpec,
     block_ids: Sequence[int] | np.ndarray,

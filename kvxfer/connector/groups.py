@@ -37,7 +37,12 @@ from kvxfer.connector.producer import KVProducer
 from kvxfer.plan import PairPlan
 from kvxfer.plan.layout import blocks_of_tokens
 from kvxfer.spec import KVCacheSpec
-from kvxfer.validation import check_block_ids, check_num_tokens, check_request_id
+from kvxfer.validation import (
+    check_block_ids,
+    check_num_tokens,
+    check_request_id,
+    covered_tokens,
+)
 
 
 @dataclass(frozen=True)
@@ -197,6 +202,8 @@ class GroupedProducer:
         checks = zip(self.groups, tables, held, strict=True)
         for index, (group, table, (first, end)) in enumerate(checks):
             where = f"publish({request_id!r}) group {index}"
+            if ready_tokens is not None:  # a chunked prefill's table may be partial
+                end = max(first + 1, covered_tokens(group.spec, table, end))
             check_block_ids(group.spec, table, end, where, first)
         for producer, table, (first, end) in zip(self.producers, tables, held, strict=True):
             ready = None if ready_tokens is None else min(ready_tokens, end)
@@ -212,6 +219,13 @@ class GroupedProducer:
                 producer.mark_ready(request_id, tokens)
         else:
             self.producers[group].mark_ready(request_id, tokens, layers)
+
+    def extend(self, request_id: str, block_ids: Sequence[Sequence[int] | np.ndarray]) -> None:
+        """Every group's grown block table (`KVProducer.extend`): `block_ids[g]` is group
+        `g`'s whole table so far."""
+        tables = _group_tables(self.groups, block_ids, f"extend({request_id!r})")
+        for producer, table in zip(self.producers, tables, strict=True):
+            producer.extend(request_id, table)
 
     def fail(self, request_id: str, reason: str = "the prefill failed") -> None:
         """The prefill of a request published with `ready_tokens` will not finish: every

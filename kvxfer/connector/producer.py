@@ -71,7 +71,13 @@ from kvxfer.plan.program import (
 from kvxfer.session.protocol import Claim, Reply, SessionServer, refusal
 from kvxfer.spec import KVCacheSpec
 from kvxfer.transport.base import Transport
-from kvxfer.validation import check_block_ids, check_caches, check_num_tokens, check_request_id
+from kvxfer.validation import (
+    check_block_ids,
+    check_caches,
+    check_num_tokens,
+    check_request_id,
+    covered_tokens,
+)
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +236,10 @@ class KVProducer:
         held until `mark_ready` covers them, so a decode rank's fetch, asked for at once, reads
         each chunk of a chunked prefill as soon as it is computed; `fail` ends it early.
 
+        With `ready_tokens`, `block_ids` may hold fewer than `num_tokens` tokens (a chunked
+        prefill allocates its blocks step by step): at least the computed ones; `extend` adds
+        the rest before `mark_ready` covers them.
+
         `first_token` > 0: the tokens before it are not held (a sliding-window cache group's
         dropped blocks, whose `block_ids` entries are never read); a fetch that asks for them
         fails, naming its blocks, rather than read another request's bytes.
@@ -261,15 +271,25 @@ class KVProducer:
                 f"{where}: first_token {held_from} is outside [0, num_tokens={tokens}); pass "
                 "the first token whose KV the blocks still hold (0 for all of them)"
             )
-        ids = check_block_ids(self.spec, block_ids, tokens, where, held_from)
         ready = tokens if ready_tokens is None else _check_ready(ready_tokens, tokens, where)
+        # A prefill still computing may not have every block yet (a chunked prefill): its
+        # table covers what it allocated, at least what is computed; `extend` grows it.
+        covered = tokens if ready_tokens is None else covered_tokens(self.spec, block_ids, tokens)
+        if ready > covered or covered <= held_from:
+            raise ValueError(
+                f"{where}: block_ids hold {covered} tokens, fewer than the {ready} computed or "
+                f"none past first_token {held_from}; pass the blocks allocated so far"
+            )
+        ids = check_block_ids(self.spec, block_ids, covered, where, held_from)
         timeout = self._request_timeout_s if deadline_s is None else deadline_s
         fence = self._copy_stream.fence()  # before the table: a pack may start right after it
         if fence is not None:
             with self._lock:
                 self._fences[request_id] = fence
         try:
-            aborted = self._requests.publish(request_id, ids, tokens, timeout, held_from, ready)
+            aborted = self._requests.publish(
+                request_id, ids, tokens, timeout, held_from, ready, covered
+            )
         except ValueError:
             if fence is not None and self._requests.get(request_id) is None:
                 with self._lock:
@@ -308,6 +328,29 @@ class KVProducer:
             with self._lock:
                 self._fences[request_id] = fence  # later than the publish's: covers these
         self._server.post(self._serve_waiting)
+
+    def extend(self, request_id: str, block_ids: Sequence[int] | np.ndarray) -> None:
+        """A request published with part of its block table (a chunked prefill, whose next
+        step allocated more blocks): `block_ids` is its whole table so far, starting with the
+        published one.
+
+        Raises:
+            ValueError: not live, a bad table, or one that does not start with the published
+                table (from `first_token`'s block on).
+        """
+        where = f"extend({request_id!r})"
+        request = self._requests.get(request_id)
+        if request is None:
+            raise ValueError(f"{where}: not published, or released already")
+        covered = covered_tokens(self.spec, block_ids, request.num_tokens)
+        ids = check_block_ids(self.spec, block_ids, covered, where, request.first_token)
+        first, old = request.first_token // self.spec.block_size, request.block_ids
+        if len(ids) < len(old) or not np.array_equal(ids[first : len(old)], old[first:]):
+            raise ValueError(
+                f"{where}: the new table must start with the published one (those blocks stay "
+                "the request's); pass the whole table so far"
+            )
+        self._requests.extend(request_id, ids, covered)
 
     def fail(self, request_id: str, reason: str = "the prefill failed") -> None:
         """The prefill of a request published with `ready_tokens` failed or was aborted

@@ -25,7 +25,7 @@ _generations = itertools.count(1)
 class PublishedRequest:
     """A published request, until released."""
 
-    block_ids: np.ndarray
+    block_ids: np.ndarray  # may cover fewer than `num_tokens` (a chunked prefill's, growing)
     num_tokens: int
     deadline: float
     generation: int  # tells this publication from an earlier one of the same id
@@ -36,6 +36,7 @@ class PublishedRequest:
     layer_tokens: int = 0
     ready_layers: int = 0
     failure: str = ""  # the prefill failed it: every chunk not served yet fails with this
+    covered: int = 0  # tokens the block table holds (`num_tokens` once it is whole)
     fetchers: dict[str, int] = field(default_factory=dict)  # engine id -> its ranks (PP x TP)
     reported: set[tuple[str, int]] = field(default_factory=set)  # (engine, rank) done
 
@@ -63,10 +64,11 @@ class RequestTable:
         timeout: float,
         first_token: int = 0,
         ready_tokens: int | None = None,
+        covered: int | None = None,
     ) -> bool:
         """Add a request that expires `timeout` seconds from now, holding tokens
         `[first_token, num_tokens)`, of which those before `ready_tokens` (default: all) are
-        computed.
+        computed and those before `covered` (default: all) have their blocks in `block_ids`.
 
         Returns:
             Whether a decode engine aborted the request before it was published: then release
@@ -89,6 +91,7 @@ class RequestTable:
                 next(_generations),
                 first_token=first_token,
                 ready_tokens=num_tokens if ready_tokens is None else ready_tokens,
+                covered=num_tokens if covered is None else covered,
             )
             return self._aborted.pop(request_id, None) is not None
 
@@ -116,6 +119,11 @@ class RequestTable:
                     f"{request.num_tokens}] (what was ready in every layer, the request's "
                     "length); readiness only grows"
                 )
+            if tokens > request.covered:
+                raise ValueError(
+                    f"{where}: tokens {tokens} beyond the {request.covered} its block table "
+                    "holds; extend the table first (KVProducer.extend)"
+                )
             if layers is None:
                 request.ready_tokens = tokens
             elif tokens == request.layer_tokens:
@@ -138,6 +146,20 @@ class RequestTable:
             return token_end <= request.ready_tokens or (
                 token_end <= request.layer_tokens and layer_end <= request.ready_layers
             )
+
+    def extend(self, request_id: str, block_ids: np.ndarray, covered: int) -> None:
+        """The request's block table grew (checked by the caller: `KVProducer.extend`) to hold
+        `covered` tokens.
+
+        Raises:
+            ValueError: not live.
+        """
+        with self._lock:
+            request = self._live.get(request_id)
+            if request is None:
+                raise ValueError(f"extend({request_id!r}): not published, or released already")
+            request.block_ids = block_ids
+            request.covered = max(request.covered, covered)
 
     def fail(self, request_id: str, reason: str) -> bool:
         """The prefill will not compute the rest of the request. Returns whether it is live."""

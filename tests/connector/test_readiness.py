@@ -148,3 +148,29 @@ def test_readiness_errors_name_the_problem(streamed):
     results = [h.wait(WAIT_S) for h in streamed.fetch()]
     assert all(r.ok for r in results)
     streamed.scenario.assert_exact()
+
+
+def test_a_chunked_prefill_publishes_its_first_blocks_and_extends_the_table_as_it_allocates():
+    """A chunked prefill's block table grows step by step: published with the blocks of its
+    first chunk, extended with the next chunk's before that chunk is marked computed."""
+    engines = Streamed()
+    try:
+        for producer, (s, _, ids) in zip(engines.producers, engines.scenario.src, strict=True):
+            first = ids[: 64 // s.block_size]  # the first step's 64 tokens
+            producer.publish("r", first, NUM_TOKENS, ready_tokens=0)
+            with pytest.raises(ValueError, match="extend the table first"):
+                producer.mark_ready("r", 100)
+        handles = engines.fetch()
+        engines.mark_ready(64)
+        wait_for_chunks(handles, 2)
+        assert not any(h.done() for h in handles)
+        for producer, (_, _, ids) in zip(engines.producers, engines.scenario.src, strict=True):
+            with pytest.raises(ValueError, match="must start with the published one"):
+                producer.extend("r", ids[::-1].copy())
+            producer.extend("r", ids)
+        engines.mark_ready(NUM_TOKENS)
+        results = [h.wait(WAIT_S) for h in handles]
+        assert all(r.ok for r in results), [r.errors for r in results]
+        engines.scenario.assert_exact()
+    finally:
+        engines.close()

@@ -182,8 +182,8 @@ def check_case(
     """One case through the proxy (or the router `via`): the same token ids as the baseline,
     and the decode engine loaded the whole prompt's KV through kvxfer with no failed load.
     `concurrent` (a front sending both engines the request at once): the prefill engine
-    streamed it (offered it as scheduled, layer by layer) exactly when one step computes its
-    whole prompt (`MAX_NUM_BATCHED_TOKENS`), and offered it when finished otherwise."""
+    streamed it (offered it as scheduled, layer by layer, chunk by chunk past
+    `MAX_NUM_BATCHED_TOKENS`); otherwise it offered it when finished."""
     index = CASES.index(case)
     counters = Counters(pair.decode)
     streamed_before = pair.prefill.metric(KVXFER_STREAMED)
@@ -193,7 +193,7 @@ def check_case(
     # kvxfer's loads first: a 1-token prompt's expected count (0) cannot be waited for.
     transfers = counters.transfers_at_least(pair.decode_tp)
     loaded = counters.loaded_since(external_tokens(case.length))
-    streams = concurrent and case.length <= MAX_NUM_BATCHED_TOKENS
+    streams = concurrent
     streamed = _once_at_least(
         lambda: pair.prefill.metric(KVXFER_STREAMED) - streamed_before,
         1 if streams else 0,

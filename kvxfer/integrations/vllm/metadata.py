@@ -129,6 +129,19 @@ class SendSpec:
 
 
 @dataclass
+class StreamStep:
+    """A prefill worker's order for a request offered while computing (`SendSpec.ready_tokens`)
+    that this step computes: tokens before `tokens` are computed once the step is done (each
+    attention layer marked as it writes them, the whole at `wait_for_save`). `block_ids`: the
+    request's whole tables so far, when this step allocated more (a chunked prefill)."""
+
+    request_id: str
+    offered_as: str
+    tokens: int
+    block_ids: list[list[int]] | None = None
+
+
+@dataclass
 class SendFailure:
     """A prefill worker's order: a request offered while computing (`SendSpec.ready_tokens`)
     will not be handed over (vLLM finished it otherwise): fail its publication, so that its
@@ -158,3 +171,4 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
     sends: list[SendSpec] = field(default_factory=list)
     aborts: list[AbortSpec] = field(default_factory=list)
     send_failures: list[SendFailure] = field(default_factory=list)
+    stream_steps: list[StreamStep] = field(default_factory=list)

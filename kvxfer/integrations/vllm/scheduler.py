@@ -16,6 +16,7 @@ from kvxfer.integrations.vllm.metadata import (
     RemoteEngine,
     SendFailure,
     SendSpec,
+    StreamStep,
 )
 
 if TYPE_CHECKING:
@@ -37,19 +38,20 @@ class SchedulerSide:
     scheduler's DP rank, so decode workers find exactly this DP rank's workers.
 
     Streaming the prefill (`stream_prefill`, the concurrent flow): a request that a router sent
-    to both engines at once (with its `transfer_id`) is offered in the step that schedules its
-    whole prompt, not when it finishes, so that the decode engine, which asked for it already,
-    reads each layer as the forward pass writes it. Only where its blocks stay its own until
-    `request_finished` (which then keeps them until the decode engine is done), or their loss
-    is seen before anything else can write them: `max_tokens` 1 (it finishes in that very step
-    or, with async scheduling or pipeline parallelism, the step after it), its whole prompt
-    scheduled at once (no chunked prefill: the block table is complete), never preempted
-    before, and no recurrent state (written whole at the prompt's end). vLLM frees a preempted
-    request's blocks without telling its KV connector, but lists it in the next
-    `SchedulerOutput.preempted_req_ids`; the step that could first write its blocks for another
-    request starts by failing the publication (`SendFailure`), so no chunk read after that is
-    confirmed (docs/vllm.md, "Streaming the prefill"). Anything else is offered when it
-    finishes, as before.
+    to both engines at once (with its `transfer_id`) is offered in the step that first schedules
+    it, not when it finishes, so that the decode engine, which asked for it already, reads each
+    layer as the forward pass writes it; each step that computes more of it says how far
+    (`StreamStep`, with the blocks a chunked prefill's step allocated). Only where its blocks
+    stay its own until `request_finished` (which then keeps them until the decode engine is
+    done), or their loss is seen before anything else can write them: `max_tokens` 1 (it
+    finishes once its prompt is computed), never preempted before, no recurrent state (written
+    whole at the prompt's end), and, for a prompt one step does not schedule whole, one
+    full-attention KV cache group (a sliding window drops blocks as a chunked prefill
+    advances). vLLM frees a preempted request's blocks without telling its KV connector, but
+    lists it in the next `SchedulerOutput.preempted_req_ids`; the step that could first write
+    its blocks for another request starts by failing the publication (`SendFailure`), so no
+    chunk read after that is confirmed (docs/vllm.md, "Streaming the prefill"). Anything else
+    is offered when it finishes, as before.
     """
 
     def __init__(
@@ -91,8 +93,11 @@ class SchedulerSide:
         self._send_failures: list[SendFailure] = []
         self._loading: dict[str, AbortSpec] = {}  # loads not finished on every worker yet
         self._streams = produces and settings.stream_prefill and not self._has_state
+        self._streams_chunked = self._streams and _one_full_attention_group(kv_cache_config)
         self._stream_candidates: dict[str, Request] = {}  # allocated this step
         self._streaming: dict[str, SendSpec] = {}  # offered while computing, not finished
+        self._stream_tables: dict[str, list[list[int]]] = {}  # their block tables so far
+        self._stream_steps: list[StreamStep] = []
 
     def on_new_request(self, request: Request) -> None:
         """Prefill of a model with recurrent state (Mamba layers): drop the prompt's last
@@ -167,43 +172,70 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvxferConnectorMetadata:
         self._fail_preempted(scheduler_output)
         self._offer_streams(scheduler_output)
+        self._advance_streams(scheduler_output)
         metadata = KvxferConnectorMetadata(
             loads=self._loads,
             sends=self._sends,
             aborts=self._aborts,
             send_failures=self._send_failures,
+            stream_steps=self._stream_steps,
         )
-        self._loads, self._sends, self._aborts, self._send_failures = [], [], [], []
+        self._loads, self._sends, self._aborts = [], [], []
+        self._send_failures, self._stream_steps = [], []
         return metadata
 
     def _fail_preempted(self, output: SchedulerOutput) -> None:
         """Streamed requests vLLM preempted (their blocks freed, perhaps given to a request
         this step writes): their publications fail before this step's forward pass runs."""
         for request_id in getattr(output, "preempted_req_ids", None) or ():
-            send = self._streaming.pop(request_id, None)
+            send = self._end_stream(request_id)
             if send is not None:
                 why = "the prefill engine preempted it (its blocks were freed)"
                 self._send_failures.append(SendFailure(request_id, send.offered_as, why))
 
     def _offer_streams(self, output: SchedulerOutput) -> None:
-        """Offer this step's streamable requests whose whole prompt it schedules (the rest,
-        a chunked prefill, are offered when they finish)."""
+        """Offer this step's streamable requests (one whose prompt this step does not schedule
+        whole only with one full-attention group): published before the step computes them,
+        with the blocks allocated so far."""
         candidates, self._stream_candidates = self._stream_candidates, {}
         for new in output.scheduled_new_reqs if candidates else ():
             request = candidates.get(new.req_id)
-            scheduled = output.num_scheduled_tokens.get(new.req_id, 0)
-            if request is None or new.num_computed_tokens + scheduled < request.num_prompt_tokens:
+            if request is None:
                 continue
+            prompt = request.num_prompt_tokens
+            end = new.num_computed_tokens + output.num_scheduled_tokens.get(new.req_id, 0)
+            if end < prompt and not self._streams_chunked:
+                continue
+            tables = _block_tables(new.block_ids)
             params = request.kv_transfer_params or {}
             send = SendSpec(
-                new.req_id,
-                _block_tables(new.block_ids),
-                request.num_prompt_tokens,
-                params["transfer_id"],
-                ready_tokens=new.num_computed_tokens,
+                new.req_id, tables, prompt, params["transfer_id"], new.num_computed_tokens
             )
             self._sends.append(send)
-            self._streaming[new.req_id] = send
+            self._streaming[new.req_id], self._stream_tables[new.req_id] = send, tables
+            self._stream_steps.append(StreamStep(new.req_id, send.offered_as, min(end, prompt)))
+
+    def _advance_streams(self, output: SchedulerOutput) -> None:
+        """The next chunks of the streamed requests a chunked prefill computes in this step,
+        with the blocks it allocated for them."""
+        cached = output.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids if self._streaming else ()):
+            send = self._streaming.get(request_id)
+            computed = cached.num_computed_tokens[index]
+            if send is None or computed >= send.num_tokens:
+                continue
+            end = min(send.num_tokens, computed + output.num_scheduled_tokens.get(request_id, 0))
+            new_blocks = cached.new_block_ids[index]
+            tables = None
+            if new_blocks and any(new_blocks):
+                grown = self._stream_tables[request_id]
+                tables = [old + list(more) for old, more in zip(grown, new_blocks, strict=True)]
+                self._stream_tables[request_id] = tables
+            self._stream_steps.append(StreamStep(request_id, send.offered_as, end, tables))
+
+    def _end_stream(self, request_id: str) -> SendSpec | None:
+        self._stream_tables.pop(request_id, None)
+        return self._streaming.pop(request_id, None)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for request_id in output.finished_recving or ():
@@ -227,9 +259,9 @@ class SchedulerSide:
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         )
-        streamed = self._streaming.pop(request.request_id, None)
+        streamed = self._end_stream(request.request_id)
         if streamed is not None:
-            return self._finish_stream(request, streamed, finished_normally)
+            return self._finish_stream(request, streamed, tables, finished_normally)
         if not finished_normally or not any(tables) or request.num_computed_tokens <= 0:
             # Aborted, or no KV computed: nothing to hand over, its blocks are freed now. The
             # answer still carries parameters, saying so: a router then sends the request to
@@ -256,13 +288,17 @@ class SchedulerSide:
         return True, self._handed(published or request.request_id, tables, num_tokens)
 
     def _finish_stream(
-        self, request: Request, send: SendSpec, finished_normally: bool
+        self,
+        request: Request,
+        send: SendSpec,
+        tables: list[list[int]],
+        finished_normally: bool,
     ) -> tuple[bool, dict[str, Any]]:
         """A request offered while it computed: handed over as offered, or (vLLM finished it
         otherwise) its publication fails. Its blocks are freed once the producer released
         it, either way (the decode engine may be reading them)."""
         if finished_normally and request.num_computed_tokens >= send.num_tokens:
-            return True, self._handed(send.offered_as, send.block_ids, send.num_tokens)
+            return True, self._handed(send.offered_as, tables, send.num_tokens)
         why = f"the prefill engine finished it as {request.status.name}"
         self._send_failures.append(SendFailure(request.request_id, send.offered_as, why))
         return True, nothing_to_load()
@@ -320,6 +356,17 @@ def _block_tables(block_ids: list[int] | tuple[list[int], ...]) -> list[list[int
     if groups and isinstance(groups[0], (list, tuple)):
         return [[int(b) for b in group] for group in groups]
     return [[int(b) for b in groups]]
+
+
+def _one_full_attention_group(kv_cache_config: Any) -> bool:
+    """Whether the engine's KV cache is one full-attention group (None: the worker's view of
+    a missing configuration, one group of every layer)."""
+    if kv_cache_config is None:
+        return True
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = list(kv_cache_config.kv_cache_groups)
+    return len(groups) == 1 and isinstance(groups[0].kv_cache_spec, FullAttentionSpec)
 
 
 def _streamable(request: Request) -> bool:

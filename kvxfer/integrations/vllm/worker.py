@@ -43,6 +43,7 @@ from kvxfer.integrations.vllm.metadata import (
     KvxferConnectorMetadata,
     LoadSpec,
     SendSpec,
+    StreamStep,
 )
 from kvxfer.integrations.vllm.remotes import Remote, RemoteEngines, look_up_ranks
 from kvxfer.integrations.vllm.scheduler import data_parallel_rank
@@ -220,6 +221,8 @@ class WorkerSide:
         for failure in metadata.send_failures:
             assert self._producer is not None  # it was published here
             self._producer.fail(failure.offered_as, failure.reason)
+        for step in metadata.stream_steps:
+            self._stream_step(step)
         for load in metadata.loads:
             if not self._consumes:
                 raise RuntimeError(
@@ -282,8 +285,20 @@ class WorkerSide:
             return
         self._sends.published(send.request_id, send.offered_as)
         if send.ready_tokens is not None:
-            self._computing[send.offered_as] = send.num_tokens
             self._stats.record_streamed()
+
+    def _stream_step(self, step: StreamStep) -> None:
+        """This step computes a streamed request up to `step.tokens` (with the blocks it
+        allocated for them): its layers are marked as the forward pass writes them."""
+        assert self._producer is not None  # it published the request
+        try:
+            if step.block_ids is not None:
+                self._producer.extend(
+                    step.offered_as, group_tables(self._tables_of, step.block_ids, step.tokens)
+                )
+        except ValueError:  # released meanwhile (its decode engine aborted it): nobody reads
+            return
+        self._computing[step.offered_as] = step.tokens
 
     # ---- loads (the engine's thread) ----
 
