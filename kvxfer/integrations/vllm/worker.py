@@ -96,6 +96,7 @@ class WorkerSide:
         self._tables_of: list[TableSource] = []  # per group: where its block table comes from
         self._layers: dict[str, tuple[int, int]] = {}  # attention layer -> (group, local index)
         self._computing: dict[str, int] = {}  # offered while this step computes: id -> tokens
+        self._streams: dict[str, str] = {}  # vLLM id -> offered id, published while computing
         self._producer: GroupedProducer | None = None
         parallel = vllm_config.parallel_config
         self._dp_rank = data_parallel_rank(vllm_config)
@@ -219,8 +220,9 @@ class WorkerSide:
         for send in metadata.sends:
             self._publish(send)
         for failure in metadata.send_failures:
-            assert self._producer is not None  # it was published here
-            self._producer.fail(failure.offered_as, failure.reason)
+            if self._streams.pop(failure.request_id, None) == failure.offered_as:
+                assert self._producer is not None  # it published the request
+                self._producer.fail(failure.offered_as, failure.reason)
         for step in metadata.stream_steps:
             self._stream_step(step)
         for load in metadata.loads:
@@ -285,11 +287,15 @@ class WorkerSide:
             return
         self._sends.published(send.request_id, send.offered_as)
         if send.ready_tokens is not None:
+            self._streams[send.request_id] = send.offered_as
             self._stats.record_streamed()
 
     def _stream_step(self, step: StreamStep) -> None:
         """This step computes a streamed request up to `step.tokens` (with the blocks it
-        allocated for them): its layers are marked as the forward pass writes them."""
+        allocated for them): its layers are marked as the forward pass writes them. Not when
+        its publication failed (its `transfer_id` was another request's): never that one's."""
+        if self._streams.get(step.request_id) != step.offered_as:
+            return
         assert self._producer is not None  # it published the request
         try:
             if step.block_ids is not None:
@@ -363,6 +369,8 @@ class WorkerSide:
         last call; a failed load's blocks are kept for `take_load_errors`."""
         self._take_connects()
         sending = self._sends.take_finished(finished_req_ids)
+        for request_id in sending:
+            self._streams.pop(request_id, None)
         for load in self._loads.overdue(time.monotonic()):
             self._remotes.get(load.spec.remote).waiting.remove(load)
             load.result = self._failed(load.spec, "its prefill engine did not connect in time")
