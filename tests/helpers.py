@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,21 @@ from kvxfer.testing.strategies import (
 )
 
 POISON_BYTE = POISON
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_quick_benchmark(name: str) -> tuple[int, str, str]:
+    """`benchmarks/<name> --quick --json` in a fresh interpreter (Mooncake quiet): its exit
+    status, standard output and standard error."""
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / name), "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
+        cwd=REPO,
+    )
+    return run.returncode, run.stdout, run.stderr
 
 
 def shared_result(factory: pytest.TempPathFactory, name: str, compute: Callable[[], Any]) -> Any:

@@ -5,30 +5,18 @@ and prints one JSON object of the documented shape. Its speed is never asserted.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "latency.py"
-ENV = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
+from helpers import run_quick_benchmark
+
 QUICK_TOKENS = [16, 128]
 
 
 def test_quick_json_checks_every_fetch():
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=ENV,
-        cwd=ROOT,
-    )
+    returncode, stdout, stderr = run_quick_benchmark("latency.py")
     # 0 only when every fetch was ok, every fetched byte matched kvxfer.reference, every
     # floor read matched and every published request was released.
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    report = json.loads(run.stdout)
+    assert returncode == 0, stdout[-4000:] + stderr[-4000:]
+    report = json.loads(stdout)
     assert set(report) >= {"rows", "concurrent", "idle_cpu", "config", "checks"}
 
     rows = report["rows"]

@@ -5,29 +5,18 @@ every byte, and prints one JSON object of the documented shape. Its speed is nev
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "streaming.py"
+from helpers import run_quick_benchmark
+
 QUICK_TOKENS = [256, 1024]
 
 
 def test_quick_json_checks_every_fetch():
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
-        cwd=ROOT,
-    )
+    returncode, stdout, stderr = run_quick_benchmark("streaming.py")
     # 0 only when every fetch, whole and streamed, was ok and matched kvxfer.reference byte for
     # byte (a byte read before its layer was marked ready would not).
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    report = json.loads(run.stdout)
+    assert returncode == 0, stdout[-4000:] + stderr[-4000:]
+    report = json.loads(stdout)
     rows = report["rows"]
     assert [r["tokens"] for r in rows] == QUICK_TOKENS
     for row in rows:

@@ -342,6 +342,21 @@ def stage_layers(config: Any, pp_rank: int = 0) -> range:
     return range(start, end)
 
 
+def single_engine_parallelism() -> Any:
+    """What a scheduler-side connector reads of a `VllmConfig`: the parallel layout of one
+    engine at TP 1, PP 1 and DP rank 0 (for tests of `SchedulerSide` alone)."""
+    from types import SimpleNamespace
+
+    parallel = SimpleNamespace(
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        data_parallel_master_ip="127.0.0.1",
+        data_parallel_rank=0,
+        data_parallel_index=0,
+    )
+    return SimpleNamespace(parallel_config=parallel)
+
+
 def layer_names(layers: Sequence[int]) -> list[str]:
     """The attention layers' names, as vLLM's Llama registers them."""
     return [f"model.layers.{i}.self_attn.attn" for i in layers]

@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from pd_engines import single_engine_parallelism
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import RequestStatus
 
@@ -18,15 +19,7 @@ from kvxfer.integrations.vllm.scheduler import SchedulerSide, nothing_to_load
 
 
 def _scheduler_side() -> SchedulerSide:
-    parallel = SimpleNamespace(
-        tensor_parallel_size=1,
-        pipeline_parallel_size=1,
-        data_parallel_master_ip="127.0.0.1",
-        data_parallel_rank=0,
-        data_parallel_index=0,
-    )
-    config = SimpleNamespace(parallel_config=parallel)
-    return SchedulerSide(config, ConnectorSettings(), "prefill-0")  # type: ignore[arg-type]
+    return SchedulerSide(single_engine_parallelism(), ConnectorSettings(), "prefill-0")
 
 
 def _request(status: RequestStatus, computed: int) -> SimpleNamespace:

@@ -6,13 +6,12 @@ producer released it). The flow end to end is in test_pd_flow.py and the real-en
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 pytest.importorskip("vllm")
 
 import torch
+from pd_engines import single_engine_parallelism
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.kv_cache_interface import (
@@ -49,17 +48,9 @@ WITH_A_WINDOW = _groups(
 
 
 def _scheduler_side(kv_cache_config: KVCacheConfig = ONE_GROUP, **settings) -> SchedulerSide:
-    parallel = SimpleNamespace(
-        tensor_parallel_size=1,
-        pipeline_parallel_size=1,
-        data_parallel_master_ip="127.0.0.1",
-        data_parallel_rank=0,
-        data_parallel_index=0,
-    )
-    config = SimpleNamespace(parallel_config=parallel)
     extra = {"bootstrap_address": "127.0.0.1:9", **settings}  # starts no service
     return SchedulerSide(
-        config,  # type: ignore[arg-type]
+        single_engine_parallelism(),
         ConnectorSettings.from_extra_config(extra),
         "prefill-0",
         produces=True,
