@@ -109,6 +109,32 @@ def covered_tokens(
     return min(num_tokens, len(block_ids) * spec.block_size)
 
 
+def check_published_table(
+    spec: KVCacheSpec,
+    block_ids: Sequence[int] | np.ndarray,
+    num_tokens: int,
+    who: str,
+    first_token: int,
+    ready_tokens: int | None,
+) -> tuple[np.ndarray, int]:
+    """A publication's block table, checked, and the tokens it holds: all `num_tokens` when the
+    request is computed (`ready_tokens` None); while its prefill still runs, the blocks
+    allocated so far, which must hold at least the computed tokens and one past `first_token`.
+
+    Raises:
+        ValueError: as `check_block_ids`, or a partial table that holds too few tokens.
+    """
+    covered = num_tokens
+    if ready_tokens is not None:
+        covered = covered_tokens(spec, block_ids, num_tokens)
+        if ready_tokens > covered or covered <= first_token:
+            raise ValueError(
+                f"{who}: block_ids hold {covered} tokens, fewer than the {ready_tokens} computed "
+                f"or none past first_token {first_token}; pass the blocks allocated so far"
+            )
+    return check_block_ids(spec, block_ids, covered, who, first_token), covered
+
+
 def check_block_ids(
     spec: KVCacheSpec,
     block_ids: Sequence[int] | np.ndarray,

@@ -38,10 +38,9 @@ from kvxfer.plan import PairPlan
 from kvxfer.plan.layout import blocks_of_tokens
 from kvxfer.spec import KVCacheSpec
 from kvxfer.validation import (
-    check_block_ids,
     check_num_tokens,
+    check_published_table,
     check_request_id,
-    covered_tokens,
 )
 
 
@@ -199,15 +198,14 @@ class GroupedProducer:
         tokens = check_num_tokens(num_tokens, f"publish({request_id!r}): num_tokens")
         tables = _group_tables(self.groups, block_ids, f"publish({request_id!r})")
         held = [g.held_tokens(tokens) for g in self.groups]
-        checks = zip(self.groups, tables, held, strict=True)
-        for index, (group, table, (first, end)) in enumerate(checks):
+        ready = [None if ready_tokens is None else min(ready_tokens, end) for _, end in held]
+        checks = zip(self.groups, tables, held, ready, strict=True)
+        for index, (group, table, (first, end), computed) in enumerate(checks):
             where = f"publish({request_id!r}) group {index}"
-            if ready_tokens is not None:  # a chunked prefill's table may be partial
-                end = max(first + 1, covered_tokens(group.spec, table, end))
-            check_block_ids(group.spec, table, end, where, first)
-        for producer, table, (first, end) in zip(self.producers, tables, held, strict=True):
-            ready = None if ready_tokens is None else min(ready_tokens, end)
-            producer.publish(request_id, table, end, deadline_s, first, ready)
+            check_published_table(group.spec, table, end, where, first, computed)
+        publishes = zip(self.producers, tables, held, ready, strict=True)
+        for producer, table, (first, end), computed in publishes:
+            producer.publish(request_id, table, end, deadline_s, first, computed)
 
     def mark_ready(
         self, request_id: str, tokens: int, group: int | None = None, layers: int | None = None

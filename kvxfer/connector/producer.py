@@ -75,6 +75,7 @@ from kvxfer.validation import (
     check_block_ids,
     check_caches,
     check_num_tokens,
+    check_published_table,
     check_request_id,
     covered_tokens,
 )
@@ -271,16 +272,10 @@ class KVProducer:
                 f"{where}: first_token {held_from} is outside [0, num_tokens={tokens}); pass "
                 "the first token whose KV the blocks still hold (0 for all of them)"
             )
-        ready = tokens if ready_tokens is None else _check_ready(ready_tokens, tokens, where)
+        ready = None if ready_tokens is None else _check_ready(ready_tokens, tokens, where)
         # A prefill still computing may not have every block yet (a chunked prefill): its
         # table covers what it allocated, at least what is computed; `extend` grows it.
-        covered = tokens if ready_tokens is None else covered_tokens(self.spec, block_ids, tokens)
-        if ready > covered or covered <= held_from:
-            raise ValueError(
-                f"{where}: block_ids hold {covered} tokens, fewer than the {ready} computed or "
-                f"none past first_token {held_from}; pass the blocks allocated so far"
-            )
-        ids = check_block_ids(self.spec, block_ids, covered, where, held_from)
+        ids, covered = check_published_table(self.spec, block_ids, tokens, where, held_from, ready)
         timeout = self._request_timeout_s if deadline_s is None else deadline_s
         fence = self._copy_stream.fence()  # before the table: a pack may start right after it
         if fence is not None:
