@@ -42,7 +42,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 FLOWS = ("sequential", "concurrent")
@@ -50,6 +50,7 @@ _CHUNK = 64 << 10
 _QUERY_TTL_S = 5.0  # how long a bootstrap service's /query answer is reused
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def prefill_body(body: dict[str, Any], transfer_id: str | None = None) -> dict[str, Any]:
@@ -153,14 +154,16 @@ def _engine_ids(answer: bytes, bootstrap: str) -> list[str]:
         ) from None
 
 
-class _Backends:
-    def __init__(self, urls: Sequence[str]) -> None:
-        if not urls:
+class _RoundRobin(Generic[T]):
+    """Engines taken in turn, from any thread."""
+
+    def __init__(self, engines: Sequence[T]) -> None:
+        if not engines:
             raise ValueError("at least one engine URL is needed")
-        self._cycle = itertools.cycle([u.rstrip("/") for u in urls])
+        self._cycle = itertools.cycle(engines)
         self._lock = threading.Lock()
 
-    def next(self) -> str:
+    def next(self) -> T:
         with self._lock:
             return next(self._cycle)
 
@@ -189,13 +192,8 @@ def make_server(
         raise ValueError(
             "the concurrent flow needs every prefill engine's bootstrap port: --prefill URL PORT"
         )
-    prefill_cycle = itertools.cycle(engines)
-    prefill_lock = threading.Lock()
-    decodes = _Backends(decode_urls)
-
-    def next_prefill() -> PrefillEngine:
-        with prefill_lock:
-            return next(prefill_cycle)
+    prefills = _RoundRobin(engines)
+    decodes = _RoundRobin([u.rstrip("/") for u in decode_urls])
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.0"  # the relayed body ends when the connection closes
@@ -209,7 +207,7 @@ def make_server(
             except (ValueError, TypeError) as exc:
                 self._error(400, f"request body is not JSON: {exc}")
                 return
-            prefill = next_prefill()
+            prefill = prefills.next()
             try:
                 if flow == "concurrent":
                     forward = self._start_concurrent(prefill, body)
