@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,16 @@ PARAMS = {
     "remote_dp_rank": 1,
     "remote_bootstrap_addr": "http://10.0.0.1:5690",
 }
+
+
+def _serving(server: Any) -> Any:
+    """`server`, answering on a daemon thread."""
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _url(server: Any) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}"
 
 
 def _engine(answer):
@@ -42,8 +53,7 @@ def _engine(answer):
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = _serving(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
     return server, seen
 
 
@@ -62,10 +72,9 @@ def _decode_answer(body):
 def stack():
     prefill, prefill_seen = _engine(_prefill_answer)
     decode, decode_seen = _engine(_decode_answer)
-    url = lambda s: f"http://127.0.0.1:{s.server_address[1]}"  # noqa: E731
-    proxy = make_server("127.0.0.1", 0, [url(prefill)], [url(decode)], timeout=10)
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
-    yield url(proxy), prefill_seen, decode_seen
+    proxy = make_server("127.0.0.1", 0, [_url(prefill)], [_url(decode)], timeout=10)
+    _serving(proxy)
+    yield _url(proxy), prefill_seen, decode_seen
     for server in (proxy, prefill, decode):
         server.shutdown()
         server.server_close()
@@ -124,12 +133,11 @@ def test_a_prefill_with_no_kv_to_hand_over_is_decoded_from_the_prompt():
         lambda body: (200, "application/json", json.dumps({"kv_transfer_params": nothing}).encode())
     )
     decode, decode_seen = _engine(_decode_answer)
-    url = lambda s: f"http://127.0.0.1:{s.server_address[1]}"  # noqa: E731
-    proxy = make_server("127.0.0.1", 0, [url(prefill)], [url(decode)], timeout=10)
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    proxy = make_server("127.0.0.1", 0, [_url(prefill)], [_url(decode)], timeout=10)
+    _serving(proxy)
     try:
         body = {"model": "m", "prompt": [5], "max_tokens": 8}
-        status, _, payload = _post(url(proxy) + "/v1/completions", body)
+        status, _, payload = _post(_url(proxy) + "/v1/completions", body)
     finally:
         for server in (proxy, prefill, decode):
             server.shutdown()
@@ -157,17 +165,18 @@ def test_the_concurrent_flow_sends_both_engines_the_request_at_once():
 
     prefill, prefill_seen = _engine(prefill_answer)
     decode, decode_seen = _engine(decode_answer)
-    url = lambda s: f"http://127.0.0.1:{s.server_address[1]}"  # noqa: E731
     with BootstrapServer("127.0.0.1", 0) as bootstrap:
         BootstrapClient(bootstrap.address).register(
             new_worker_info("prefill-7_dp0", 0, 0, 0, "tcp://127.0.0.1:6000", 1)
         )
         port = int(bootstrap.address.rsplit(":", 1)[1])
-        proxy = make_server("127.0.0.1", 0, [url(prefill)], [url(decode)], 10, "concurrent", [port])
-        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        proxy = make_server(
+            "127.0.0.1", 0, [_url(prefill)], [_url(decode)], 10, "concurrent", [port]
+        )
+        _serving(proxy)
         try:
             bodies = [{"model": "m", "prompt": f"p{i}", "max_tokens": 5} for i in range(2)]
-            answers = [_post(url(proxy) + "/v1/completions", b) for b in bodies]
+            answers = [_post(_url(proxy) + "/v1/completions", b) for b in bodies]
             deadline = time.monotonic() + 10
             while len(prefill_seen) < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)  # the prefill requests run on the proxy's own threads
@@ -219,17 +228,15 @@ def test_a_bootstrap_port_that_is_not_one_is_a_clear_502(answer):
         def log_message(self, *args):
             pass
 
-    bogus = ThreadingHTTPServer(("127.0.0.1", 0), Query)
-    threading.Thread(target=bogus.serve_forever, daemon=True).start()
+    bogus = _serving(ThreadingHTTPServer(("127.0.0.1", 0), Query))
     decode, decode_seen = _engine(_decode_answer)
-    url = lambda s: f"http://127.0.0.1:{s.server_address[1]}"  # noqa: E731
     proxy = make_server(
-        "127.0.0.1", 0, [url(bogus)], [url(decode)], 10, "concurrent", [bogus.server_address[1]]
+        "127.0.0.1", 0, [_url(bogus)], [_url(decode)], 10, "concurrent", [bogus.server_address[1]]
     )
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    _serving(proxy)
     try:
         with pytest.raises(urllib.error.HTTPError) as info:
-            _post(url(proxy) + "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 2})
+            _post(_url(proxy) + "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 2})
         assert info.value.code == 502
         assert "/query did not answer" in json.loads(info.value.read())["error"]["message"]
         assert decode_seen == []
