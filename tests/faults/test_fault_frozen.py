@@ -3,7 +3,6 @@ request, and a producer that resumes after a fetch gave up on it writes nothing 
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -36,6 +35,10 @@ CHUNKS = {
 }
 
 
+def _no(free_slots: int | None) -> bool:
+    return free_slots == 0
+
+
 @pytest.mark.parametrize("freeze_at", list(CHUNKS))
 def test_frozen_consumer_does_not_stall_another_consumer(rig, freeze_at):
     chunks = CHUNKS[freeze_at]
@@ -66,10 +69,14 @@ def test_frozen_consumer_does_not_stall_another_consumer(rig, freeze_at):
         assert waiting, "consumer A's requests never reached the producer"
         a.freeze()
         producer.publish(big, src_ids[big.request_id])
-        time.sleep(0.5)  # the producer starts serving the frozen consumer
+        # The producer serves the frozen consumer: its packs fill A's staging, never read.
+        full = poll(lambda: producer.report()["free_slots"].get(("decode-a", 0)), _no, 20.0)
+        assert full == 0, f"the producer did not pack for the frozen consumer: {full}"
 
-    b.fetch(small, b_ids, timeout=5.0)
-    rb = b.result(small.request_id, timeout=5.0 + 5)
+    # A stays frozen until B's fetch ended: B finishing at all shows A does not stall it, so
+    # its deadline need not guess the loaded machine's speed (128 chunks of 8 tokens).
+    b.fetch(small, b_ids, timeout=60.0)
+    rb = b.result(small.request_id, timeout=75.0)
     assert rb["ok"], f"consumer B failed while A was frozen: {rb['errors']}"
     b.model.settle(b_ids, small, rb["failed_block_ids"])
     bad = b.model.mismatches()
