@@ -282,7 +282,7 @@ class KVProducer:
             with self._lock:
                 self._fences[request_id] = fence
         try:
-            aborted = self._requests.publish(
+            release_now = self._requests.publish(
                 request_id, ids, tokens, timeout, held_from, ready, covered
             )
         except ValueError:
@@ -290,8 +290,8 @@ class KVProducer:
                 with self._lock:
                     self._fences.pop(request_id, None)  # a live one keeps its later fence
             raise
-        if aborted:
-            self._release(request_id, "its decode engine aborted it before the publish")
+        if release_now is not None:
+            self._release(request_id, release_now)
         else:  # chunks asked for before the publish are served now, not at the next tick
             self._server.post(self._serve_waiting)
 

@@ -54,6 +54,10 @@ class RequestTable:
         self._live: dict[str, PublishedRequest] = {}
         self._released: OrderedDict[str, float] = OrderedDict()  # id -> when forgotten
         self._aborted: OrderedDict[str, float] = OrderedDict()  # unpublished id -> forget at
+        # Decode ranks done with an id before it was published here (ranks that read nothing
+        # from this producer may finish before it publishes): counted at its publish.
+        self._early_done: OrderedDict[str, float] = OrderedDict()  # id -> forget at
+        self._early_reports: dict[str, set[tuple[str, int, int]]] = {}  # (engine, rank, size)
         self._ttl, self._max_released = released_ttl_s, max_released
 
     def publish(
@@ -65,14 +69,15 @@ class RequestTable:
         first_token: int = 0,
         ready_tokens: int | None = None,
         covered: int | None = None,
-    ) -> bool:
+    ) -> str | None:
         """Add a request that expires `timeout` seconds from now, holding tokens
         `[first_token, num_tokens)`, of which those before `ready_tokens` (default: all) are
         computed and those before `covered` (default: all) have their blocks in `block_ids`.
 
         Returns:
-            Whether a decode engine aborted the request before it was published: then release
-            it at once (nobody will fetch it).
+            Why to release the request at once, or None: a decode engine aborted it before it
+            was published (nobody will fetch it), or every decode rank already reported done
+            (none of them reads from this producer).
 
         Raises:
             ValueError: the id is published, or was released recently.
@@ -84,7 +89,7 @@ class RequestTable:
                 raise ValueError(
                     f"request_id: {request_id!r} was already published; use a new id per request"
                 )
-            self._live[request_id] = PublishedRequest(
+            request = self._live[request_id] = PublishedRequest(
                 block_ids,
                 num_tokens,
                 now + timeout,
@@ -93,7 +98,15 @@ class RequestTable:
                 ready_tokens=num_tokens if ready_tokens is None else ready_tokens,
                 covered=num_tokens if covered is None else covered,
             )
-            return self._aborted.pop(request_id, None) is not None
+            if self._aborted.pop(request_id, None) is not None:
+                return "its decode engine aborted it before the publish"
+            self._early_done.pop(request_id, None)
+            early = self._early_reports.pop(request_id, set())
+            request.reported.update((engine, rank) for engine, rank, _ in early)
+            sizes = {engine: size for engine, _, size in early}
+            if early and _all_reported(request, sizes):
+                return "every decode rank was done with it before the publish"
+            return None
 
     def mark_ready(self, request_id: str, tokens: int, layers: int | None = None) -> None:
         """Tokens before `tokens` are computed now: in every layer (`layers` None), or in the
@@ -203,14 +216,17 @@ class RequestTable:
         """
         with self._lock:
             request = self._live.get(request_id)
-            if request is None or (request.fetchers and engine_id not in request.fetchers):
+            if request is None:
+                if request_id not in self._released:  # not published yet: counted then
+                    self._early_done[request_id] = time.monotonic() + self._ttl
+                    reports = self._early_reports.setdefault(request_id, set())
+                    reports.add((engine_id, rank, engine_size))
+                    self._forget_old(time.monotonic())
+                return False
+            if request.fetchers and engine_id not in request.fetchers:
                 return False
             request.reported.add((engine_id, rank))
-            engines = request.fetchers or {engine_id: engine_size}
-            return all(
-                len({r for e, r in request.reported if e == engine}) >= size
-                for engine, size in engines.items()
-            )
+            return _all_reported(request, {engine_id: engine_size})
 
     def abort(self, request_id: str, engine_id: str) -> bool:
         """`engine_id` will never load the request. Returns whether to release it now: it is
@@ -258,9 +274,21 @@ class RequestTable:
             return len(self._released) + len(self._aborted)
 
     def _forget_old(self, now: float) -> None:
-        for ids in (self._released, self._aborted):
+        for ids in (self._released, self._aborted, self._early_done):
             while ids:
                 request_id, forget_at = next(iter(ids.items()))
                 if forget_at > now and len(ids) <= self._max_released:
                     break
                 del ids[request_id]
+        for request_id in [r for r in self._early_reports if r not in self._early_done]:
+            del self._early_reports[request_id]
+
+
+def _all_reported(request: PublishedRequest, reporters: dict[str, int]) -> bool:
+    """Whether every rank of every engine that fetched the request reported done (with no
+    fetcher: every rank of the engines that reported, `reporters`: engine -> its ranks)."""
+    engines = request.fetchers or reporters
+    return all(
+        len({r for e, r in request.reported if e == engine}) >= size
+        for engine, size in engines.items()
+    )

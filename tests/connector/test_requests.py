@@ -43,7 +43,37 @@ def test_an_abort_before_the_publish_is_kept_for_the_publish():
     table = RequestTable()
     assert not table.abort("early", "decode")
     assert table.publish("early", IDS, 10, timeout=60)  # release it at once
-    assert not table.publish("later", IDS, 10, timeout=60)
+    assert table.publish("later", IDS, 10, timeout=60) is None
+
+
+def test_reports_before_the_publish_count_at_the_publish():
+    # Decode ranks that read nothing from this producer can finish before it publishes
+    # (another prefill rank published first): their reports must not be lost.
+    table = RequestTable()
+    assert not table.report_done("r", "decode", 2, engine_size=4)
+    assert not table.report_done("r", "decode", 3, engine_size=4)
+    assert table.publish("r", IDS, 10, timeout=60) is None  # ranks 0 and 1 still read
+    table.note_fetcher("r", "decode", 4)
+    assert not table.report_done("r", "decode", 0, 4)
+    assert table.report_done("r", "decode", 1, 4)
+
+
+def test_a_request_every_rank_finished_before_its_publish_is_released_at_the_publish():
+    table = RequestTable()
+    for rank in range(2):
+        assert not table.report_done("r", "decode", rank, engine_size=2)
+    assert "before the publish" in (table.publish("r", IDS, 10, timeout=60) or "")
+    assert table.release("r")
+
+
+def test_early_reports_are_forgotten_within_bounds():
+    table = RequestTable(released_ttl_s=60, max_released=10)
+    for i in range(100):
+        table.report_done(f"never{i}", "decode", 0, engine_size=2)  # never published here
+    assert table.publish("never0", IDS, 10, timeout=60) is None  # its report was forgotten
+    table.report_done("r", "decode", 0, engine_size=1)
+    table.release("r")  # not published: nothing to release
+    assert table.publish("r", IDS, 10, timeout=60) is not None
 
 
 def test_released_ids_are_refused_then_forgotten_within_bounds():
