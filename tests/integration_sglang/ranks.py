@@ -1,0 +1,300 @@
+"""One SGLang rank per process, as SGLang's scheduler sets up a P/D rank: its runtime context,
+SGLang's own KV pool (`MHATokenToKVPool`, or `MLATokenToKVPool`) and metadata buffers on CPU,
+`KVArgs` filled as `prefill.py` / `decode.py` fill them, and the transfer backend's classes
+taken from SGLang's `get_kv_class` after the plugin loaded through its entry point.
+
+A prefill rank writes the request's KV with SGLang's `set_kv_buffer` (a chunk at a time, as a
+chunked prefill does), sends it in two chunks through the sender, and waits for `Success`; a
+decode rank poisons its pool, receives the request and returns what its pool holds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+POISON_BYTE = 0x5A
+WAIT_S = 60.0
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """Everything one rank process needs (picklable: it crosses a spawn)."""
+
+    role: str  # "prefill" or "decode"
+    tp_size: int
+    tp_rank: int
+    page_size: int
+    model_dir: str
+    bootstrap_port: int
+    room: int
+    num_tokens: int
+    pages: list[int]  # the request's pages in this engine's pool
+    aux_index: int
+    mla: bool = False
+    pp_size: int = 1
+    pp_rank: int = 0
+    layers: int = 4
+    kv_heads: int = 12
+    head_dim: int = 16
+    pool_tokens: int = 512
+    seed: int = 0
+    abort_after_metadata: bool = False  # decode: abort the request once its metadata is out
+    killed_before_send: bool = False  # prefill: SIGKILL itself instead of sending the KV
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def global_kv(cfg: RankConfig) -> Any:
+    """The request's K and V of every layer, every head: `[layers, 2, tokens, heads, dim]`
+    (MLA: `[layers, tokens, dim]`), from the seed: what the prefill computed."""
+    import torch
+
+    g = torch.Generator().manual_seed(cfg.seed)
+    if cfg.mla:
+        shape: tuple[int, ...] = (cfg.layers, cfg.num_tokens, cfg.head_dim)
+    else:
+        shape = (cfg.layers, 2, cfg.num_tokens, cfg.kv_heads, cfg.head_dim)
+    return torch.randn(shape, generator=g).to(torch.bfloat16)
+
+
+def heads_of(cfg: RankConfig) -> slice:
+    """This rank's KV heads (SGLang's and kvxfer's head ownership)."""
+    if cfg.kv_heads >= cfg.tp_size:
+        n = cfg.kv_heads // cfg.tp_size
+        return slice(cfg.tp_rank * n, (cfg.tp_rank + 1) * n)
+    head = cfg.tp_rank // (cfg.tp_size // cfg.kv_heads)
+    return slice(head, head + 1)
+
+
+def token_slots(cfg: RankConfig) -> Any:
+    """Each token's slot in this engine's pool: `page * page_size + offset`."""
+    import torch
+
+    t = torch.arange(cfg.num_tokens)
+    pages = torch.tensor(cfg.pages)[t // cfg.page_size]
+    return pages * cfg.page_size + t % cfg.page_size
+
+
+def run_rank(cfg: RankConfig, conn: Any) -> None:
+    """The process's body: report `("ok", result)` or `("error", traceback)` on `conn`."""
+    try:
+        os.environ.update(cfg.env)
+        conn.send(("ok", _run(cfg, conn)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    # A rank lives on until every rank answered, as an engine does: a decode rank reports its
+    # reads done to the prefill after its own result, and the prefill waits for that.
+    conn.poll(WAIT_S)
+
+
+def _layer(layer_id: int) -> Any:
+    return type("Layer", (), {"layer_id": layer_id})()
+
+
+def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
+    import torch
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # the entry point, as every SGLang scheduler process runs it, first
+    from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+    from sglang.srt.disaggregation.utils import (
+        DisaggregationMode,
+        KVClassType,
+        MetadataBuffers,
+        TransferBackend,
+        get_kv_class,
+        setup_state_kv_args,
+    )
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+
+    prefill = cfg.role == "prefill"
+    args = ServerArgs(
+        model_path=cfg.model_dir,
+        disaggregation_mode=cfg.role,
+        disaggregation_transfer_backend="kvxfer",
+        disaggregation_bootstrap_port=cfg.bootstrap_port,
+        host="127.0.0.1",
+        port=30000 + cfg.bootstrap_port % 1000 + (0 if prefill else 500),
+        tp_size=cfg.tp_size,
+        pp_size=cfg.pp_size,
+        page_size=cfg.page_size,
+        skip_tokenizer_init=True,
+        device="cpu",
+    )
+    world_rank = cfg.pp_rank * cfg.tp_size + cfg.tp_rank
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, gpu_id=0))
+    get_parallel().override_permanently(pp_group=None)
+
+    layers = cfg.layers // cfg.pp_size
+    start = cfg.pp_rank * layers
+    if cfg.mla:
+        pool: Any = MLATokenToKVPool(
+            size=cfg.pool_tokens, page_size=cfg.page_size, dtype=torch.bfloat16,
+            kv_lora_rank=cfg.head_dim - 8, qk_rope_head_dim=8, layer_num=layers,
+            device="cpu", enable_memory_saver=False, start_layer=start,
+        )  # fmt: skip
+    else:
+        pool = MHATokenToKVPool(
+            size=cfg.pool_tokens, page_size=cfg.page_size, dtype=torch.bfloat16,
+            head_num=heads_of(cfg).stop - heads_of(cfg).start, head_dim=cfg.head_dim,
+            layer_num=layers, device="cpu", enable_memory_saver=False, start_layer=start,
+        )  # fmt: skip
+    meta = MetadataBuffers(8, 16, torch.float32, 0)
+    buffers = pool.kv_buffer if cfg.mla else [*pool.k_buffer, *pool.v_buffer]
+    if not prefill:
+        for b in buffers:
+            b.view(torch.uint8).fill_(POISON_BYTE)
+
+    kv_args = KVArgs()
+    kv_args.engine_rank = cfg.tp_rank
+    kv_args.pp_rank = cfg.pp_rank
+    kv_args.system_dp_rank = 0
+    kv_args.rust_http_port = None
+    kv_args.kv_cache_dtype_str = "auto"
+    kv_args.kv_layout = None
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = (
+        pool.get_contiguous_buf_infos()
+    )
+    kv_args.num_draft_entries = 0
+    kv_args.kv_layer_ids = []
+    if prefill and not cfg.mla:  # the decode scheduler leaves them unset (decode.py)
+        kv_args.kv_head_num = pool.head_num
+        kv_args.total_kv_head_num = cfg.kv_heads
+    kv_args.page_size = cfg.page_size
+    if prefill:
+        kv_args.prefill_start_layer = start
+        kv_args.prefill_end_layer = start + layers
+    kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = meta.get_buf_infos()
+    kv_args.ib_device = None
+    kv_args.gpu_id = 0
+    setup_state_kv_args(kv_args, pool, None, cfg.layers)
+
+    backend = TransferBackend("kvxfer")
+    mode = DisaggregationMode.PREFILL if prefill else DisaggregationMode.DECODE
+    manager = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, args, cfg.mla)
+    addr = f"127.0.0.1:{cfg.bootstrap_port}"
+    kv = global_kv(cfg)
+    slots = token_slots(cfg)
+    states: list[int] = []
+
+    def wait_for(target: set[int], poller: Any) -> int:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            state = poller.poll()
+            if not states or states[-1] != state:
+                states.append(int(state))
+            if state in target:
+                return int(state)
+            time.sleep(0.01)
+        stats = manager.producer.stats_snapshot() if manager.producer is not None else {}
+        raise TimeoutError(f"{cfg.role} rank {cfg.tp_rank}: states {states} {stats}")
+
+    if prefill:
+        sender = get_kv_class(backend, KVClassType.SENDER)(manager, addr, cfg.room)
+        wait_for({KVPoll.WaitingForInput, KVPoll.Failed}, sender)
+        num_pages = len(cfg.pages)
+        sender.init(num_pages, cfg.aux_index)
+        if cfg.killed_before_send:
+            os.kill(os.getpid(), signal.SIGKILL)
+        half = num_pages // 2
+        for first, last in ((0, half), (half, num_pages)):
+            tokens = slice(first * cfg.page_size, min(last * cfg.page_size, cfg.num_tokens))
+            for local in range(layers):
+                if cfg.mla:  # the latent row is K; MLA has no V
+                    k = kv[start + local, tokens][:, None]
+                    pool.set_kv_buffer(_layer(start + local), slots[tokens], k, None)
+                else:
+                    h = heads_of(cfg)
+                    k, v = kv[start + local, 0, tokens, h], kv[start + local, 1, tokens, h]
+                    pool.set_kv_buffer(_layer(start + local), slots[tokens], k, v)
+            if last == num_pages:  # the first output token and its metadata, as set_buf
+                meta.output_ids[cfg.aux_index, 0] = 1000 + cfg.room % 1000
+                meta.bootstrap_room[cfg.aux_index, 0] = cfg.room
+            pages = np.asarray(cfg.pages[first:last], dtype=np.int32)
+            sender.send(pages, None, num_kv_tokens=tokens.stop - tokens.start)
+        final = wait_for({KVPoll.Success, KVPoll.Failed}, sender)
+        reason = None
+        if final == KVPoll.Failed:
+            try:
+                sender.failure_exception()
+            except Exception as exc:
+                reason = str(exc)
+        held = _held(pool, cfg, slots, layers)
+        return {
+            "states": states, "held": held, "reason": reason, "tp_rank": cfg.tp_rank,
+            "pp_rank": cfg.pp_rank, "layers": slice(start, start + layers),
+        }  # fmt: skip
+
+    receiver_cls = get_kv_class(backend, KVClassType.RECEIVER)
+    receiver = receiver_cls(manager, addr, cfg.room)
+    deadline = time.monotonic() + WAIT_S
+    while not manager.try_ensure_parallel_info(addr):
+        assert time.monotonic() < deadline, "the prefill never registered"
+        time.sleep(0.05)
+    receiver.init(0)
+    # Connected to every prefill rank before the metadata lets the prefill go on: a prefill
+    # rank killed once bootstrapped then dies mid-transfer, not mid-handshake.
+    while manager.consumer_of(receiver.group_key) is None:
+        assert time.monotonic() < deadline, "the decode rank never connected"
+        time.sleep(0.01)
+    pages = np.asarray(cfg.pages, dtype=np.int32)
+    receiver.send_metadata(pages, cfg.aux_index, None, decode_prefix_len=0)
+    if cfg.abort_after_metadata:
+        receiver.abort()
+    final = wait_for({KVPoll.Success, KVPoll.Failed}, receiver)
+    reason = None
+    if final == KVPoll.Failed:
+        receiver.ensure_abort_notified(force_arm=True)  # as SGLang's decode does on a failure
+        deadline = time.monotonic() + WAIT_S
+        while not manager.is_abort_release_safe(cfg.room, 0):
+            assert time.monotonic() < deadline, "a failed fetch never ended"
+            time.sleep(0.01)
+        try:
+            receiver.failure_exception()
+        except Exception as exc:
+            reason = str(exc)
+    return {
+        "states": states,
+        "held": _held(pool, cfg, slots, layers),
+        "untouched": _untouched(buffers, cfg, slots),
+        "aux": (int(meta.output_ids[cfg.aux_index, 0]), int(meta.bootstrap_room[cfg.aux_index, 0])),
+        "reason": reason,
+    }
+
+
+def _held(pool: Any, cfg: RankConfig, slots: Any, layers: int) -> np.ndarray:
+    """What the pool holds at the request's slots: `[layers, 2, tokens, heads, dim]` (MLA:
+    `[layers, tokens, dim]`), read through SGLang's own buffer getters, as int16 bits (a
+    numpy copy: a tensor would cross the pipe as shared memory that dies with this process)."""
+    import torch
+
+    start = cfg.pp_rank * layers
+    if cfg.mla:
+        held = torch.stack([pool.get_key_buffer(start + i)[slots, 0] for i in range(layers)])
+    else:
+        held = torch.stack(
+            [
+                torch.stack(
+                    [pool.get_key_buffer(start + i)[slots], pool.get_value_buffer(start + i)[slots]]
+                )
+                for i in range(layers)
+            ]
+        )
+    return held.view(torch.int16).numpy().copy()
+
+
+def _untouched(buffers: list[Any], cfg: RankConfig, slots: Any) -> bool:
+    """Whether every byte outside the request's slots still holds the poison."""
+    import torch
+
+    keep = torch.ones(buffers[0].shape[0], dtype=torch.bool)
+    keep[slots] = False
+    return all(bool((b[keep].view(torch.uint8) == POISON_BYTE).all()) for b in buffers)

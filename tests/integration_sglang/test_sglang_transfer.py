@@ -1,0 +1,248 @@
+"""kvxfer as SGLang's transfer backend, against SGLang's own classes (`make test-sglang`).
+
+Each rank is a process set up as SGLang's scheduler sets one up (`ranks.py`): SGLang's pool
+allocates the KV, SGLang's `set_kv_buffer` writes it, the backend's classes come from SGLang's
+`get_kv_class` after the plugin loaded through its entry point, and SGLang's bootstrap server
+(the backend's, built by `get_kv_class` as SGLang's disagg service builds it) joins them. Every
+decode byte is compared with what the prefill ranks' pools hold, and every byte outside the
+request's pages must keep its poison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import socket
+from collections.abc import Iterator
+
+import pytest
+import torch
+from ranks import POISON_BYTE, WAIT_S, RankConfig, global_kv, heads_of, run_rank
+
+POISON_WORD = POISON_BYTE << 8 | POISON_BYTE  # a poisoned bf16, as the int16 it is read as
+
+TOKENS = 100  # not a whole number of pages: the last page is partial on both sides
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Llama config (12 KV heads of 16, 4 layers: TP 2, 3, 4 and 6 all shard it):
+    what SGLang's `ModelConfig` reads."""
+    path = tmp_path_factory.mktemp("model")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 192,
+        "intermediate_size": 256,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+        "head_dim": 16,
+        "num_hidden_layers": 4,
+        "vocab_size": 256,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture
+def bootstrap_port() -> Iterator[int]:
+    """The backend's bootstrap server, as SGLang's disagg service starts it on the prefill
+    (one per prefill engine: it keeps the first registrant's sizes)."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # before importing get_kv_class: the plugin's hook rebinds it
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    port = _free_port()
+    server = get_kv_class(TransferBackend("kvxfer"), KVClassType.BOOTSTRAP_SERVER)(
+        host="127.0.0.1", port=port
+    )
+    yield port
+    server.close()
+
+
+def _pages(count: int, pool_pages: int, seed: int) -> list[int]:
+    """`count` distinct pages in a pool, never page 0 (SGLang's padding page), out of order."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randperm(pool_pages - 1, generator=g)[:count] + 1).tolist()
+
+
+def _run_pair(
+    model_dir: str,
+    port: int,
+    room: int,
+    prefill: tuple[int, int],
+    decode: tuple[int, int],
+    pp_size: int = 1,
+    mla: bool = False,
+    faults: dict[tuple[str, int], dict] | None = None,
+) -> tuple[list[dict], list[dict], list[RankConfig]]:
+    """Prefill TP `prefill[0]` with pages of `prefill[1]` tokens (and `pp_size` stages) ->
+    decode TP `decode[0]`, pages of `decode[1]`; every rank in its own process; `mla`: SGLang's
+    MLA pool on both sides; `faults`: RankConfig fields by (role, TP rank). A rank killed on
+    purpose answers None."""
+    ctx = multiprocessing.get_context("spawn")
+    configs = []
+    pool_tokens = 512
+    for role, (tp, page) in (("prefill", prefill), ("decode", decode)):
+        pages = _pages(-(-TOKENS // page), pool_tokens // page, seed=room + tp)
+        stages = pp_size if role == "prefill" else 1
+        for pp_rank in range(stages):
+            for rank in range(tp):
+                configs.append(
+                    RankConfig(
+                        role, tp, rank, page, model_dir, port, room, TOKENS, pages,
+                        aux_index=3 if role == "prefill" else 5, pp_size=stages,
+                        pp_rank=pp_rank, pool_tokens=pool_tokens, seed=room, mla=mla,
+                        **(faults or {}).get((role, rank), {}),
+                    )
+                )  # fmt: skip
+    pipes, procs = [], []
+    for cfg in configs:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=run_rank, args=(cfg, child), daemon=True)
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    results, errors = [], []
+    try:
+        for cfg, pipe in zip(configs, pipes, strict=True):
+            name = f"{cfg.role} rank {cfg.pp_rank}/{cfg.tp_rank}"
+            if cfg.killed_before_send:
+                procs[configs.index(cfg)].join(WAIT_S)
+                results.append(None)
+                continue
+            if not pipe.poll(WAIT_S + 60):
+                errors.append(f"{name} did not answer")
+                continue
+            status, value = pipe.recv()
+            if status != "ok":
+                errors.append(f"{name}:\n{value}")
+            results.append(value)
+        assert not errors, "\n".join(errors)
+    finally:
+        for pipe in pipes:
+            with contextlib.suppress(OSError):  # a rank killed on purpose
+                pipe.send("bye")
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+    prefills = [r for r, c in zip(results, configs, strict=True) if c.role == "prefill"]
+    decodes = [r for r, c in zip(results, configs, strict=True) if c.role == "decode"]
+    return prefills, decodes, [c for c in configs if c.role == "decode"]
+
+
+def _assert_exact(prefills: list[dict], decodes: list[dict], decode_cfgs: list[RankConfig]):
+    """Each decode rank holds its heads of every layer exactly as the prefill pools hold them,
+    and nothing else changed."""
+    # The prefill pools' heads, side by side: what SGLang's set_kv_buffer wrote.
+    want_all = global_kv(decode_cfgs[0]).view(torch.int16)
+    if decode_cfgs[0].mla:  # every prefill rank of a stage holds the whole latent cache
+        stages = [torch.from_numpy(p["held"]) for p in prefills if p["tp_rank"] == 0]
+        held = torch.cat(stages, dim=0)
+        assert all(torch.equal(torch.from_numpy(p["held"]), held[p["layers"]]) for p in prefills)
+    else:  # heads side by side within a stage, stages one after another
+        stages = sorted({p["pp_rank"] for p in prefills})
+        held = torch.cat(
+            [
+                torch.cat([torch.from_numpy(p["held"]) for p in prefills if p["pp_rank"] == s], 3)
+                for s in stages
+            ]
+        )
+    assert torch.equal(held, want_all), "the prefill pools hold other KV than SGLang was given"
+    for result, cfg in zip(decodes, decode_cfgs, strict=True):
+        want = held if cfg.mla else held[:, :, :, heads_of(cfg)]
+        got = torch.from_numpy(result["held"])
+        assert torch.equal(got, want), (
+            f"decode rank {cfg.tp_rank}: {int((got != want).sum())} of {want.numel()} differ"
+        )
+        assert result["untouched"], f"decode rank {cfg.tp_rank} wrote outside the request"
+        assert result["aux"] == (1000 + cfg.room % 1000, cfg.room)
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode"),
+    [
+        ((2, 16), (4, 16)),
+        ((3, 16), (4, 16)),
+        ((4, 16), (2, 16)),
+        ((2, 16), (2, 64)),
+        ((2, 64), (3, 1)),
+    ],
+    ids=["tp2-tp4", "tp3-tp4", "tp4-tp2", "page16-page64", "page64-tp3-page1"],
+)
+def test_a_request_moves_bit_exact(model_dir, bootstrap_port, prefill, decode):
+    room = 1000 + 10 * prefill[0] + decode[0] + decode[1]
+    prefills, decodes, cfgs = _run_pair(model_dir, bootstrap_port, room, prefill, decode)
+    assert all(p["states"][-1] == 4 for p in prefills), [p["states"] for p in prefills]
+    _assert_exact(prefills, decodes, cfgs)
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode"), [((2, 16), (4, 16)), ((2, 64), (1, 1))], ids=["tp2-tp4", "page64-page1"]
+)
+def test_an_mla_cache_moves_from_one_source(model_dir, bootstrap_port, prefill, decode):
+    room = 3000 + prefill[1] + decode[0]
+    prefills, decodes, cfgs = _run_pair(model_dir, bootstrap_port, room, prefill, decode, mla=True)
+    assert all(p["states"][-1] == 4 for p in prefills), [p["states"] for p in prefills]
+    _assert_exact(prefills, decodes, cfgs)
+
+
+def test_a_prefill_rank_killed_before_it_sends_fails_the_decode_with_its_pages(
+    model_dir, bootstrap_port
+):
+    # TP 2 -> TP 2: decode rank 0 reads only from prefill rank 0, which dies (SIGKILL) once
+    # bootstrapped; prefill rank 1 publishes and its decode rank completes.
+    prefills, decodes, cfgs = _run_pair(
+        model_dir, bootstrap_port, 4001, (2, 16), (2, 32),
+        faults={("prefill", 0): {"killed_before_send": True}},
+    )  # fmt: skip
+    assert prefills[0] is None and prefills[1]["states"][-1] == 4  # rank 1 was fully read
+    dead, alive = decodes
+    assert dead["states"][-1] == 0, dead["states"]  # KVPoll.Failed
+    assert f"pages {sorted(cfgs[0].pages)}" in dead["reason"], dead["reason"]
+    assert dead["untouched"], "a failed load wrote outside its pages"
+    assert alive["states"][-1] == 4 and alive["untouched"]
+
+
+def test_a_decode_abort_frees_the_prefill_and_writes_nothing(model_dir, bootstrap_port):
+    prefills, decodes, _ = _run_pair(
+        model_dir, bootstrap_port, 4002, (2, 16), (2, 16),
+        faults={("decode", r): {"abort_after_metadata": True} for r in range(2)},
+    )  # fmt: skip
+    # The producers released the request at once (kvxfer's abort), so SGLang frees the
+    # prefill's pages; the decode reports the abort and its pool keeps its poison everywhere.
+    assert all(p["states"][-1] in (0, 4) for p in prefills), [p["states"] for p in prefills]
+    for result in decodes:
+        assert result["states"][-1] == 0 and "Aborted" in result["reason"], result
+        assert result["untouched"]
+        poison = torch.full_like(torch.from_numpy(result["held"]), POISON_WORD)
+        assert torch.equal(torch.from_numpy(result["held"]), poison)
+
+
+def test_a_decode_with_the_wrong_secret_is_refused_and_the_prefill_freed(model_dir, bootstrap_port):
+    secret = {"env": {"KVXFER_CONFIG": '{"secret": "prefill-secret"}'}}
+    wrong = {"env": {"KVXFER_CONFIG": '{"secret": "guess"}'}}
+    prefills, decodes, _ = _run_pair(
+        model_dir, bootstrap_port, 4003, (1, 16), (1, 16),
+        faults={("prefill", 0): secret, ("decode", 0): wrong},
+    )  # fmt: skip
+    (decode,) = decodes
+    assert decode["states"][-1] == 0 and "secret" in decode["reason"], decode["reason"]
+    assert decode["untouched"]
+    # SGLang's decode tells the prefill (ABORT), whose sender fails: SGLang frees its pages.
+    assert prefills[0]["states"][-1] == 0, prefills[0]["states"]
+    assert "aborted" in prefills[0]["reason"]
