@@ -15,6 +15,7 @@ import json
 import multiprocessing
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,18 +32,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny Llama config (12 KV heads of 16, 4 layers: TP 2, 3, 4 and 6 all shard it):
-    what SGLang's `ModelConfig` reads."""
-    path = tmp_path_factory.mktemp("model")
+def _model(path: Path, kv_heads: int) -> str:
+    """A tiny Llama config with `kv_heads` KV heads of 16 and 4 layers: what SGLang's
+    `ModelConfig` reads."""
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": 192,
         "intermediate_size": 256,
         "num_attention_heads": 12,
-        "num_key_value_heads": 12,
+        "num_key_value_heads": kv_heads,
         "head_dim": 16,
         "num_hidden_layers": 4,
         "vocab_size": 256,
@@ -54,6 +53,18 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     }
     (path / "config.json").write_text(json.dumps(config))
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """12 KV heads: TP 2, 3, 4 and 6 all shard them."""
+    return _model(tmp_path_factory.mktemp("model"), 12)
+
+
+@pytest.fixture(scope="module")
+def gqa_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """2 KV heads: TP 4 replicates each on two ranks."""
+    return _model(tmp_path_factory.mktemp("gqa-model"), 2)
 
 
 @pytest.fixture
@@ -88,6 +99,7 @@ def _run_pair(
     pp_size: int = 1,
     mla: bool = False,
     faults: dict[tuple[str, int], dict] | None = None,
+    kv_heads: int = 12,
 ) -> tuple[list[dict], list[dict], list[RankConfig]]:
     """Prefill TP `prefill[0]` with pages of `prefill[1]` tokens (and `pp_size` stages) ->
     decode TP `decode[0]`, pages of `decode[1]`; every rank in its own process; `mla`: SGLang's
@@ -106,6 +118,7 @@ def _run_pair(
                         role, tp, rank, page, model_dir, port, room, TOKENS, pages,
                         aux_index=3 if role == "prefill" else 5, pp_size=stages,
                         pp_rank=pp_rank, pool_tokens=pool_tokens, seed=room, mla=mla,
+                        kv_heads=kv_heads,
                         **(faults or {}).get((role, rank), {}),
                     )
                 )  # fmt: skip
@@ -187,6 +200,20 @@ def _assert_exact(prefills: list[dict], decodes: list[dict], decode_cfgs: list[R
 def test_a_request_moves_bit_exact(model_dir, bootstrap_port, prefill, decode):
     room = 1000 + 10 * prefill[0] + decode[0] + decode[1]
     prefills, decodes, cfgs = _run_pair(model_dir, bootstrap_port, room, prefill, decode)
+    # KVPoll in SGLang's order: Bootstrapping, WaitingForInput, Transferring (published),
+    # Success; a decode rank WaitingForInput until its fetch and aux row are in.
+    # (A decode's metadata may reach a prefill rank before its sender exists: Bootstrapping
+    # is then never seen.)
+    for states in (p["states"] for p in prefills):
+        assert states == sorted(states) and states[-2:] == [3, 4] and set(states) <= {1, 2, 3, 4}
+    assert all(d["states"][-2:] == [2, 4] for d in decodes), [d["states"] for d in decodes]
+    _assert_exact(prefills, decodes, cfgs)
+
+
+def test_gqa_heads_replicated_on_the_decode(gqa_model_dir, bootstrap_port):
+    prefills, decodes, cfgs = _run_pair(
+        gqa_model_dir, bootstrap_port, 1500, (2, 16), (4, 32), kv_heads=2
+    )
     assert all(p["states"][-1] == 4 for p in prefills), [p["states"] for p in prefills]
     _assert_exact(prefills, decodes, cfgs)
 

@@ -1,0 +1,38 @@
+"""What kvxfer's SGLang backend does not move is refused at start, naming the model kind and
+the way out, before anything is allocated or registered."""
+
+from __future__ import annotations
+
+import pytest
+from sglang.srt.disaggregation.base.conn import KVArgs, StateType
+
+from kvxfer.integrations.sglang.conn import load_settings, model_of
+
+
+def _kv_args(**fields: object) -> KVArgs:
+    args = KVArgs()
+    args.state_types = []
+    args.num_draft_entries = 0
+    for name, value in fields.items():
+        setattr(args, name, value)
+    return args
+
+
+@pytest.mark.parametrize("kind", [StateType.MAMBA, StateType.SWA])
+def test_hybrid_state_is_refused_naming_its_kind(kind):
+    with pytest.raises(ValueError, match=f"hybrid state \\({kind.value}\\).*another transfer"):
+        model_of(None, _kv_args(state_types=[kind]), is_mla=False)
+
+
+def test_a_draft_models_kv_is_refused():
+    with pytest.raises(ValueError, match="draft"):
+        model_of(None, _kv_args(num_draft_entries=2), is_mla=False)
+
+
+def test_settings_come_from_kvxfer_config_and_bad_json_names_it(monkeypatch):
+    monkeypatch.setenv("KVXFER_CONFIG", '{"secret": "s", "request_timeout_s": 5}')
+    settings = load_settings()
+    assert (settings.secret, settings.request_timeout_s) == ("s", 5)
+    monkeypatch.setenv("KVXFER_CONFIG", "{secret}")
+    with pytest.raises(ValueError, match="KVXFER_CONFIG: not JSON"):
+        load_settings()
