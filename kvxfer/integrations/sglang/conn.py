@@ -405,10 +405,19 @@ class KvxferKVManager(CommonKVManager):
             str(kwargs.get("decode_prefix_len") or 0).encode(),
         ]
 
-    def expect_ranks(self, key: str, count: int) -> None:
-        """The prefill DP group `key` has `count` ranks to hear `HELLO` from."""
+    def start_group(self, key: str, count: int) -> bool:
+        """Whether to register with the prefill DP group `key` (`count` ranks to hear `HELLO`
+        from): not yet done, or its last connection failed (a restarted engine is met again
+        by the next request; the failed one reported the error)."""
         with self._lock:
+            if isinstance(self._consumers.get(key), Exception):
+                del self._consumers[key]
+                self._hellos.pop(key, None)
+                self._expected.pop(key, None)
+            if key in self._consumers or key in self._expected:
+                return False
             self._expected[key] = count
+            return True
 
     def _decode_listener(self) -> None:
         recv = self._make_worker_recv(self.server_socket)
@@ -487,13 +496,10 @@ class KvxferKVManager(CommonKVManager):
             return self._consumers.get(key)
 
     def add_load(self, room: int, load: _Load) -> None:
-        """The decode rank's pages for a request (`send_metadata`)."""
+        """The decode rank's pages for a request, recorded before its metadata goes out (so
+        the prefill's `READY` always finds it)."""
         with self._lock:
-            early = self._loads.get(room)
-            if early is not None:  # READY came first
-                load.num_tokens, load.aux = early.num_tokens, early.aux
             self._loads[room] = load
-        self._start_fetch(room)
 
     def load_of(self, room: int) -> _Load | None:
         """The request's load on this rank, if any."""
@@ -507,7 +513,9 @@ class KvxferKVManager(CommonKVManager):
 
     def _ready(self, room: int, num_tokens: int, aux: bytes) -> None:
         with self._lock:
-            load = self._loads.setdefault(room, _Load("", np.zeros(0, np.int64), -1, 0))
+            load = self._loads.get(room)
+            if load is None:
+                return  # cleared meanwhile (an abort): nothing to fetch
             load.num_tokens = num_tokens
             if aux and load.aux is None:
                 load.aux = aux
@@ -551,6 +559,11 @@ class KvxferKVManager(CommonKVManager):
             ctypes.memmove(ptr + load.aux_index * n, load.aux[offset : offset + n], n)
             offset += n
 
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        """SGLang released an aborted or failed load's pages: forget the load too."""
+        super().clear_deferred_abort_state(bootstrap_room)
+        self.drop_load(bootstrap_room)
+
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         """Whether an aborted or failed load's pages may go to another request: its fetch
         ended (kvxfer reports a fetch only after its last read), or it never started."""
@@ -577,8 +590,7 @@ class KvxferKVReceiver(CommonKVReceiver):
             return
         self.group_key = f"{self.bootstrap_addr}/dp{prefill_dp_rank}"
         mgr = self.kv_mgr
-        if mgr.consumer_of(self.group_key) is None and self.group_key not in mgr._expected:
-            mgr.expect_ranks(self.group_key, len(self.bootstrap_infos))
+        if mgr.start_group(self.group_key, len(self.bootstrap_infos)):
             parts = [REG, self.group_key.encode(), mgr.local_ip.encode()]
             parts.append(str(mgr.rank_port).encode())
             for info in self.bootstrap_infos:
@@ -599,11 +611,11 @@ class KvxferKVReceiver(CommonKVReceiver):
             )
             self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             return
-        super().send_metadata(kv_indices, aux_index, *args, **kwargs)
         prefix = kwargs.get("decode_prefix_len") or 0
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         load = _Load(self.group_key, pages, -1 if aux_index is None else aux_index, prefix)
         self.kv_mgr.add_load(self.bootstrap_room, load)
+        super().send_metadata(kv_indices, aux_index, *args, **kwargs)
 
     def poll(self) -> KVPoll:
         """`Success` once the fetch completed and the aux row is written; `Failed` only once
