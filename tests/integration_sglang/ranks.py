@@ -47,6 +47,7 @@ class RankConfig:
     seed: int = 0
     abort_after_metadata: bool = False  # decode: abort the request once its metadata is out
     killed_before_send: bool = False  # prefill: SIGKILL itself instead of sending the KV
+    aborted_before_send: bool = False  # prefill: abort the request (SGLang's sender.abort)
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -204,8 +205,11 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         sender.init(num_pages, cfg.aux_index)
         if cfg.killed_before_send:
             os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.aborted_before_send:
+            sender.abort()
+            num_pages = 0  # sends nothing, as SGLang's scheduler does for an aborted request
         half = num_pages // 2
-        for first, last in ((0, half), (half, num_pages)):
+        for first, last in ((0, half), (half, num_pages)) if num_pages else ():
             tokens = slice(first * cfg.page_size, min(last * cfg.page_size, cfg.num_tokens))
             for local in range(layers):
                 if cfg.mla:  # the latent row is K; MLA has no V

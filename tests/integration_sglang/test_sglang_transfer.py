@@ -273,3 +273,15 @@ def test_a_decode_with_the_wrong_secret_is_refused_and_the_prefill_freed(model_d
     # SGLang's decode tells the prefill (ABORT), whose sender fails: SGLang frees its pages.
     assert prefills[0]["states"][-1] == 0, prefills[0]["states"]
     assert "aborted" in prefills[0]["reason"]
+
+
+def test_a_prefill_abort_fails_every_decode_rank_with_its_reason(model_dir, bootstrap_port):
+    prefills, decodes, _ = _run_pair(
+        model_dir, bootstrap_port, 4004, (2, 16), (2, 16),
+        faults={("prefill", r): {"aborted_before_send": True} for r in range(2)},
+    )  # fmt: skip
+    assert all(p["states"][-1] == 0 for p in prefills), [p["states"] for p in prefills]
+    for result in decodes:  # told at once (not after SGLang's waiting timeout), nothing written
+        assert result["states"][-1] == 0, result["states"]
+        assert "prefill engine aborted" in result["reason"], result["reason"]
+        assert result["untouched"]

@@ -135,6 +135,10 @@ class KvxferKVManager(CommonKVManager):
     # The pages of a failed or aborted load are held until its fetch ended (no late byte lands
     # in a page SGLang gave to another request): `is_abort_release_safe`.
     supports_deferred_decode_kv_release = True
+    # SGLang's status messages (a prefill's failure, to its decode ranks) carry their reason,
+    # under a tag of their own beside kvxfer's frames.
+    kv_status_msg_tag = b"KVXFER_STATUS"
+    kv_status_msg_carries_reason = True
 
     def __init__(
         self,
@@ -230,7 +234,10 @@ class KvxferKVManager(CommonKVManager):
                 elif msg[0] == ABORT_TAG:
                     notice = AbortNotification.from_zmq(msg)
                     if notice is not None:
-                        self._decode_aborted(notice.room)
+                        reason = "the decode engine aborted the request"
+                        self.give_up(notice.room, reason)
+                        self.record_failure(notice.room, reason)
+                        self.update_status(notice.room, KVPoll.Failed)
             except Exception:
                 log.exception("kvxfer: bad control message %r", msg[:1])
 
@@ -296,20 +303,20 @@ class KvxferKVManager(CommonKVManager):
         for ip, port in self.transfer_infos.get(bootstrap_room, {}):
             self._send_multipart_locked(f"tcp://{ip}:{port}", parts)
 
-    def _decode_aborted(self, room: int) -> None:
-        """SGLang's decode gave the request up (its abort, a failure or its waiting timeout):
-        nobody may read it any more. Published: its producer fails it (no read is confirmed
-        once `fail` returns, so the pages may go at once); not yet: it is never published."""
+    def give_up(self, room: int, reason: str) -> None:
+        """Nobody may read the request any more (SGLang's decode gave it up: its abort, a
+        failure or its waiting timeout; or the prefill aborted it). Published: its producer
+        fails it, and no read is confirmed once `fail` returns, so SGLang may free the pages at
+        once; not yet: it is never published."""
         with self._lock:
             self._aborted_rooms[room] = None
             while len(self._aborted_rooms) > _MAX_ABORTED_ROOMS:
                 self._aborted_rooms.popitem(last=False)
             published = room in self._published
+            self._sent.pop(room, None)
         if published:
             assert self.producer is not None
-            self.producer.fail(str(room), "the decode engine aborted the request")
-        self.record_failure(room, "the decode engine aborted the request")
-        self.update_status(room, KVPoll.Failed)
+            self.producer.fail(str(room), reason)
 
     def _serves_aux(self) -> bool:
         """The last stage's ranks send the aux row (each sampled the same first token, as SGLang's
@@ -575,6 +582,24 @@ class KvxferKVSender(CommonKVSender):
     """SGLang's prefill sender; the manager publishes the request at its last chunk and
     reports `Success` once every decode rank confirmed its reads."""
 
+    kv_mgr: KvxferKVManager
+
+    def abort(self) -> None:
+        """The prefill aborted the request: its producer stops serving it before SGLang sees
+        `Failed` and frees the pages (a decode rank reading them then fails, naming them), and
+        its decode ranks are told (SGLang's status message), so none waits for it."""
+        reason = "the prefill engine aborted the request"
+        mgr = self.kv_mgr
+        mgr.give_up(self.bootstrap_room, reason)
+        readers = list(mgr.transfer_infos.get(self.bootstrap_room, {}))
+        mgr.send_kv_status_message(
+            targets=readers,
+            bootstrap_room=self.bootstrap_room,
+            status=KVPoll.Failed,
+            failure_reason=reason,
+        )
+        super().abort()
+
 
 class KvxferKVReceiver(CommonKVReceiver):
     """SGLang's decode receiver over a kvxfer fetch (the module docstring)."""
@@ -604,6 +629,9 @@ class KvxferKVReceiver(CommonKVReceiver):
     def send_metadata(self, kv_indices: Any, aux_index: int | None = None, *args: Any,
                       **kwargs: Any) -> None:  # fmt: skip
         """Tell the prefill ranks this rank reads the request, and fetch it when ready."""
+        if not hasattr(self, "group_key"):  # init failed: SGLang's own path reports it
+            super().send_metadata(kv_indices, aux_index, *args, **kwargs)
+            return
         state_indices = kwargs.get("state_indices", args[0] if args else None)
         if state_indices is not None and len(state_indices):
             self.kv_mgr.record_failure(
