@@ -1,2 +1,3 @@
-"""Serving-engine integrations. `kvxfer.integrations.vllm` needs vLLM (`kvxfer[vllm]`); the
-other modules here import no engine."""
+"""Serving-engine integrations. `kvxfer.integrations.vllm` needs vLLM (`kvxfer[vllm]`),
+`kvxfer.integrations.sglang.conn` needs SGLang (`kvxfer[sglang]`); the other modules here
+import no engine."""
