@@ -1,5 +1,6 @@
 """kvxfer's core never imports vLLM: only the `kvxfer.integrations.vllm` package does (extra
-`kvxfer[vllm]`)."""
+`kvxfer[vllm]`); nor SGLang: only `kvxfer.integrations.sglang.conn` does (extra
+`kvxfer[sglang]`; this environment has no SGLang)."""
 
 from __future__ import annotations
 
@@ -20,15 +21,17 @@ def walk(path, prefix):
 names = list(walk(kvxfer.__path__[0], "kvxfer."))
 names += list(walk(kvxfer.kernels.__path__[0], "kvxfer.kernels."))
 assert "kvxfer.integrations.vllm.worker" in names and "kvxfer.kernels.copy_cells" in names, names
+needs_an_engine = ("kvxfer.integrations.vllm", "kvxfer.integrations.sglang.conn")
 for name in names:
-    if not name.startswith("kvxfer.integrations.vllm"):
+    if not name.startswith(needs_an_engine):
         importlib.import_module(name)
-leaked = sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm."))
+engines = ("vllm", "sglang")
+leaked = sorted(m for m in sys.modules if m.split(".")[0] in engines)
 print(len(names), leaked)
 """
 
 
-def test_only_the_integration_package_imports_vllm():
+def test_only_the_integration_packages_import_their_engines():
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, check=True
     )
