@@ -84,16 +84,17 @@ def decode_config(engine_id: str, secret: str) -> dict[str, Any]:
     """A decode engine's kv-transfer-config: blocks whose KV does not arrive are recomputed
     (vLLM 0.32's `kv_load_failure_policy` "recompute"); the tests check kvxfer's failure
     counter, so a failed transfer cannot pass for a working one. Timeouts for 2 shared
-    cores: a prefill rank is presumed dead after 10 s of silence, not 2 (a prefill engine that
+    cores: a prefill rank is presumed dead after 20 s of silence, not 2 (a prefill engine that
     steps while it holds requests for decoders answered pings late: "silent for 2.0 s: presumed
-    dead"), and handshakes may take 30 s, not 10 (one did not answer within 5 s with the
-    machine's load at 9)."""
+    dead"; at load 5-6 one stepping through a 4000-token prompt was silent for 10 s), and
+    handshakes may take 30 s, not 10 (one did not answer within 5 s with the machine's load
+    at 9)."""
     return driver.kv_transfer_config(
         "kv_consumer",
         engine_id,
         side_channel_port=0,
         secret=secret,
-        extra={"handshake_timeout_s": 30, "peer_timeout_s": 10},
+        extra={"handshake_timeout_s": 30, "peer_timeout_s": 20},
         load_failure_policy="recompute",
     )
 
