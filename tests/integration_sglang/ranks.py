@@ -3,6 +3,11 @@ SGLang's own KV pool (`MHATokenToKVPool`, or `MLATokenToKVPool`) and metadata bu
 `KVArgs` filled as `prefill.py` / `decode.py` fill them, and the transfer backend's classes
 taken from SGLang's `get_kv_class` after the plugin loaded through its entry point.
 
+A prefill rank with `via_queue` is driven as SGLang's prefill scheduler drives one: SGLang's
+`PrefillBootstrapQueue` builds the backend's manager (filling `KVArgs` itself) and
+bootstraps the request (`add`, then `pop_bootstrapped` until the decode's metadata is in),
+with a stand-in scheduler in SGLang's own test style (the model runner is absent here).
+
 A prefill rank writes the request's KV with SGLang's `set_kv_buffer` (a chunk at a time, as a
 chunked prefill does), sends it in two chunks through the sender, and waits for `Success`; a
 decode rank poisons its pool, receives the request and returns what its pool holds.
@@ -40,6 +45,11 @@ class RankConfig:
     mla: bool = False
     pp_size: int = 1
     pp_rank: int = 0
+    dp_size: int = 1  # > 1: DP attention (each attention DP group holds KV of its own requests)
+    serves: bool = True  # False: a rank of an attention DP group the request is not routed to
+    load_balance_method: str = "follow_bootstrap_room"  # how the prefill picks a DP group
+    dist_port: int = 0  # the prefill's torch.distributed store (SGLang's groups, on gloo)
+    via_queue: bool = False  # prefill: through SGLang's PrefillBootstrapQueue (see above)
     layers: int = 4
     kv_heads: int = 12
     head_dim: int = 16
@@ -64,12 +74,19 @@ def global_kv(cfg: RankConfig) -> Any:
     return torch.randn(shape, generator=g).to(torch.bfloat16)
 
 
+def attn_tp(cfg: RankConfig) -> tuple[int, int]:
+    """The rank's attention TP size and rank (DP attention splits TP into DP groups)."""
+    size = cfg.tp_size // cfg.dp_size
+    return size, cfg.tp_rank % size
+
+
 def heads_of(cfg: RankConfig) -> slice:
     """This rank's KV heads (SGLang's and kvxfer's head ownership)."""
-    if cfg.kv_heads >= cfg.tp_size:
-        n = cfg.kv_heads // cfg.tp_size
-        return slice(cfg.tp_rank * n, (cfg.tp_rank + 1) * n)
-    head = cfg.tp_rank // (cfg.tp_size // cfg.kv_heads)
+    size, rank = attn_tp(cfg)
+    if cfg.kv_heads >= size:
+        n = cfg.kv_heads // size
+        return slice(rank * n, (rank + 1) * n)
+    head = rank // (size // cfg.kv_heads)
     return slice(head, head + 1)
 
 
@@ -126,13 +143,30 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         port=30000 + cfg.bootstrap_port % 1000 + (0 if prefill else 500),
         tp_size=cfg.tp_size,
         pp_size=cfg.pp_size,
+        dp_size=cfg.dp_size,
+        enable_dp_attention=cfg.dp_size > 1,
+        load_balance_method=cfg.load_balance_method,
         page_size=cfg.page_size,
         skip_tokenizer_init=True,
         device="cpu",
     )
     world_rank = cfg.pp_rank * cfg.tp_size + cfg.tp_rank
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, gpu_id=0))
-    get_parallel().override_permanently(pp_group=None)
+    # SGLang's own groups, on gloo: the prefill's PPConsensusStore uses PP's, and the bootstrap
+    # queue all-reduces its polls over attention TP's.
+    if cfg.pp_size > 1 or cfg.via_queue:
+        from sglang.srt.distributed.parallel_state import (
+            init_distributed_environment,
+            initialize_model_parallel,
+        )
+
+        init_distributed_environment(
+            world_size=cfg.tp_size * cfg.pp_size, rank=world_rank, local_rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{cfg.dist_port}", backend="gloo",
+        )  # fmt: skip
+        initialize_model_parallel(backend="gloo")
+    else:
+        get_parallel().override_permanently(pp_group=None)
 
     layers = cfg.layers // cfg.pp_size
     start = cfg.pp_rank * layers
@@ -155,7 +189,8 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
             b.view(torch.uint8).fill_(POISON_BYTE)
 
     kv_args = KVArgs()
-    kv_args.engine_rank = cfg.tp_rank
+    # As prefill.py and decode.py fill it: the decode's is its attention TP rank.
+    kv_args.engine_rank = cfg.tp_rank if prefill else attn_tp(cfg)[1]
     kv_args.pp_rank = cfg.pp_rank
     kv_args.system_dp_rank = 0
     kv_args.rust_http_port = None
@@ -180,8 +215,14 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
 
     backend = TransferBackend("kvxfer")
     mode = DisaggregationMode.PREFILL if prefill else DisaggregationMode.DECODE
-    manager = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, args, cfg.mla)
+    if cfg.via_queue:
+        queue = _bootstrap_queue(cfg, args, pool, meta, backend)
+        manager = queue.kv_manager
+    else:
+        manager = get_kv_class(backend, KVClassType.MANAGER)(kv_args, mode, args, cfg.mla)
     addr = f"127.0.0.1:{cfg.bootstrap_port}"
+    if not cfg.serves:  # up and registered, as an engine's other DP groups are
+        return {"serves": False}
     kv = global_kv(cfg)
     slots = token_slots(cfg)
     states: list[int] = []
@@ -198,11 +239,15 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         stats = manager.producer.stats_snapshot() if manager.producer is not None else {}
         raise TimeoutError(f"{cfg.role} rank {cfg.tp_rank}: states {states} {stats}")
 
-    if prefill:
+    aux_index = cfg.aux_index
+    if prefill and cfg.via_queue:
+        sender, aux_index = _bootstrapped(queue, cfg)
+        num_pages = len(cfg.pages)
+    elif prefill:
         sender = get_kv_class(backend, KVClassType.SENDER)(manager, addr, cfg.room)
         wait_for({KVPoll.WaitingForInput, KVPoll.Failed}, sender)
         num_pages = len(cfg.pages)
-        sender.init(num_pages, cfg.aux_index)
+        sender.init(num_pages, aux_index)
         if cfg.killed_before_send:
             os.kill(os.getpid(), signal.SIGKILL)
         if cfg.aborted_before_send:
@@ -220,8 +265,8 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
                     k, v = kv[start + local, 0, tokens, h], kv[start + local, 1, tokens, h]
                     pool.set_kv_buffer(_layer(start + local), slots[tokens], k, v)
             if last == num_pages:  # the first output token and its metadata, as set_buf
-                meta.output_ids[cfg.aux_index, 0] = 1000 + cfg.room % 1000
-                meta.bootstrap_room[cfg.aux_index, 0] = cfg.room
+                meta.output_ids[aux_index, 0] = 1000 + cfg.room % 1000
+                meta.bootstrap_room[aux_index, 0] = cfg.room
             pages = np.asarray(cfg.pages[first:last], dtype=np.int32)
             sender.send(pages, None, num_kv_tokens=tokens.stop - tokens.start)
         final = wait_for({KVPoll.Success, KVPoll.Failed}, sender)
@@ -243,7 +288,7 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
     while not manager.try_ensure_parallel_info(addr):
         assert time.monotonic() < deadline, "the prefill never registered"
         time.sleep(0.05)
-    receiver.init(0)
+    receiver.init(_prefill_dp_rank(manager, addr, cfg.room))
     # Connected to every prefill rank before the metadata lets the prefill go on: a prefill
     # rank killed once bootstrapped then dies mid-transfer, not mid-handshake.
     while manager.consumer_of(receiver.group_key) is None:
@@ -272,6 +317,80 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         "aux": (int(meta.output_ids[cfg.aux_index, 0]), int(meta.bootstrap_room[cfg.aux_index, 0])),
         "reason": reason,
     }
+
+
+def _bootstrap_queue(cfg: RankConfig, args: Any, pool: Any, meta: Any, backend: Any) -> Any:
+    """SGLang's `PrefillBootstrapQueue` over the rank's pool: it fills `KVArgs` and builds the
+    backend's manager itself (`_init_kv_manager`). The scheduler is a stand-in in SGLang's own
+    test style (a `MagicMock`), given what the queue reads of it."""
+    from unittest.mock import MagicMock
+
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+    from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    scheduler = MagicMock()
+    scheduler.server_args = args
+    scheduler.model_config = ModelConfig.from_server_args(args)
+    scheduler.rust_server = None
+    scheduler.req_to_token_pool = None
+    scheduler.tp_worker.model_runner.kv_cache_dtype_str = "auto"
+    scheduler.tp_worker.model_runner.effective_logical_max_total_num_tokens = cfg.pool_tokens
+    scheduler.kv_shard_widening = 1
+    scheduler.token_to_kv_pool_allocator.page_size = cfg.page_size
+    scheduler.attn_tp_cpu_group = parallel.attn_tp_group.cpu_group
+    scheduler.attn_cp_cpu_group = parallel.attn_cp_group.cpu_group
+    scheduler.pp_group = parallel.pp_group
+    scheduler.processed_tokens_counter = 0
+    return PrefillBootstrapQueue(
+        token_to_kv_pool=pool, draft_token_to_kv_pool=None,
+        req_to_metadata_buffer_idx_allocator=ReqToMetadataIdxAllocator(8),
+        metadata_buffers=meta, gpu_id=0, bootstrap_port=cfg.bootstrap_port,
+        max_total_num_tokens=cfg.pool_tokens, scheduler=scheduler,
+        scheduler_stage_metrics=MagicMock(), transfer_backend=backend,
+    )  # fmt: skip
+
+
+def _bootstrapped(queue: Any, cfg: RankConfig) -> tuple[Any, int]:
+    """The request added to the queue as SGLang's prefill scheduler adds it, and popped once
+    bootstrapped (a collective over the attention TP and PP groups: every rank of the engine
+    calls it alike): its sender, `init` by the queue, and its metadata buffer row."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(
+        f"req-{cfg.room}", "", list(range(cfg.num_tokens)), SamplingParams(max_new_tokens=8),
+        bootstrap_host="127.0.0.1", bootstrap_port=cfg.bootstrap_port, bootstrap_room=cfg.room,
+    )  # fmt: skip
+    queue.add(req, num_kv_heads=cfg.kv_heads)
+    assert queue.queue == [req], "the queue refused the request"
+    deadline = time.monotonic() + WAIT_S
+    while req not in queue.pop_bootstrapped():
+        assert not queue.scheduler.handle_bootstrap_failure.called, "the bootstrap failed"
+        assert time.monotonic() < deadline, "the request never bootstrapped"
+        time.sleep(0.01)
+    assert req.sampling_params.max_new_tokens == 1  # the queue's own step (_process_req)
+    return req.disagg_kv_sender, req.metadata_buffer_index
+
+
+def _prefill_dp_rank(manager: Any, addr: str, room: int) -> int:
+    """The prefill DP group that holds the request, found as SGLang's decode finds it
+    (`DecodePreallocQueue._resolve_prefill_dp_rank`): DP 1, the room when the prefill follows
+    it, else the bootstrap server's `/query_dp_ranks` (the prefill's sender registered it)."""
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    info = manager.prefill_info_table[addr]
+    if info.dp_size == 1:
+        return 0
+    if info.follow_bootstrap_room:
+        return room % int(info.dp_size)
+    deadline = time.monotonic() + WAIT_S
+    while str(room) not in (ranks := CommonKVReceiver.query_prefill_dp_ranks(addr, [room])):
+        assert time.monotonic() < deadline, "the prefill never registered the request's DP rank"
+        time.sleep(0.05)
+    return int(ranks[str(room)])
 
 
 def _held(pool: Any, cfg: RankConfig, slots: Any, layers: int) -> np.ndarray:

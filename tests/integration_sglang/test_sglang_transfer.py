@@ -100,17 +100,24 @@ def _run_pair(
     mla: bool = False,
     faults: dict[tuple[str, int], dict] | None = None,
     kv_heads: int = 12,
+    dp: tuple[int, int] = (1, 1),
+    serving_dp: tuple[int, int] = (0, 0),
+    load_balance_method: str = "follow_bootstrap_room",
 ) -> tuple[list[dict], list[dict], list[RankConfig]]:
     """Prefill TP `prefill[0]` with pages of `prefill[1]` tokens (and `pp_size` stages) ->
     decode TP `decode[0]`, pages of `decode[1]`; every rank in its own process; `mla`: SGLang's
-    MLA pool on both sides; `faults`: RankConfig fields by (role, TP rank). A rank killed on
-    purpose answers None."""
+    MLA pool on both sides; `faults`: RankConfig fields by (role, TP rank). `dp`: the prefill's
+    and the decode's DP attention sizes, `serving_dp` the DP groups the request is routed to
+    (the other groups' ranks start and register, and are left out of the results). A rank
+    killed on purpose answers None."""
     ctx = multiprocessing.get_context("spawn")
     configs = []
     pool_tokens = 512
-    for role, (tp, page) in (("prefill", prefill), ("decode", decode)):
+    dist_port = _free_port() if pp_size > 1 else 0
+    for side, (role, (tp, page)) in enumerate((("prefill", prefill), ("decode", decode))):
         pages = _pages(-(-TOKENS // page), pool_tokens // page, seed=room + tp)
         stages = pp_size if role == "prefill" else 1
+        attn_tp = tp // dp[side]
         for pp_rank in range(stages):
             for rank in range(tp):
                 configs.append(
@@ -118,7 +125,9 @@ def _run_pair(
                         role, tp, rank, page, model_dir, port, room, TOKENS, pages,
                         aux_index=3 if role == "prefill" else 5, pp_size=stages,
                         pp_rank=pp_rank, pool_tokens=pool_tokens, seed=room, mla=mla,
-                        kv_heads=kv_heads,
+                        kv_heads=kv_heads, dp_size=dp[side],
+                        serves=rank // attn_tp == serving_dp[side],
+                        load_balance_method=load_balance_method, dist_port=dist_port,
                         **(faults or {}).get((role, rank), {}),
                     )
                 )  # fmt: skip
@@ -153,9 +162,10 @@ def _run_pair(
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
-    prefills = [r for r, c in zip(results, configs, strict=True) if c.role == "prefill"]
-    decodes = [r for r, c in zip(results, configs, strict=True) if c.role == "decode"]
-    return prefills, decodes, [c for c in configs if c.role == "decode"]
+    serving = [(r, c) for r, c in zip(results, configs, strict=True) if c.serves]
+    prefills = [r for r, c in serving if c.role == "prefill"]
+    decodes = [r for r, c in serving if c.role == "decode"]
+    return prefills, decodes, [c for _, c in serving if c.role == "decode"]
 
 
 def _assert_exact(prefills: list[dict], decodes: list[dict], decode_cfgs: list[RankConfig]):
@@ -194,8 +204,9 @@ def _assert_exact(prefills: list[dict], decodes: list[dict], decode_cfgs: list[R
         ((4, 16), (2, 16)),
         ((2, 16), (2, 64)),
         ((2, 64), (3, 1)),
+        ((4, 16), (6, 32)),
     ],
-    ids=["tp2-tp4", "tp3-tp4", "tp4-tp2", "page16-page64", "page64-tp3-page1"],
+    ids=["tp2-tp4", "tp3-tp4", "tp4-tp2", "page16-page64", "page64-tp3-page1", "tp4-tp6-page32"],
 )
 def test_a_request_moves_bit_exact(model_dir, bootstrap_port, prefill, decode):
     room = 1000 + 10 * prefill[0] + decode[0] + decode[1]
@@ -285,3 +296,66 @@ def test_a_prefill_abort_fails_every_decode_rank_with_its_reason(model_dir, boot
         assert result["states"][-1] == 0, result["states"]
         assert "prefill engine aborted" in result["reason"], result["reason"]
         assert result["untouched"]
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_a_prefill_with_pipeline_stages_sends_each_stages_layers(model_dir, bootstrap_port, mla):
+    # Prefill TP 2 x PP 2 (SGLang's PP group on gloo: its PPConsensusStore gathers the stages'
+    # states on stage 0) -> decode TP 4 (MLA: TP 1, pages of 1): each decode rank reads its
+    # heads of layers 0-1 from stage 0 and of layers 2-3 from stage 1.
+    decode = (1, 1) if mla else (4, 16)
+    prefills, decodes, cfgs = _run_pair(
+        model_dir, bootstrap_port, 5000 + mla, (2, 16), decode, pp_size=2, mla=mla
+    )
+    assert all(p["states"][-1] == 4 for p in prefills), [p["states"] for p in prefills]
+    assert sorted((p["pp_rank"], p["layers"].start) for p in prefills) == [
+        (0, 0), (0, 0), (1, 2), (1, 2)
+    ]  # fmt: skip
+    _assert_exact(prefills, decodes, cfgs)
+
+
+@pytest.mark.parametrize(
+    ("dp", "serving_dp", "load_balance_method"),
+    [
+        ((2, 1), (1, 0), "follow_bootstrap_room"),
+        ((2, 1), (0, 0), "round_robin"),
+        ((1, 2), (0, 1), "follow_bootstrap_room"),
+    ],
+    ids=["prefill-dp-follows-room", "prefill-dp-queried", "decode-dp"],
+)
+def test_dp_attention_reads_the_dp_group_sglang_picks(
+    model_dir, bootstrap_port, dp, serving_dp, load_balance_method
+):
+    # TP 2 with DP attention 2 is two DP groups of attention TP 1, each holding all 12 heads of
+    # its own requests. The prefill's group follows the room (room 5001: group 1), or, under
+    # another load balance method, registers itself with the bootstrap server (/register_dp_rank)
+    # and the decode asks it (/query_dp_ranks): group 0 is not the room's, so a decode that
+    # guessed from the room would read the wrong group and time out.
+    room = 5001 + 2 * sum(dp) + serving_dp[1]
+    assert load_balance_method != "follow_bootstrap_room" or room % dp[0] == serving_dp[0]
+    prefills, decodes, cfgs = _run_pair(
+        model_dir, bootstrap_port, room, (2, 16), (2, 32), dp=dp, serving_dp=serving_dp,
+        load_balance_method=load_balance_method,
+    )  # fmt: skip
+    assert len(prefills) == 2 // dp[0] and len(decodes) == 2 // dp[1]
+    assert all(p["states"][-1] == 4 for p in prefills), [p["states"] for p in prefills]
+    _assert_exact(prefills, decodes, cfgs)
+
+
+@pytest.mark.parametrize(
+    ("pp_size", "decode"), [(1, (4, 16)), (2, (3, 32))], ids=["tp2-tp4", "tp2pp2-tp3"]
+)
+def test_sglangs_prefill_bootstrap_queue_drives_the_backend(
+    model_dir, bootstrap_port, pp_size, decode
+):
+    # The prefill ranks as SGLang's prefill scheduler runs them: PrefillBootstrapQueue fills
+    # KVArgs and builds the manager, `add` makes the sender, `pop_bootstrapped` (polls
+    # all-reduced over SGLang's attention TP group, and across stages with PP) hands the request
+    # over once every decode rank sent its metadata, with the sender `init` for its pages.
+    via_queue = {"via_queue": True}
+    prefills, decodes, cfgs = _run_pair(
+        model_dir, bootstrap_port, 6000 + pp_size, (2, 16), decode, pp_size=pp_size,
+        faults={("prefill", r): via_queue for r in range(2)},
+    )  # fmt: skip
+    assert all(p["states"][-1] == 4 for p in prefills), [p["states"] for p in prefills]
+    _assert_exact(prefills, decodes, cfgs)
