@@ -41,29 +41,48 @@ START_TIMEOUT="${START_TIMEOUT:-900}"
 OUT_DIR="${OUT_DIR:-$(mktemp -d -t kvxfer-sglang-e2e.XXXXXX)}"
 mkdir -p "$OUT_DIR"
 pids=()
+declare -A pid_of=()
 
-stop_all() {
+stop_all() {  # every process group started, SIGTERM then (after 10 s) SIGKILL
+    local pid waited=0
     for pid in "${pids[@]}"; do kill -- "-$pid" 2>/dev/null || true; done
+    for pid in "${pids[@]}"; do
+        while kill -0 -- "-$pid" 2>/dev/null && ((waited < 50)); do
+            sleep 0.2
+            waited=$((waited + 1))
+        done
+        kill -9 -- "-$pid" 2>/dev/null || true
+    done
     pids=()
 }
 trap stop_all EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 start() {  # start NAME ARGS...: a process group of its own, its log in OUT_DIR
     local name="$1"
     shift
     setsid "$@" >"$OUT_DIR/$name.log" 2>&1 &
     pids+=("$!")
+    pid_of[$name]=$!
 }
 
-wait_healthy() {  # wait_healthy PORT NAME
+fail_with_log() {  # fail_with_log NAME MESSAGE: the message and the tail of NAME's log; exit 1
+    echo "$2; the last 50 lines of $OUT_DIR/$1.log:" >&2
+    tail -n 50 "$OUT_DIR/$1.log" >&2
+    exit 1
+}
+
+wait_healthy() {  # wait_healthy PORT NAME: its /health answers, or it died, or START_TIMEOUT
     local deadline=$((SECONDS + START_TIMEOUT))
     until curl -sf "http://127.0.0.1:$1/health" >/dev/null; do
-        if ((SECONDS > deadline)); then
-            echo "$2 did not start in ${START_TIMEOUT}s; its log:" >&2
-            tail -n 50 "$OUT_DIR/$2.log" >&2
-            exit 1
+        if ! kill -0 "${pid_of[$2]}" 2>/dev/null; then
+            fail_with_log "$2" "$2 exited before it answered /health"
         fi
-        sleep 2
+        if ((SECONDS > deadline)); then
+            fail_with_log "$2" "$2 did not start in ${START_TIMEOUT}s"
+        fi
+        sleep 0.5
     done
 }
 
@@ -109,5 +128,6 @@ if cmp -s "$OUT_DIR/baseline.jsonl" "$OUT_DIR/disaggregated.jsonl"; then
 else
     echo "MISMATCH: $OUT_DIR/baseline.jsonl and $OUT_DIR/disaggregated.jsonl differ" >&2
     diff "$OUT_DIR/baseline.jsonl" "$OUT_DIR/disaggregated.jsonl" >&2 || true
+    tail -n 40 "$OUT_DIR/decode.log" >&2
     exit 1
 fi
