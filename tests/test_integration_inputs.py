@@ -234,3 +234,25 @@ def test_bootstrap_settings():
     external = ConnectorSettings.from_extra_config({"bootstrap_address": "10.0.0.9:7000"})
     assert external.bootstrap_address == "http://10.0.0.9:7000"
     assert external.bootstrap_url("10.0.0.1") == "http://10.0.0.9:7000"
+
+
+def test_producer_and_consumer_options_are_their_parameters_from_the_settings():
+    import inspect
+
+    from kvxfer.connector import KVConsumer, KVProducer
+
+    s = ConnectorSettings.from_extra_config(
+        {"secret": "s3", "staging_bytes": 1 << 20, "staging_slots": 3, "strategy": "direct",
+         "request_timeout_s": 9.0, "fetch_timeout_s": 7.0, "peer_timeout_s": 4.0}
+    )  # fmt: skip
+    produce, consume = s.producer_options("tcp"), s.consumer_options("rdma")
+    for cls, options in ((KVProducer, produce), (KVConsumer, consume)):
+        unknown = set(options) - set(inspect.signature(cls.__init__).parameters)
+        assert not unknown, f"{cls.__name__} takes no {sorted(unknown)}"
+    assert produce == {
+        "secret": "s3", "protocol": "tcp", "staging_bytes": 1 << 20, "staging_slots": 3,
+        "request_timeout_s": 9.0, "backend": "auto",
+    }  # fmt: skip
+    assert consume["protocol"] == "rdma" and consume["strategy"] == "direct"
+    assert (consume["timeout_s"], consume["peer_timeout_s"]) == (7.0, 4.0)
+    assert consume["cost_model"] == s.cost_model and consume["secret"] == "s3"

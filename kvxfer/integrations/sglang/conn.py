@@ -33,6 +33,7 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -184,14 +185,29 @@ class KvxferKVManager(CommonKVManager):
         if prefill:
             self.engine_id = f"sglang-prefill-{uuid.uuid4().hex[:12]}"
             self.producer = self._new_producer()
-            target = self._prefill_listener
+            handle = self._on_prefill_message
         else:
             host = getattr(server_args, "host", "127.0.0.1")
             port = getattr(server_args, "port", 0)
             self.engine_id = f"sglang-decode-{host}:{port}-dp{self.attn_dp_rank}"
             self._start_heartbeat_checker_thread()
-            target = self._decode_listener
-        threading.Thread(target=target, name="kvxfer-sglang", daemon=True).start()
+            handle = self._on_decode_message
+        listener = threading.Thread(target=self._listen, args=(handle,), name="kvxfer-sglang")
+        listener.daemon = True
+        listener.start()
+
+    def _listen(self, handle: Callable[[list[bytes]], None]) -> None:
+        """Serve the control messages on the PULL socket Common bound: `handle` each; a bad
+        one is logged, and the next served."""
+        recv = self._make_worker_recv(self.server_socket)
+        while True:
+            msg = recv()
+            if msg is None:
+                continue
+            try:
+                handle(msg)
+            except Exception:
+                log.exception("kvxfer: bad control message %r", msg[:1])
 
     # ---- prefill ------------------------------------------------------------------------
 
@@ -203,43 +219,27 @@ class KvxferKVManager(CommonKVManager):
             self.engine_id,
             host=self.host,
             release=self._released,
-            secret=s.secret,
-            protocol=s.transport_protocol().protocol,
-            staging_bytes=s.staging_bytes,
-            staging_slots=s.staging_slots,
-            request_timeout_s=s.request_timeout_s,
-            backend=s.backend,
+            **s.producer_options(s.transport_protocol().protocol),
         )
 
-    def _prefill_listener(self) -> None:
-        recv = self._make_worker_recv(self.server_socket)
-        while True:
-            msg = recv()
-            if msg is None:
-                continue
-            try:
-                if msg[0] == REG:
-                    key, ip, port = (part.decode() for part in msg[1:4])
-                    rank = self.pp_rank * self.attn_tp_size + self.attn_tp_rank
-                    assert self.producer is not None
-                    parts = [
-                        HELLO,
-                        key.encode(),
-                        str(rank).encode(),
-                        self.producer.address.encode(),
-                    ]
-                    self._send_multipart_locked(f"tcp://{ip}:{port}", parts)
-                elif msg[0] == META:
-                    self._note_reader(msg)
-                elif msg[0] == ABORT_TAG:
-                    notice = AbortNotification.from_zmq(msg)
-                    if notice is not None:
-                        reason = "the decode engine aborted the request"
-                        self.give_up(notice.room, reason)
-                        self.record_failure(notice.room, reason)
-                        self.update_status(notice.room, KVPoll.Failed)
-            except Exception:
-                log.exception("kvxfer: bad control message %r", msg[:1])
+    def _on_prefill_message(self, msg: list[bytes]) -> None:
+        """A decode rank's registration (`REG`: answered with this rank's `HELLO`), its
+        metadata (`META`), or SGLang's ABORT notice."""
+        if msg[0] == REG:
+            key, ip, port = (part.decode() for part in msg[1:4])
+            rank = self.pp_rank * self.attn_tp_size + self.attn_tp_rank
+            assert self.producer is not None
+            parts = [HELLO, key.encode(), str(rank).encode(), self.producer.address.encode()]
+            self._send_multipart_locked(f"tcp://{ip}:{port}", parts)
+        elif msg[0] == META:
+            self._note_reader(msg)
+        elif msg[0] == ABORT_TAG:
+            notice = AbortNotification.from_zmq(msg)
+            if notice is not None:
+                reason = "the decode engine aborted the request"
+                self.give_up(notice.room, reason)
+                self.record_failure(notice.room, reason)
+                self.update_status(notice.room, KVPoll.Failed)
 
     def _note_reader(self, msg: list[bytes]) -> None:
         """A decode rank will read the request (`META`): once every one of the decode engine's
@@ -426,27 +426,20 @@ class KvxferKVManager(CommonKVManager):
             self._expected[key] = count
             return True
 
-    def _decode_listener(self) -> None:
-        recv = self._make_worker_recv(self.server_socket)
-        while True:
-            msg = recv()
-            if msg is None:
-                continue
-            try:
-                if msg[0] == HELLO:
-                    self._hello(msg[1].decode(), int(msg[2]), msg[3].decode())
-                elif msg[0] == READY:
-                    self._ready(int(msg[1]), int(msg[2]), msg[3])
-                else:
-                    parsed = self.parse_kv_status_message(msg)
-                    if parsed is not None:
-                        room, status, rank, reason = parsed
-                        self.apply_prefill_status(
-                            bootstrap_room=room, status=status, prefill_rank=rank,
-                            failure_reason=reason,
-                        )  # fmt: skip
-            except Exception:
-                log.exception("kvxfer: bad control message %r", msg[:1])
+    def _on_decode_message(self, msg: list[bytes]) -> None:
+        """A prefill rank's `HELLO`, its `READY` (the request published), or SGLang's status
+        message (a prefill's failure, with its reason)."""
+        if msg[0] == HELLO:
+            self._hello(msg[1].decode(), int(msg[2]), msg[3].decode())
+        elif msg[0] == READY:
+            self._ready(int(msg[1]), int(msg[2]), msg[3])
+        else:
+            parsed = self.parse_kv_status_message(msg)
+            if parsed is not None:
+                room, status, rank, reason = parsed
+                self.apply_prefill_status(
+                    bootstrap_room=room, status=status, prefill_rank=rank, failure_reason=reason
+                )
 
     def _hello(self, key: str, rank: int, address: str) -> None:
         with self._lock:
@@ -464,11 +457,8 @@ class KvxferKVManager(CommonKVManager):
         result: KVConsumer | Exception
         try:
             consumer = KVConsumer(
-                self.spec, self.caches, self.engine_id, host=self.host, secret=s.secret,
-                protocol=s.transport_protocol().protocol, staging_bytes=s.staging_bytes,
-                staging_slots=s.staging_slots, cost_model=s.cost_model, strategy=s.strategy,
-                backend=s.backend, timeout_s=s.fetch_timeout_s, heartbeat_s=s.heartbeat_s,
-                peer_timeout_s=s.peer_timeout_s,
+                self.spec, self.caches, self.engine_id, host=self.host,
+                **s.consumer_options(s.transport_protocol().protocol),
             )  # fmt: skip
             consumer.connect(addresses, timeout=s.handshake_timeout_s)
             result = consumer
