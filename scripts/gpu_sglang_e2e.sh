@@ -86,8 +86,9 @@ wait_healthy() {  # wait_healthy PORT NAME: its /health answers, or it died, or 
     done
 }
 
-generate() {  # generate PORT OUT_FILE: greedy completions of the prompts, one JSON per line
-    "$PYTHON" - "$1" "$2" "$MAX_TOKENS" <<'PY'
+generate() {  # generate PORT OUT_FILE NAME: greedy completions, one JSON per line; fails with
+    # NAME's log. In the background, so that a signal stops the script at once.
+    "$PYTHON" - "$1" "$2" "$MAX_TOKENS" <<'PY' &
 import json, sys, urllib.request
 port, out, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 prompts = ["The capital of France is", "Write a haiku about the sea:",
@@ -100,6 +101,7 @@ with open(out, "w") as f:
         with urllib.request.urlopen(req, timeout=300) as response:
             f.write(json.dumps(json.load(response)["text"]) + "\n")
 PY
+    wait "$!" || fail_with_log "$3" "generating through port $1 failed"
 }
 
 serve=("$PYTHON" -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1
@@ -107,7 +109,7 @@ serve=("$PYTHON" -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1
 
 start baseline "${serve[@]}" --port "$BASELINE_PORT"
 wait_healthy "$BASELINE_PORT" baseline
-generate "$BASELINE_PORT" "$OUT_DIR/baseline.jsonl"
+generate "$BASELINE_PORT" "$OUT_DIR/baseline.jsonl" baseline
 stop_all
 
 start prefill "${serve[@]}" --port "$PREFILL_PORT" --page-size "$PREFILL_PAGE" \
@@ -121,13 +123,16 @@ start router "$PYTHON" -m sglang_router.launch_router --pd-disaggregation \
     --prefill "http://127.0.0.1:$PREFILL_PORT" "$BOOTSTRAP_PORT" \
     --decode "http://127.0.0.1:$DECODE_PORT" --host 127.0.0.1 --port "$ROUTER_PORT"
 wait_healthy "$ROUTER_PORT" router
-generate "$ROUTER_PORT" "$OUT_DIR/disaggregated.jsonl"
+generate "$ROUTER_PORT" "$OUT_DIR/disaggregated.jsonl" decode
 
 if cmp -s "$OUT_DIR/baseline.jsonl" "$OUT_DIR/disaggregated.jsonl"; then
     echo "MATCH: every greedy output through kvxfer P/D equals one engine's ($OUT_DIR)"
 else
     echo "MISMATCH: $OUT_DIR/baseline.jsonl and $OUT_DIR/disaggregated.jsonl differ" >&2
     diff "$OUT_DIR/baseline.jsonl" "$OUT_DIR/disaggregated.jsonl" >&2 || true
-    tail -n 40 "$OUT_DIR/decode.log" >&2
+    for name in prefill decode; do
+        echo "---- the last 40 lines of $OUT_DIR/$name.log" >&2
+        tail -n 40 "$OUT_DIR/$name.log" >&2
+    done
     exit 1
 fi

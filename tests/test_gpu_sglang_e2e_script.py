@@ -72,6 +72,9 @@ FAKE_SERVER = textwrap.dedent(
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if mode != "null" and not {"bootstrap_host", "bootstrap_room"} <= set(body):
                 return self._reply(400, {"error": "no bootstrap fields"})
+            if os.environ.get("FAKE_SGLANG_FAIL") == mode:
+                print("fake transfer failure", flush=True)
+                return self._reply(500, {"error": "fake transfer failure"})
             params = body["sampling_params"]
             assert params["temperature"] == 0
             self._reply(200, {"text": greedy(body["text"], params["max_new_tokens"])})
@@ -130,13 +133,19 @@ FAKE_ROUTER = textwrap.dedent(
 
 
 def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+    """Free ports below the ephemeral range (where other tests' outgoing connections would
+    take a port released here), from a start of this process's own."""
+    found: list[int] = []
+    for port in range(21000 + os.getpid() % 4000, 30000):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == count:
+            return found
+    raise RuntimeError("no free ports in 21000-30000")
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -186,11 +195,12 @@ def _all_stopped(records: dict[str, dict]) -> bool:
 
 
 def _alive(pid: int) -> bool:
+    """Whether the process runs (a zombie left to a parent that does not reap does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
-    return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_the_script_compares_pd_through_the_router_with_one_engine(tmp_path):
@@ -220,6 +230,13 @@ def test_a_different_output_fails_with_the_diff_and_the_decodes_log(tmp_path):
     assert done.returncode == 1
     assert "MISMATCH" in done.stderr and "Spain" in done.stderr
     assert "fake sglang" in done.stderr and "mode decode" in done.stderr  # the log's tail
+    assert _all_stopped(_records(tmp_path))
+
+
+def test_a_failed_generation_fails_with_the_decodes_log(tmp_path):
+    done = _run(_env(tmp_path, FAKE_SGLANG_FAIL="decode"))
+    assert done.returncode == 1
+    assert "generating through port" in done.stderr and "fake transfer failure" in done.stderr
     assert _all_stopped(_records(tmp_path))
 
 
