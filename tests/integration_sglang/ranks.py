@@ -239,15 +239,15 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         stats = manager.producer.stats_snapshot() if manager.producer is not None else {}
         raise TimeoutError(f"{cfg.role} rank {cfg.tp_rank}: states {states} {stats}")
 
-    aux_index = cfg.aux_index
-    if prefill and cfg.via_queue:
-        sender, aux_index = _bootstrapped(queue, cfg)
+    if prefill:
         num_pages = len(cfg.pages)
-    elif prefill:
-        sender = get_kv_class(backend, KVClassType.SENDER)(manager, addr, cfg.room)
-        wait_for({KVPoll.WaitingForInput, KVPoll.Failed}, sender)
-        num_pages = len(cfg.pages)
-        sender.init(num_pages, aux_index)
+        if cfg.via_queue:
+            sender, aux_index = _bootstrapped(queue, cfg)
+        else:
+            sender = get_kv_class(backend, KVClassType.SENDER)(manager, addr, cfg.room)
+            wait_for({KVPoll.WaitingForInput, KVPoll.Failed}, sender)
+            aux_index = cfg.aux_index
+            sender.init(num_pages, aux_index)
         if cfg.killed_before_send:
             os.kill(os.getpid(), signal.SIGKILL)
         if cfg.aborted_before_send:

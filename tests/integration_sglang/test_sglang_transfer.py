@@ -113,7 +113,7 @@ def _run_pair(
     ctx = multiprocessing.get_context("spawn")
     configs = []
     pool_tokens = 512
-    dist_port = _free_port() if pp_size > 1 else 0
+    dist_port = _free_port()  # the prefill's process groups, where a case builds them
     for side, (role, (tp, page)) in enumerate((("prefill", prefill), ("decode", decode))):
         pages = _pages(-(-TOKENS // page), pool_tokens // page, seed=room + tp)
         stages = pp_size if role == "prefill" else 1
