@@ -700,11 +700,12 @@ def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int, hold: bo
             for token_ids, tables, start, end in compute:
                 write_kv(groups, spec, worker, token_ids, tables, start, end, save_layer)
             connector.wait_for_save()
-            sending, recving = connector.get_finished(set(finished_ids))
+            # As vLLM's KVConnectorModelRunnerMixin asks after a forward pass.
+            results = connector.get_transfer_results(set(finished_ids))
             invalid = connector.get_block_ids_with_load_errors()
             stats = connector.get_kv_connector_stats()
             connector.clear_connector_metadata()
-            conn.send((sending, recving, invalid, None if stats is None else stats.data))
+            conn.send((results, invalid, None if stats is None else stats.data))
         elif command == "check":
             token_ids, block_ids, num_tokens = args
             tables = _as_tables(block_ids)
@@ -746,6 +747,7 @@ class Engine:
             self.conns.append(parent)
             self.procs.append(proc)
         self.finished_recving: set[str] = set()
+        self.failed_recving: set[str] = set()  # loads reported failed whole (several groups)
         self.finished_sending: set[str] = set()
         self.invalid_block_ids: list[set[int]] = []
         self.stats: list[dict[str, Any]] = []
@@ -862,7 +864,8 @@ class Engine:
         self.steps += 1
         last_stage = self.spec.world_size - self.spec.tp  # its first worker's output is returned
         for rank, conn in enumerate(self.conns):
-            sending, recving, invalid, stats = conn.recv()
+            results, invalid, stats = conn.recv()
+            sending, recving = results.finished_sending, results.finished_recving
             for kind, ids in (("sending", sending), ("recving", recving)):
                 for request_id in ids or ():
                     reports = self.worker_reports.setdefault((kind, request_id), [])
@@ -870,6 +873,7 @@ class Engine:
             kv = KVConnectorOutput(
                 finished_sending=sending,
                 finished_recving=recving,
+                failed_recving=results.failed_recving,
                 invalid_block_ids=invalid,
                 kv_connector_stats=None if stats is None else _stats(stats),
             )
@@ -896,6 +900,7 @@ class Engine:
                 for request_id in ids or ():
                     self.aggregated_at[kind, request_id] = self.steps
             self.finished_recving |= kv_out.finished_recving or set()
+            self.failed_recving |= kv_out.failed_recving or set()
             self.finished_sending |= kv_out.finished_sending or set()
             if kv_out.invalid_block_ids:
                 self.invalid_block_ids.append(set(kv_out.invalid_block_ids))

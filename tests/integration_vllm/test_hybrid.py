@@ -27,6 +27,7 @@ from pd_engines import (
     load_and_check,
     prefill_remote,
     random_prompt,
+    run_until,
     running,
     write_model,
 )
@@ -126,6 +127,34 @@ def test_full_and_sliding_window_groups_move_bit_exact(window_engines):
     per_layer_pair = sum(2 * len(p) - _window_start(len(p)) for p in prompts.values())
     moved = sum(s["bytes"] for s in decode.stats)
     assert moved == per_layer_pair * (LAYERS // 2) * cell
+
+
+def test_a_failed_load_fails_its_request_whole_and_vllm_recomputes_it(window_engines):
+    # vLLM maps failed block ids back to requests only for one KV cache group (its scheduler
+    # raises for several): each decode rank reports the request in `failed_recving` instead.
+    prefill, decode = window_engines
+    prompt = random_prompt(31, 70)
+    params = _prefill(prefill, {"hyb-real": prompt})["hyb-real"]
+    # The same prefill engine, up and serving, but it never published this request: the
+    # fetch fails at the decode's fetch_timeout_s. (Copied before vLLM's load of the real
+    # request marks its parameters used.)
+    lost = {**params, "remote_request_id": "never-published"}
+    _decode(prefill, decode, {"hyb-real": prompt}, {"hyb-real": params}, len)
+    first_compute: dict[str, int] = {}
+    finished: set[str] = set()
+
+    def follow(engine, outputs):
+        for request_id, count in engine.last_scheduled.items():
+            first_compute.setdefault(request_id, count)
+        finished.update(o.request_id for o in outputs if o.finish_reason is not None)
+
+    other = random_prompt(32, len(prompt))  # no prefix of it is cached on the decode
+    decode.add("hyb-lost", other, max_tokens=1, params=lost)
+    run_until(lambda: "hyb-lost" in decode.finished_recving, [decode], 90.0, on_step=follow)
+    assert "hyb-lost" in decode.failed_recving and decode.invalid_block_ids == []
+    run_until(lambda: "hyb-lost" in finished, [decode], 90.0, on_step=follow)
+    assert first_compute["hyb-lost"] == len(other), "vLLM recomputes the whole prompt"
+    assert decode.free_blocks() == decode.free_blocks_at_start
 
 
 def test_mamba_state_is_resharded_and_the_last_token_recomputed(mamba_engines):

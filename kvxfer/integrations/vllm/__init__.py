@@ -26,12 +26,13 @@ P/D flow (the conventions of vLLM's own P/D connectors):
    through the bootstrap service, off the engine's
    step, strategies planned per rank pair then; looked up and connected again when a prefill
    rank died or a load failed: a restarted engine).
-4. A finished fetch is reported through `get_finished`; blocks that failed come back through
-   `get_block_ids_with_load_errors`, so vLLM recomputes exactly them. Once every decode worker
-   (every TP rank of every stage) reported done (or `request_timeout_s` passed), each prefill
-   worker reports the request as finished sending, and vLLM frees its blocks once every worker
-   of the prefill engine did (its `KVOutputAggregator` counts `world_size` reports; the same
-   on the decode side for finished loads).
+4. A finished fetch is reported through `get_transfer_results`; blocks that failed come back through
+   `get_block_ids_with_load_errors`, so vLLM recomputes exactly them (a model with several
+   KV cache groups fails the request whole: `get_transfer_results`' `failed_recving`). Once
+   every decode worker (every TP rank of every stage) reported done (or `request_timeout_s`
+   passed), each prefill worker reports the request as finished sending, and vLLM frees its
+   blocks once every worker of the prefill engine did (its `KVOutputAggregator` counts
+   `world_size` reports; the same on the decode side for finished loads).
 The concurrent flow (`vllm-router --kv-connector mooncake`, vLLM MooncakeConnector's
 convention): the router reads the prefill engine's id per DP rank from the bootstrap service's
 `/query`, mints a `transfer_id` and sends the request to both engines at once, the prefill

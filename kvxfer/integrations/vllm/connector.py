@@ -10,6 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -165,8 +166,20 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_side().step_saved()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(requests decoders are done with, requests whose load finished, ok or not)."""
-        return self._worker_side().get_finished(finished_req_ids)
+        """(requests decoders are done with, requests whose load finished, ok or not); a
+        failed load's blocks come back through `get_block_ids_with_load_errors`."""
+        sending, recving, _ = self._worker_side().transfer_results(finished_req_ids, False)
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """What vLLM asks after each forward pass: `get_finished`'s sets, and the loads that
+        failed whole (also among the finished). A model with several KV cache groups reports a
+        failed load per request, not per block: vLLM refuses block ids then (they repeat
+        across groups), and recomputes or fails the request by its `kv_load_failure_policy`."""
+        sending, recving, failed = self._worker_side().transfer_results(finished_req_ids, True)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of finished loads that did not arrive; vLLM recomputes them."""

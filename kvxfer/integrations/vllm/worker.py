@@ -67,7 +67,7 @@ class WorkerSide:
     registration is renewed in the background and removed at `close`.
 
     Nothing here blocks the engine's step: a fetch is started and its handle kept (`Loads`),
-    and `get_finished` collects the finished ones. The blocking calls, looking a remote
+    and `transfer_results` collects the finished ones. The blocking calls, looking a remote
     engine's ranks up in its bootstrap service and creating and connecting its consumer, run
     on a thread pool, one task per remote engine while it connects; that engine's loads wait
     for it, others go on (`RemoteEngines`, whose module says when an engine is looked up and
@@ -149,12 +149,7 @@ class WorkerSide:
                 s.side_channel_host,
                 self._side_channel_port(),
                 release=self._sends.release,
-                secret=s.secret,
-                protocol=self.protocol,
-                staging_bytes=s.staging_bytes,
-                staging_slots=s.staging_slots,
-                request_timeout_s=s.request_timeout_s,
-                backend=s.backend,
+                **s.producer_options(self.protocol),
             )
             self._register(self._producer.addresses)
 
@@ -200,16 +195,7 @@ class WorkerSide:
             self._groups,
             self._engine_id,
             s.side_channel_host,
-            secret=s.secret,
-            protocol=self.protocol,
-            staging_bytes=s.staging_bytes,
-            staging_slots=s.staging_slots,
-            cost_model=s.cost_model,
-            strategy=s.strategy,
-            backend=s.backend,
-            timeout_s=s.fetch_timeout_s,
-            heartbeat_s=s.heartbeat_s,
-            peer_timeout_s=s.peer_timeout_s,
+            **s.consumer_options(self.protocol),
         )
 
     def start_step(self, metadata: KvxferConnectorMetadata) -> None:
@@ -364,9 +350,17 @@ class WorkerSide:
 
     # ---- reports ----
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """The requests finished sending (prefill) and finished loading (decode) since the
-        last call; a failed load's blocks are kept for `take_load_errors`."""
+    def transfer_results(
+        self, finished_req_ids: set[str], failed_requests: bool
+    ) -> tuple[set[str], set[str], set[str]]:
+        """The requests finished sending (prefill) and finished loading (decode, failed loads
+        included) since the last call, and the loads that failed whole.
+
+        A failed load's blocks are kept for `take_load_errors`, for vLLM to recompute exactly
+        them; but with `failed_requests` (vLLM's `get_transfer_results` asks) a model with
+        several KV cache groups fails the request whole, in the third set: vLLM's scheduler
+        cannot map block ids back to requests then (they repeat across groups) and refuses
+        them."""
         self._take_connects()
         sending = self._sends.take_finished(finished_req_ids)
         for request_id in sending:
@@ -374,7 +368,9 @@ class WorkerSide:
         for load in self._loads.overdue(time.monotonic()):
             self._remotes.get(load.spec.remote).waiting.remove(load)
             load.result = self._failed(load.spec, "its prefill engine did not connect in time")
-        recving = set()
+        kv_groups = self._kv_cache_config.kv_cache_groups if self._kv_cache_config else []
+        whole = failed_requests and len(kv_groups) > 1
+        recving, failed = set(), set()
         for load, result in self._loads.take_finished():
             recving.add(load.spec.request_id)
             if load.aborted:
@@ -383,13 +379,17 @@ class WorkerSide:
             if not result.ok:
                 self._remotes.load_failed(load.spec.remote)  # look it up before the next
                 log.warning(
-                    "kvxfer: load of %s failed, %d blocks to recompute: %s",
+                    "kvxfer: load of %s failed (%d blocks, %s): %s",
                     load.spec.request_id,
                     len(result.failed_block_ids),
+                    "the request fails whole" if whole else "vLLM recomputes them",
                     "; ".join(result.errors),
                 )
-                self._loads.add_errors(result.failed_block_ids)
-        return sending or None, recving or None
+                if whole:
+                    failed.add(load.spec.request_id)
+                else:
+                    self._loads.add_errors(result.failed_block_ids)
+        return sending, recving, failed
 
     def take_load_errors(self) -> set[int]:
         """The blocks of failed loads since the last call, for vLLM to recompute."""
