@@ -24,10 +24,38 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_sglang_e2e.sh"
 
+# What both stand-ins serve alike: JSON replies, and /health.
+FAKE_HTTP = textwrap.dedent(
+    """
+    import json
+    from http.server import BaseHTTPRequestHandler
+
+
+    class JsonHandler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def reply(self, code, body):
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def body(self):
+            return json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+
+        def do_GET(self):
+            self.reply(200 if self.path == "/health" else 404, {})
+    """
+)
+
 FAKE_SERVER = textwrap.dedent(
     """
     import argparse, json, os, sys
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from http.server import ThreadingHTTPServer
+    from fake_http import JsonHandler
 
     p = argparse.ArgumentParser()
     p.add_argument("--model-path"); p.add_argument("--host"); p.add_argument("--port", type=int)
@@ -53,31 +81,17 @@ FAKE_SERVER = textwrap.dedent(
             text = text.replace("France", "Spain")
         return text
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def _reply(self, code, body):
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            self._reply(200 if self.path == "/health" else 404, {})
-
+    class Handler(JsonHandler):
         def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self.body()
             if mode != "null" and not {"bootstrap_host", "bootstrap_room"} <= set(body):
-                return self._reply(400, {"error": "no bootstrap fields"})
+                return self.reply(400, {"error": "no bootstrap fields"})
             if os.environ.get("FAKE_SGLANG_FAIL") == mode:
                 print("fake transfer failure", flush=True)
-                return self._reply(500, {"error": "fake transfer failure"})
+                return self.reply(500, {"error": "fake transfer failure"})
             params = body["sampling_params"]
             assert params["temperature"] == 0
-            self._reply(200, {"text": greedy(body["text"], params["max_new_tokens"])})
+            self.reply(200, {"text": greedy(body["text"], params["max_new_tokens"])})
 
     ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
     """
@@ -86,7 +100,8 @@ FAKE_SERVER = textwrap.dedent(
 FAKE_ROUTER = textwrap.dedent(
     """
     import argparse, json, os, random, threading, urllib.request
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from http.server import ThreadingHTTPServer
+    from fake_http import JsonHandler
 
     p = argparse.ArgumentParser()
     p.add_argument("--pd-disaggregation", action="store_true")
@@ -103,29 +118,16 @@ FAKE_ROUTER = textwrap.dedent(
         with urllib.request.urlopen(req, timeout=30) as response:
             return json.load(response)
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def _reply(self, code, body):
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            self._reply(200 if self.path == "/health" else 404, {})
-
+    class Handler(JsonHandler):
         def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self.body()
             body.update(bootstrap_host="127.0.0.1", bootstrap_port=int(bootstrap_port),
                         bootstrap_room=random.getrandbits(63))
             prefill = threading.Thread(target=post, args=(prefill_url, body))
             prefill.start()
             answer = post(args.decode, body)
             prefill.join()
-            self._reply(200, answer)
+            self.reply(200, answer)
 
     ThreadingHTTPServer((args.host, args.port), Handler).serve_forever()
     """
@@ -157,6 +159,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
         (site / package).mkdir(parents=True)
         (site / package / "__init__.py").write_text("")
         (site / package / f"{module}.py").write_text(text)
+    (site / "fake_http.py").write_text(FAKE_HTTP)
     (tmp_path / "record").mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_SGLANG", "KVXFER"))}
     names = ("BASELINE_PORT", "PREFILL_PORT", "DECODE_PORT", "ROUTER_PORT", "BOOTSTRAP_PORT")
