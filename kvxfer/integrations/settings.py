@@ -116,29 +116,28 @@ class ConnectorSettings:
     def producer_options(self, protocol: str) -> dict[str, Any]:
         """The `KVProducer` options these settings name, on transport `protocol` (one table for
         every engine integration's prefill ranks)."""
-        return {
-            "secret": self.secret,
-            "protocol": protocol,
-            "staging_bytes": self.staging_bytes,
-            "staging_slots": self.staging_slots,
-            "request_timeout_s": self.request_timeout_s,
-            "backend": self.backend,
-        }
+        return {**self._endpoint_options(protocol), "request_timeout_s": self.request_timeout_s}
 
     def consumer_options(self, protocol: str) -> dict[str, Any]:
         """The `KVConsumer` options these settings name, on transport `protocol` (one table for
         every engine integration's decode ranks)."""
         return {
+            **self._endpoint_options(protocol),
+            "cost_model": self.cost_model,
+            "strategy": self.strategy,
+            "timeout_s": self.fetch_timeout_s,
+            "heartbeat_s": self.heartbeat_s,
+            "peer_timeout_s": self.peer_timeout_s,
+        }
+
+    def _endpoint_options(self, protocol: str) -> dict[str, Any]:
+        """The options a producer and a consumer share."""
+        return {
             "secret": self.secret,
             "protocol": protocol,
             "staging_bytes": self.staging_bytes,
             "staging_slots": self.staging_slots,
-            "cost_model": self.cost_model,
-            "strategy": self.strategy,
             "backend": self.backend,
-            "timeout_s": self.fetch_timeout_s,
-            "heartbeat_s": self.heartbeat_s,
-            "peer_timeout_s": self.peer_timeout_s,
         }
 
     def bootstrap_host(self, data_parallel_master_ip: str | None = None) -> str:
