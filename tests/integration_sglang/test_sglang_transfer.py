@@ -298,19 +298,23 @@ def test_a_prefill_abort_fails_every_decode_rank_with_its_reason(model_dir, boot
         assert result["untouched"]
 
 
-@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
-def test_a_prefill_with_pipeline_stages_sends_each_stages_layers(model_dir, bootstrap_port, mla):
-    # Prefill TP 2 x PP 2 (SGLang's PP group on gloo: its PPConsensusStore gathers the stages'
-    # states on stage 0) -> decode TP 4 (MLA: TP 1, pages of 1): each decode rank reads its
-    # heads of layers 0-1 from stage 0 and of layers 2-3 from stage 1.
-    decode = (1, 1) if mla else (4, 16)
-    prefills, decodes, cfgs = _run_pair(
-        model_dir, bootstrap_port, 5000 + mla, (2, 16), decode, pp_size=2, mla=mla
-    )
-    assert all(p["states"][-1] == 4 for p in prefills), [p["states"] for p in prefills]
+def _assert_stages(prefills: list[dict]) -> None:
+    """Prefill TP 2 x PP 2 over 4 layers: stage 0 held layers 0-1, stage 1 layers 2-3."""
     assert sorted((p["pp_rank"], p["layers"].start) for p in prefills) == [
         (0, 0), (0, 0), (1, 2), (1, 2)
     ]  # fmt: skip
+
+
+def test_an_mla_prefill_with_pipeline_stages_sends_each_stages_layers(model_dir, bootstrap_port):
+    # Prefill TP 2 x PP 2 (SGLang's PP group on gloo: its PPConsensusStore gathers the stages'
+    # states on stage 0) -> decode TP 1, pages of 1: the decode reads the latent cache of
+    # layers 0-1 from stage 0 and of layers 2-3 from stage 1, one source each. (MHA with PP:
+    # the bootstrap-queue test below.)
+    prefills, decodes, cfgs = _run_pair(
+        model_dir, bootstrap_port, 5001, (2, 16), (1, 1), pp_size=2, mla=True
+    )
+    assert all(p["states"][-1] == 4 for p in prefills), [p["states"] for p in prefills]
+    _assert_stages(prefills)
     _assert_exact(prefills, decodes, cfgs)
 
 
@@ -342,20 +346,17 @@ def test_dp_attention_reads_the_dp_group_sglang_picks(
     _assert_exact(prefills, decodes, cfgs)
 
 
-@pytest.mark.parametrize(
-    ("pp_size", "decode"), [(1, (4, 16)), (2, (3, 32))], ids=["tp2-tp4", "tp2pp2-tp3"]
-)
-def test_sglangs_prefill_bootstrap_queue_drives_the_backend(
-    model_dir, bootstrap_port, pp_size, decode
-):
-    # The prefill ranks as SGLang's prefill scheduler runs them: PrefillBootstrapQueue fills
-    # KVArgs and builds the manager, `add` makes the sender, `pop_bootstrapped` (polls
-    # all-reduced over SGLang's attention TP group, and across stages with PP) hands the request
-    # over once every decode rank sent its metadata, with the sender `init` for its pages.
+def test_sglangs_prefill_bootstrap_queue_drives_the_backend(model_dir, bootstrap_port):
+    # The prefill ranks (TP 2 x PP 2 -> decode TP 3) as SGLang's prefill scheduler runs them:
+    # PrefillBootstrapQueue fills KVArgs and builds the manager, `add` makes the sender,
+    # `pop_bootstrapped` (polls all-reduced over SGLang's attention TP group, then across the
+    # stages) hands the request over once every decode rank sent its metadata, with the sender
+    # `init` for its pages.
     via_queue = {"via_queue": True}
     prefills, decodes, cfgs = _run_pair(
-        model_dir, bootstrap_port, 6000 + pp_size, (2, 16), decode, pp_size=pp_size,
+        model_dir, bootstrap_port, 6002, (2, 16), (3, 32), pp_size=2,
         faults={("prefill", r): via_queue for r in range(2)},
     )  # fmt: skip
     assert all(p["states"][-1] == 4 for p in prefills), [p["states"] for p in prefills]
+    _assert_stages(prefills)
     _assert_exact(prefills, decodes, cfgs)
