@@ -23,7 +23,8 @@ def test_quick_json_checks_every_fetch():
         assert set(row) == {"tokens", "layers", "whole_ms", "tail_ms", "layer_ms"}
         assert row["layers"] == 8
         assert row["whole_ms"] > 0 and row["tail_ms"] > 0
-        assert row["layer_ms"] == round(row["whole_ms"] / 8, 2)
+        # Both are rounded to 0.01 ms from one unrounded value: 88.28 / 8 may print as 11.03.
+        assert abs(row["layer_ms"] - row["whole_ms"] / 8) <= 0.01
     assert [t["tokens"] for t in report["targets"]] == QUICK_TOKENS
     checks = report["checks"]
     rounds = report["config"]["repeats"] + report["config"]["warmup_rounds"]
