@@ -9,7 +9,9 @@ How the design follows the best paged-KV copy kernels is in docs/design.md ("JIT
 Layers are reached through a per-layer address table (a device tensor built once per set of
 layer tensors, then cached) or, for a staging buffer (`StackedLayers`), a base pointer and a
 layer stride. Elements move as integer words: bit-exact for every dtype, fp8 included, with no
-float arithmetic (the interpreter has none for bf16). When the host has checked that every
+float arithmetic (the interpreter has none for bf16). A copy between two dtypes (bf16 into an fp8
+cache, and back) loads each element as its own word and converts it on the way
+(`kvxfer.kernels.convert`: vLLM's arithmetic, on integer bits). When the host has checked that every
 address, stride and row is 16-byte aligned, the kernel copies 4-byte words and says so to the
 compiler (`tl.multiple_of` on the final pointers), which then emits 16-byte loads and stores;
 otherwise a narrower variant copies the widest word that divides everything.
@@ -36,6 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvxfer.kernels.convert import KIND_NONE, KINDS, SCALE_DIVIDE, SCALE_MULTIPLY, scale_mode
+from kvxfer.kernels.convert import from_float32 as _from_float32
+from kvxfer.kernels.convert import to_float32 as _to_float32
 from kvxfer.kernels.layout import (
     KVBuffer,
     StackedLayers,
@@ -90,6 +95,7 @@ _POINTERS = [
     "dst_ptr",
     "dst_layers_ptr",
     "dst_block_ids_ptr",
+    "scales_ptr",
 ]
 
 
@@ -141,6 +147,7 @@ def _copy_cells_kernel(
     dst_ptr,  # as src_ptr, for the destination
     dst_layers_ptr,  # [layers] int64
     dst_block_ids_ptr,  # [logical blocks] int64
+    scales_ptr,  # [layers, planes] float32: the fp8 side's scales (SCALE_MODE > 0)
     tile_origin: tl.int64,  # first token of tile 0: token_start rounded down to BLOCK_T
     token_start: tl.int64,
     token_end: tl.int64,
@@ -171,6 +178,9 @@ def _copy_cells_kernel(
     SRC_TABLE: tl.constexpr,
     DST_TABLE: tl.constexpr,
     ALIGNED: tl.constexpr,  # every row start is 16-byte aligned (checked by the host)
+    SRC_KIND: tl.constexpr = 0,  # the dtypes (convert.KINDS) of a converting copy; 0: words
+    DST_KIND: tl.constexpr = 0,
+    SCALE_MODE: tl.constexpr = 0,  # 1: divide by the scale (quantize), 2: multiply
 ):
     pid_t = tl.program_id(0).to(tl.int64)
     pid_lp = tl.program_id(1).to(tl.int64)  # (layer, plane), plane fastest
@@ -231,6 +241,13 @@ def _copy_cells_kernel(
         src_words = tl.multiple_of(src_words, [1, 1, 16])
         dst_words = tl.multiple_of(dst_words, [1, 1, 16])
     cells = tl.load(src_words, mask=mask)
+    if SRC_KIND != DST_KIND:
+        values = _to_float32(cells, SRC_KIND)
+        if SCALE_MODE == 1:  # vLLM's cache write: x / scale, rounded to nearest
+            values = tl.math.div_rn(values, tl.load(scales_ptr + pid_lp))
+        elif SCALE_MODE == 2:
+            values = values * tl.load(scales_ptr + pid_lp)
+        cells = _from_float32(values, DST_KIND)
     tl.store(dst_words, cells, mask=mask)
 
 
@@ -363,6 +380,18 @@ def _word_bytes(itemsize: int, head_dim: int, sides: list[tuple[_SideGeometry, _
     return granule
 
 
+def _convert_words(head_dim: int, *sides: tuple[_SideGeometry, _LayerSet]) -> tuple[int, int, bool]:
+    """A converting copy's words: each side's element width, and whether every row start on
+    both sides is 16-byte aligned (then the compiler is told so and issues 16-byte accesses:
+    8 bf16 elements in, 8 fp8 bytes out per thread)."""
+    aligned = all(
+        _word_bytes(geo.itemsize, head_dim, [(geo, layers)]) == _VECTOR_BYTES
+        for geo, layers in sides
+    )
+    src, dst = (geo.itemsize for geo, _ in sides)
+    return src, dst, aligned
+
+
 def tile_tokens(block_sizes: list[int], row_bytes: int) -> int:
     """Tokens per program: a power of two that divides every given block size (so a tile
     never straddles a block on either side), with at most `_TILE_BYTES` per program.
@@ -423,6 +452,7 @@ def prepare_cell_copy(
     num_heads: int,
     *,
     block_t: int | None = None,
+    scales: torch.Tensor | None = None,
 ) -> CellCopyLaunch:
     """Validate a cell copy and compute its launch, without launching (see `copy_cells`).
 
@@ -444,8 +474,9 @@ def prepare_cell_copy(
                 "Triton kernel: it exists on CPU engines only; use backend='torch'"
             )
     src_geo, dst_geo = _SideGeometry.of(src), _SideGeometry.of(dst)
-    check_copy_pair(src, dst, src_geo.shape, dst_geo.shape, token_start, token_end, num_heads)
-    itemsize = src_geo.itemsize
+    check_copy_pair(
+        src, dst, src_geo.shape, dst_geo.shape, token_start, token_end, num_heads, scales
+    )
     head_dim = src_geo.head_dim
     num_layers = len(src.layers)
     if num_layers * src_geo.planes > _MAX_GRID_Y:
@@ -455,27 +486,36 @@ def prepare_cell_copy(
         )
     # Word width first from the tensors' own alignment (uint8 words fit any), then the views.
     src_set, dst_set = _layer_set("src", src), _layer_set("dst", dst)
-    word = _word_bytes(itemsize, head_dim, [(src_geo, src_set), (dst_geo, dst_set)])
-    aligned = word == _VECTOR_BYTES
-    word = 4 if aligned else word
-    word_dtype = _WORDS[word]
-    src_set = _with_words(src_set, word_dtype)
-    dst_set = _with_words(dst_set, word_dtype)
-    head_words = head_dim * itemsize // word
+    src_dtype, dst_dtype = src.layers[0].dtype, dst.layers[0].dtype
+    converting = src_dtype != dst_dtype
+    if converting:  # each element its own word, of its side's width (`_convert_words`)
+        src_word, dst_word, aligned = _convert_words(
+            head_dim, (src_geo, src_set), (dst_geo, dst_set)
+        )
+    else:
+        word = _word_bytes(src_geo.itemsize, head_dim, [(src_geo, src_set), (dst_geo, dst_set)])
+        aligned = word == _VECTOR_BYTES
+        src_word = dst_word = 4 if aligned else word
+    src_set = _with_words(src_set, _WORDS[src_word])
+    dst_set = _with_words(dst_set, _WORDS[dst_word])
+    head_words = head_dim * src_geo.itemsize // src_word  # the same count on both sides
     block_h, block_w = _next_power_of_2(num_heads), _next_power_of_2(head_words)
-    row_bytes = block_h * block_w * word
+    row_bytes = block_h * block_w * max(src_word, dst_word)
     sizes = [g.block_size for g in (src_geo, dst_geo) if not g.linear]
     block_t = block_t or tile_tokens(sizes, row_bytes)
     if any(bs % block_t for bs in sizes):
         raise ValueError(f"block_t: {block_t} must divide the block sizes {sizes}")
 
-    def to_words(elements: int) -> int:
+    words = {"src": (src_geo.itemsize, src_word), "dst": (dst_geo.itemsize, dst_word)}
+
+    def to_words(name: str, elements: int) -> int:
+        itemsize, word = words[name]
         return elements * itemsize // word  # exact: `word` divides every stride in bytes
 
     for name, geo in (("src", src_geo), ("dst", dst_geo)):
         _, _, slot, head = geo.strides
         extent = block_t * abs(slot) + block_h * abs(head) + block_w
-        if to_words(extent) > _INT32_MAX:
+        if to_words(name, extent) > _INT32_MAX:
             raise ValueError(f"{name}: a tile spans more than 2^31 words; use smaller tiles")
     tile_origin = token_start - token_start % block_t
     grid = (triton.cdiv(token_end - tile_origin, block_t), num_layers * src_geo.planes)
@@ -497,19 +537,21 @@ def prepare_cell_copy(
                 # An unused pointer argument still needs a tensor: the words stand in.
                 f"{name}_layers_ptr": table if table is not None else layer_set.word_view,
                 f"{name}_block_ids_ptr": ids if ids is not None else layer_set.word_view,
-                f"{name}_layer_stride": layer_set.layer_stride_bytes // word,
+                f"{name}_layer_stride": layer_set.layer_stride_bytes // words[name][1],
                 f"{name}_token_shift": buf.token_shift,
-                f"{name}_plane_stride": to_words(sp),
-                f"{name}_block_stride": to_words(sb),
-                f"{name}_slot_stride": to_words(ss),
-                f"{name}_head_stride": to_words(sh),
+                f"{name}_plane_stride": to_words(name, sp),
+                f"{name}_block_stride": to_words(name, sb),
+                f"{name}_slot_stride": to_words(name, ss),
+                f"{name}_head_stride": to_words(name, sh),
                 f"{name}_head_offset": buf.head_offset,
                 f"{name.upper()}_BLOCK_SIZE": 0 if geo.linear else geo.block_size,
                 f"{name.upper()}_PAGED": ids is not None,
                 f"{name.upper()}_TABLE": table is not None,
             }
         )
+    mode = scale_mode(src_dtype, dst_dtype)
     arguments.update(
+        scales_ptr=scales if scales is not None else src_set.word_view,
         NUM_PLANES=src_geo.planes,
         NUM_HEADS=num_heads,
         BLOCK_H=block_h,
@@ -517,6 +559,9 @@ def prepare_cell_copy(
         BLOCK_W=block_w,
         BLOCK_T=block_t,
         ALIGNED=aligned,
+        SRC_KIND=KINDS[src_dtype] if converting else KIND_NONE,
+        DST_KIND=KINDS[dst_dtype] if converting else KIND_NONE,
+        SCALE_MODE=mode if mode in (SCALE_DIVIDE, SCALE_MULTIPLY) else 0,
     )
     return CellCopyLaunch(grid, arguments, warps_for(block_t * row_bytes))
 
@@ -529,6 +574,7 @@ def copy_cells(
     num_heads: int,
     *,
     block_t: int | None = None,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """Copy every layer's cells of tokens `[token_start, token_end)` and `num_heads` heads from
     `src` to `dst` with one kernel launch. Other cells keep their bytes.
@@ -540,10 +586,14 @@ def copy_cells(
         token_end: one past the last token to move.
         num_heads: heads to move, from each side's `head_offset`.
         block_t: tokens per program (default: `tile_tokens`); must divide both block sizes.
+        scales: where `src` and `dst` hold different dtypes and one is fp8: that side's scales,
+            float32 `[layers, planes]` on the device (`kvxfer.kernels.convert`).
 
     Raises:
         ValueError: inconsistent buffers (see `check_cell_copy`), or too many layers.
         RuntimeError: CPU tensors without the Triton interpreter.
     """
     check_launchable(src.layers[0].device)
-    prepare_cell_copy(src, dst, token_start, token_end, num_heads, block_t=block_t).launch()
+    prepare_cell_copy(
+        src, dst, token_start, token_end, num_heads, block_t=block_t, scales=scales
+    ).launch()

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from kvxfer.kernels.convert import convert_torch, scale_mode
 from kvxfer.kernels.layout import KVBuffer, canonical_kv_view, check_cell_copy
 from kvxfer.layout import plane_views
 
@@ -77,18 +78,25 @@ def _rows(words: torch.Tensor, length: int, step: int) -> torch.Tensor:
 
 
 def copy_cells_torch(
-    src: KVBuffer, dst: KVBuffer, token_start: int, token_end: int, num_heads: int
+    src: KVBuffer,
+    dst: KVBuffer,
+    token_start: int,
+    token_end: int,
+    num_heads: int,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """Copy every layer's cells of tokens `[token_start, token_end)` and `num_heads` heads from
-    `src` to `dst`. Bit-exact; other cells keep their bytes.
+    `src` to `dst`. Bit-exact between equal dtypes; between two dtypes each element is
+    converted with vLLM's arithmetic (`kvxfer.kernels.convert`, `scales` the fp8 side's
+    `[layers, planes]`). Other cells keep their bytes.
 
     Where both sides keep a token's heads side by side (NHD, the wire layout) and the
     destination's runs start on whole multiples of them, the moved heads of a token travel as
     one row: 1/num_heads of the index work.
     """
-    check_cell_copy(src, dst, token_start, token_end, num_heads)
+    check_cell_copy(src, dst, token_start, token_end, num_heads, scales)
     if src.k_transposed or dst.k_transposed:
-        copy_elements_torch(src, dst, token_start, token_end, num_heads)
+        copy_elements_torch(src, dst, token_start, token_end, num_heads, scales)
         return
     device = src.layers[0].device
     tokens = torch.arange(token_start, token_end, device=device)
@@ -122,6 +130,11 @@ def copy_cells_torch(
     src_step = unit if bool((src_off % unit == 0).all()) else head_dim
     src_rows = (src_off // src_step).reshape(-1)
     dst_rows = (dst_off // unit).reshape(-1)
+    if src_layers[0].dtype != dst_layers[0].dtype:
+        planes = src_layers[0].shape[0]  # rows are plane-major: [planes, tokens(, heads)]
+        _convert_rows(src_layers, src_spans, dst_layers, dst_spans, src_rows, dst_rows,
+                      (unit, src_step), planes, scales)  # fmt: skip
+        return
     itemsize = src_layers[0].element_size()
     word, dtype = _word_for(
         [*src_layers, *dst_layers], [*src_spans, *dst_spans], min(grain, head_dim) * itemsize
@@ -143,16 +156,55 @@ def copy_cells_torch(
             writes.index_copy_(0, dst_rows, reads.index_select(0, src_rows))
 
 
+def _convert_rows(
+    src_layers: list[torch.Tensor],
+    src_spans: list[int],
+    dst_layers: list[torch.Tensor],
+    dst_spans: list[int],
+    src_rows: torch.Tensor,
+    dst_rows: torch.Tensor,
+    unit_step: tuple[int, int],
+    planes: int,
+    scales: torch.Tensor | None,
+) -> None:
+    """The rows of a copy between two dtypes: gathered in the source's dtype, converted with
+    each row's plane's scale, scattered in the destination's (rows of `unit` elements, source
+    rows starting every `step`)."""
+    unit, step = unit_step
+    src_dtype, dst_dtype = src_layers[0].dtype, dst_layers[0].dtype
+    # Moved as their bits (CPU torch indexes no fp8), converted as their dtypes.
+    src_bits, dst_bits = _BITS[src_dtype.itemsize], _BITS[dst_dtype.itemsize]
+    per_plane = src_rows.numel() // planes
+    scaled = scale_mode(src_dtype, dst_dtype) != 0
+    for layer, (s, s_span, d, d_span) in enumerate(
+        zip(src_layers, src_spans, dst_layers, dst_spans, strict=True)
+    ):
+        reads = _rows(_flat_words(s, src_bits, s_span), unit, step)
+        values = reads.index_select(0, src_rows).view(src_dtype)
+        scale = None
+        if scaled:
+            assert scales is not None  # check_cell_copy
+            scale = scales[layer].repeat_interleave(per_plane)[:, None]
+        writes = _rows(_flat_words(d, dst_bits, d_span), unit, unit)
+        writes.index_copy_(0, dst_rows, convert_torch(values, dst_dtype, scale).view(dst_bits))
+
+
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def copy_elements_torch(
-    src: KVBuffer, dst: KVBuffer, token_start: int, token_end: int, num_heads: int
+    src: KVBuffer,
+    dst: KVBuffer,
+    token_start: int,
+    token_end: int,
+    num_heads: int,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """`copy_cells_torch` element by element, through each side's per-plane views
     (`kvxfer.layout.plane_views`): for layers whose cells are not contiguous rows, vLLM CPU
     attention's `k_transposed` (K's elements of one token sit `block_size` apart). Bit-exact
-    (the elements move as integers of their width); other elements keep their bytes.
+    (the elements move as integers of their width) or converted as `copy_cells_torch` does;
+    other elements keep their bytes.
     """
     device = src.layers[0].device
     tokens = torch.arange(token_start, token_end, device=device)
@@ -160,14 +212,25 @@ def copy_elements_torch(
     dst_blocks, dst_slots = dst.token_cells(tokens)
     src_heads = slice(src.head_offset, src.head_offset + num_heads)
     dst_heads = slice(dst.head_offset, dst.head_offset + num_heads)
-    bits = _BITS[src.layers[0].element_size()]
-    for s_layer, d_layer in zip(src.layers, dst.layers, strict=True):
+    src_dtype, dst_dtype = src.layers[0].dtype, dst.layers[0].dtype
+    bits = _BITS[src.layers[0].element_size()] if src_dtype == dst_dtype else None
+    scaled = scale_mode(src_dtype, dst_dtype) != 0
+    for layer, (s_layer, d_layer) in enumerate(zip(src.layers, dst.layers, strict=True)):
         s_planes = plane_views(s_layer, src.layout, src.kv_placement, src.mla)
         d_planes = plane_views(d_layer, dst.layout, dst.kv_placement, dst.mla)
-        for s_plane, d_plane in zip(s_planes, d_planes, strict=True):
+        for plane, (s_plane, d_plane) in enumerate(zip(s_planes, d_planes, strict=True)):
             # [tokens, heads, head_dim]: advanced indices on (block, slot), the heads sliced
-            values = s_plane.view(bits)[src_blocks, src_slots, src_heads]
-            d_plane.view(bits)[dst_blocks, dst_slots, dst_heads] = values
+            if bits is not None:
+                values = s_plane.view(bits)[src_blocks, src_slots, src_heads]
+                d_plane.view(bits)[dst_blocks, dst_slots, dst_heads] = values
+                continue
+            # fp8 has no index_put on CPU: the destination's elements move as their bits
+            scale = scales[layer, plane] if scaled and scales is not None else None
+            s_bits = _BITS[s_plane.element_size()]
+            values = s_plane.view(s_bits)[src_blocks, src_slots, src_heads].view(src_dtype)
+            got = convert_torch(values, dst_dtype, scale)
+            d_bits = _BITS[d_plane.element_size()]
+            d_plane.view(d_bits)[dst_blocks, dst_slots, dst_heads] = got.view(d_bits)
 
 
 def _grain(head_dim: int, *views: torch.Tensor) -> int:

@@ -6,6 +6,8 @@ MLA caches (`mla=True` buffers) take the same call: one latent plane, one head.
 
 from __future__ import annotations
 
+import torch
+
 from kvxfer.kernels.copy_cells import copy_cells
 from kvxfer.kernels.copy_cells_torch import copy_cells_torch
 from kvxfer.kernels.layout import KVBuffer
@@ -19,17 +21,28 @@ def _check(cache: KVBuffer, out: KVBuffer) -> None:
 
 
 def gather_kv(
-    cache: KVBuffer, out: KVBuffer, token_start: int, token_end: int, num_heads: int
+    cache: KVBuffer,
+    out: KVBuffer,
+    token_start: int,
+    token_end: int,
+    num_heads: int,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """Gather tokens `[token_start, token_end)` and heads `[cache.head_offset, +num_heads)` of
-    every layer of `cache` into `out`, with one Triton launch."""
+    every layer of `cache` into `out`, with one Triton launch.
+    Between two dtypes it converts, with the fp8 side's `scales` (see `copy_cells`)."""
     _check(cache, out)
-    copy_cells(cache, out, token_start, token_end, num_heads)
+    copy_cells(cache, out, token_start, token_end, num_heads, scales=scales)
 
 
 def gather_kv_torch(
-    cache: KVBuffer, out: KVBuffer, token_start: int, token_end: int, num_heads: int
+    cache: KVBuffer,
+    out: KVBuffer,
+    token_start: int,
+    token_end: int,
+    num_heads: int,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """`gather_kv` with torch ops (the reference, and the CPU backend)."""
     _check(cache, out)
-    copy_cells_torch(cache, out, token_start, token_end, num_heads)
+    copy_cells_torch(cache, out, token_start, token_end, num_heads, scales)

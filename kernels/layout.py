@@ -9,6 +9,7 @@ from typing import overload
 
 import torch
 
+from kvxfer.kernels.convert import check_conversion
 from kvxfer.layout import canonical_shape, canonical_view, is_k_transposed
 
 
@@ -154,7 +155,12 @@ def check_layers(name: str, buf: KVBuffer) -> None:
 
 
 def check_cell_copy(
-    src: KVBuffer, dst: KVBuffer, token_start: int, token_end: int, num_heads: int
+    src: KVBuffer,
+    dst: KVBuffer,
+    token_start: int,
+    token_end: int,
+    num_heads: int,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """Validate the two sides of a cell copy (every layer, then `check_copy_pair`).
 
@@ -164,8 +170,9 @@ def check_cell_copy(
     check_layers("src", src)
     check_layers("dst", dst)
     check_copy_pair(
-        src, dst, src.canonical_shape, dst.canonical_shape, token_start, token_end, num_heads
-    )
+        src, dst, src.canonical_shape, dst.canonical_shape, token_start, token_end, num_heads,
+        scales,
+    )  # fmt: skip
 
 
 def check_copy_pair(
@@ -176,10 +183,12 @@ def check_copy_pair(
     token_start: int,
     token_end: int,
     num_heads: int,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """Validate what the two sides must agree on, from their first layers only (O(1)).
 
-    `src_shape` and `dst_shape` are the sides' `canonical_shape` (the caller has them).
+    `src_shape` and `dst_shape` are the sides' `canonical_shape` (the caller has them). Two
+    dtypes convert (`kvxfer.kernels.convert.check_conversion`, with `scales`).
 
     Raises:
         ValueError: naming the argument at fault.
@@ -192,8 +201,9 @@ def check_copy_pair(
         if buf.block_ids is not None and buf.block_ids.dtype != torch.int64:
             raise ValueError(f"{name}.block_ids: must be int64, got {buf.block_ids.dtype}")
     first_src, first_dst = src.layers[0], dst.layers[0]
-    if first_src.dtype != first_dst.dtype:
-        raise ValueError(f"dst: dtype {first_dst.dtype} differs from src {first_src.dtype}")
+    check_conversion(first_src.dtype, first_dst.dtype, scales, len(src.layers), src_shape[0])
+    if scales is not None and scales.device != first_src.device:
+        raise ValueError(f"scales: on {scales.device}; move them to the caches' {first_src.device}")
     if first_src.device != first_dst.device:
         raise ValueError("dst: must live on the same device as src")
     sp, _, _, sh, sd = src_shape

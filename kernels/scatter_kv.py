@@ -6,6 +6,8 @@ MLA caches (`mla=True` buffers) take the same call: one latent plane, one head.
 
 from __future__ import annotations
 
+import torch
+
 from kvxfer.kernels.copy_cells import copy_cells
 from kvxfer.kernels.copy_cells_torch import copy_cells_torch
 from kvxfer.kernels.layout import KVBuffer
@@ -19,17 +21,28 @@ def _check(staged: KVBuffer, cache: KVBuffer) -> None:
 
 
 def scatter_kv(
-    staged: KVBuffer, cache: KVBuffer, token_start: int, token_end: int, num_heads: int
+    staged: KVBuffer,
+    cache: KVBuffer,
+    token_start: int,
+    token_end: int,
+    num_heads: int,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """Scatter tokens `[token_start, token_end)` of `staged` into heads
-    `[cache.head_offset, +num_heads)` of every layer of `cache`, with one Triton launch."""
+    `[cache.head_offset, +num_heads)` of every layer of `cache`, with one Triton launch.
+    Between two dtypes it converts, with the fp8 side's `scales` (see `copy_cells`)."""
     _check(staged, cache)
-    copy_cells(staged, cache, token_start, token_end, num_heads)
+    copy_cells(staged, cache, token_start, token_end, num_heads, scales=scales)
 
 
 def scatter_kv_torch(
-    staged: KVBuffer, cache: KVBuffer, token_start: int, token_end: int, num_heads: int
+    staged: KVBuffer,
+    cache: KVBuffer,
+    token_start: int,
+    token_end: int,
+    num_heads: int,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """`scatter_kv` with torch ops (the reference, and the CPU backend)."""
     _check(staged, cache)
-    copy_cells_torch(staged, cache, token_start, token_end, num_heads)
+    copy_cells_torch(staged, cache, token_start, token_end, num_heads, scales)

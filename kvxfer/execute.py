@@ -25,6 +25,7 @@ from kvxfer.kernels import (
 )
 from kvxfer.plan.layout import PagedView
 from kvxfer.plan.program import CellCopy
+from kvxfer.spec import TORCH_DTYPES
 
 Backend = Literal["torch", "triton"]
 BACKENDS = ("auto", "torch", "triton")
@@ -56,6 +57,7 @@ def kv_buffer(
         if not np.array_equal(view.block_ids, np.arange(len(view.block_ids))):
             raise ValueError("view: a staging buffer's blocks must be numbered in token order")
         (flat,) = tensors
+        flat = as_dtype(flat, g.dtype)
         count = flat.numel() // g.layer_elements if num_layers is None else num_layers
         layers: Sequence[torch.Tensor] = StackedLayers(flat, count, g.shape)
     else:
@@ -64,6 +66,39 @@ def kv_buffer(
     return KVBuffer(
         layers, g.layout, g.kv_placement, g.mla, block_ids, view.token_shift, view.head_offset
     )
+
+
+def as_dtype(flat: torch.Tensor, dtype: str) -> torch.Tensor:
+    """A flat staging tensor's memory as `dtype` (a `KVCacheSpec.dtype` name; "" keeps it):
+    between two KV dtypes a staging buffer holds one side's, whatever the tensor says."""
+    wanted = TORCH_DTYPES[dtype] if dtype else flat.dtype
+    if flat.dtype == wanted:
+        return flat
+    if flat.numel() * flat.element_size() % wanted.itemsize:
+        raise ValueError(
+            f"staging: {flat.numel() * flat.element_size()} bytes do not hold whole {dtype} "
+            "elements; size staging in whole elements of both dtypes"
+        )
+    return flat.view(torch.uint8).view(wanted)
+
+
+_SCALES: dict[tuple[bytes, torch.device], torch.Tensor] = {}
+_SCALES_MAX = 256
+
+
+def device_scales(scales: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
+    """A converting copy's scales (`CellCopy.scales`) as a float32 tensor on `device`, made
+    once per set of values (a request reuses its pair's: no tensor is made per launch)."""
+    if scales is None:
+        return None
+    key = (scales.tobytes() + bytes(str(scales.shape), "ascii"), device)
+    tensor = _SCALES.get(key)
+    if tensor is None:
+        if len(_SCALES) >= _SCALES_MAX:
+            _SCALES.clear()
+        host = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32))
+        tensor = _SCALES.setdefault(key, host.to(device))
+    return tensor
 
 
 def _cache_layers(
@@ -108,7 +143,8 @@ def run_cell_copy(
     src = kv_buffer(copy.src, src_tensors, copy.num_layers)
     dst = kv_buffer(copy.dst, dst_tensors, copy.num_layers)
     op = _GATHER[backend] if src.paged else _SCATTER[backend]
-    op(src, dst, copy.token_start, copy.token_end, copy.num_heads)
+    scales = device_scales(copy.scales, src.layers[0].device)
+    op(src, dst, copy.token_start, copy.token_end, copy.num_heads, scales)
 
 
 def warm_up(copy: CellCopy, dtype: torch.dtype, device: torch.device, backend: Backend) -> None:
@@ -134,6 +170,7 @@ def scratch_copy(
     buffers are aligned, as caches and staging are), never on token ranges, block ids,
     strides or addresses (tests/test_kernel_variants.py compares Triton's keys).
     """
+    scales = None if copy.scales is None else copy.scales[:1]
     one = CellCopy(
         _scratch_view(copy.src),
         _scratch_view(copy.dst),
@@ -141,6 +178,7 @@ def scratch_copy(
         copy.token_start,
         copy.token_start + 1,
         num_layers=1,
+        scales=scales,
     )
     return one, _scratch_tensors(one.src, dtype, device), _scratch_tensors(one.dst, dtype, device)
 
@@ -158,6 +196,7 @@ def _scratch_tensors(
     view: PagedView, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     g = view.geometry
+    dtype = TORCH_DTYPES[g.dtype] if g.dtype else dtype  # the view's own, between two dtypes
     if view.region == "staging":
         return [torch.zeros(g.layer_elements, dtype=dtype, device=device)]
     return [torch.zeros(g.shape, dtype=dtype, device=device)]

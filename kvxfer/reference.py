@@ -40,6 +40,61 @@ def random_global_kv(
     return torch.randn(shape, generator=gen).to(dtype=spec.torch_dtype, device=device)
 
 
+_FP8_LIMITS = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+# The positive quiet NaN of each format, as CUDA's conversions write it.
+_NAN_BITS = {
+    torch.float8_e4m3fn: 0x7F,
+    torch.float8_e5m2: 0x7F,
+    torch.bfloat16: 0x7FC0,
+    torch.float16: 0x7E00,
+    torch.float32: 0x7FC00000,
+}
+
+
+def converted_global_kv(
+    global_kv: torch.Tensor, dtype: torch.dtype, scales: np.ndarray | None = None
+) -> torch.Tensor:
+    """The global KV as an engine that stores `dtype` holds it, from KV of another dtype (the
+    expectation of a converting transfer, written from vLLM's definitions, not from kvxfer's
+    kernels):
+
+    - into fp8: vLLM's cache write, `x / scale` in float32, saturated to the format's largest
+      finite value, rounded to nearest even;
+    - out of fp8: `x * scale` in float32, rounded to nearest even;
+    - between 16- and 32-bit floats: rounded to nearest even.
+
+    Every NaN becomes the format's positive quiet NaN. `scales`: float32 `[model layers,
+    planes]` of the fp8 side (K, V; MLA: one).
+    """
+    values = global_kv.to(torch.float32)
+    if scales is not None:
+        per_layer = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32))
+        # [layers, planes] against [layers, 2, tokens, heads, dim] (MLA: [layers, tokens, dim])
+        shaped = (
+            per_layer[:, :, None, None, None] if values.dim() == 5 else per_layer[:, 0, None, None]
+        )
+        values = values * shaped if global_kv.dtype in _FP8_LIMITS else values / shaped
+    if dtype in _FP8_LIMITS:
+        values = values.clamp(-_FP8_LIMITS[dtype], _FP8_LIMITS[dtype])
+    out = values.to(dtype)
+    nan = torch.isnan(values)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[out.element_size()]
+    out.view(bits)[nan] = _NAN_BITS[dtype]
+    return out
+
+
+def model_scales(specs: Sequence[KVCacheSpec]) -> np.ndarray:
+    """float32 `[model layers, planes]`: an engine's fp8 scales per global layer, from its
+    ranks' specs (`k_scales`, `v_scales`; 1.0 where none were given)."""
+    first = specs[0]
+    out = np.ones((model_layers(first), 1 if first.mla else 2), dtype=np.float32)
+    for spec in specs:
+        out[spec.layer_start : spec.layer_start + spec.num_layers] = spec.layer_scales(
+            0, spec.num_layers
+        )
+    return out
+
+
 def model_layers(spec: KVCacheSpec) -> int:
     """The model's layers: `total_layers` with pipeline parallelism, else `num_layers`."""
     return spec.total_layers if spec.total_layers else spec.num_layers

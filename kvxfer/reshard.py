@@ -160,12 +160,12 @@ def reshard(
             rank.regions[layer] = (regions[-1].region_id, 0)
     # Pairs run one after another, so each side needs one staging buffer, sized for the largest
     # program, allocated (and first touched) once per call rather than once per pair.
-    dtype = src_ranks[0].caches[0].dtype
+    # Bytes, not elements: between two KV dtypes a side's staging holds either dtype.
     staging: dict[str, torch.Tensor] = {}
     for side, ranks in (("src", src_ranks), ("dst", dst_ranks)):
-        elements = max(_staging_elements(p, side) for p in programs)
-        if elements > 0:
-            staging[side] = torch.empty(elements, dtype=dtype, device=device)
+        nbytes = max(_staging_bytes(p, side) for p in programs)
+        if nbytes > 0:
+            staging[side] = torch.empty(nbytes, dtype=torch.uint8, device=device)
             regions.append(transport.register(staging[side]))
             for rank in ranks:
                 rank.regions[STAGING_REGION] = (regions[-1].region_id, 0)
@@ -180,9 +180,9 @@ def reshard(
     return result
 
 
-def _staging_elements(program: TransferProgram, side: str) -> int:
+def _staging_bytes(program: TransferProgram, side: str) -> int:
     geometry = program.src_staging if side == "src" else program.dst_staging
-    return 0 if geometry is None else program.num_layers * geometry.layer_elements
+    return 0 if geometry is None else program.num_layers * geometry.layer_bytes
 
 
 def _report(plan: PairPlan, program: TransferProgram) -> PairReport:
@@ -208,10 +208,10 @@ def _execute(
     src_staging, dst_staging = staging.get("src"), staging.get("dst")
     if program.pack is not None:
         assert src_staging is not None
-        packed = src_staging[: _staging_elements(program, "src")]
+        packed = src_staging[: _staging_bytes(program, "src")]
         run_cell_copy(program.pack, s.caches, [packed], backend)
     transport.write(program.segments.with_regions(s.regions, d.regions), transport.peer())
     if program.unpack is not None:
         assert dst_staging is not None
-        unpacked = dst_staging[: _staging_elements(program, "dst")]
+        unpacked = dst_staging[: _staging_bytes(program, "dst")]
         run_cell_copy(program.unpack, [unpacked], d.caches, backend)

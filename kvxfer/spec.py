@@ -13,6 +13,7 @@ or `VLLM_PP_LAYER_PARTITION`). `pp_layer_ranges` gives vLLM's default split.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal, NoReturn
 
@@ -24,8 +25,9 @@ from kvxfer.layout import ALL_KV_PLACEMENTS, K_TRANSPOSED, LAYOUTS, KVPlacement,
 from kvxfer.layout import KV_PLACEMENTS as KV_PLACEMENTS  # re-exported: the GPU placements
 from kvxfer.layout import layer_shape as _layer_shape
 
-# fp8 caches (vLLM's kv_cache_dtype "fp8", "fp8_e4m3", "fp8_e5m2") are moved as bytes: every
-# path copies bits, none does fp8 arithmetic.
+# fp8 caches (vLLM's kv_cache_dtype "fp8", "fp8_e4m3", "fp8_e5m2") are moved as bytes between
+# equal dtypes; between a 16- or 32-bit float and fp8 the copy kernels convert, with the fp8
+# side's scales (`k_scales`, `v_scales`; kvxfer.kernels.convert).
 DType = Literal["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"]
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -35,6 +37,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
 }
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 DTYPE_ITEMSIZE: dict[str, int] = {
     "float16": 2,
     "bfloat16": 2,
@@ -130,6 +133,10 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
             sit `block_stride` elements apart, the rest of each stride holding other data
             (vLLM's Mamba state pages: one sub-projection of a page that holds several). Only
             where blocks are the outermost axis (`blocks_first`, `kv_inner`, MLA).
+        k_scales: an fp8 cache's K scale per layer of this rank, as vLLM keeps them
+            (`layer._k_scale`: stored values are `K / k_scale`); empty (the default) reads as
+            1.0 for every layer. Only fp8 caches have scales.
+        v_scales: the same for V (empty for MLA, whose latent plane uses `k_scales`).
 
     Head ownership (docs/design.md): with `H >= T`, `T` divides `H` and rank `r` holds heads
     `[r*H/T, (r+1)*H/T)`; with `H < T`, `H` divides `T` and rank `r` holds head `r // (T/H)`.
@@ -156,6 +163,8 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
     layer_start: int = 0
     total_layers: int = 0
     block_stride: int = 0
+    k_scales: tuple[float, ...] = ()
+    v_scales: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in INT_FIELDS:
@@ -205,6 +214,8 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
             self._check_pipeline()
         if self.block_stride:
             self._check_block_stride()
+        if self.k_scales or self.v_scales:
+            self._check_scales()
         heads, tp = self.num_kv_heads, self.tp_size
         if heads >= tp and heads % tp != 0:
             _fail(
@@ -218,6 +229,43 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
                 f"{heads} KV heads cannot be replicated evenly over tp_size {tp}",
                 "use a tp_size that is a multiple of num_kv_heads",
             )
+
+    def _check_scales(self) -> None:
+        if self.dtype not in FP8_DTYPES:
+            _fail(
+                "k_scales",
+                f"scales describe an fp8 cache, but dtype is {self.dtype!r}",
+                "pass k_scales and v_scales only with an fp8 dtype",
+            )
+        if self.mla and self.v_scales:
+            _fail("v_scales", "an MLA cache has one latent plane", "pass its scales as k_scales")
+        for name in ("k_scales", "v_scales"):
+            scales = getattr(self, name)
+            if not isinstance(scales, tuple) or not all(type(x) is float for x in scales):
+                try:
+                    scales = tuple(float(x) for x in scales)
+                except (TypeError, ValueError):
+                    _fail(name, f"must be a sequence of floats, got {scales!r}", "pass floats")
+                _normalize(self, name, scales)  # a tuple of floats: specs hash and compare alike
+            if scales and len(scales) != self.num_layers:
+                _fail(
+                    name,
+                    f"{len(scales)} scales for {self.num_layers} layers",
+                    "pass one scale per layer of this rank (or none: 1.0 for every layer)",
+                )
+            bad = [x for x in scales if not (math.isfinite(x) and x > 0)]
+            if bad:
+                _fail(name, f"{bad[0]!r} is not a positive finite scale", "pass scales > 0")
+
+    def layer_scales(self, first: int, count: int) -> np.ndarray:
+        """float32 `[count, planes]`: (K, V) scales of local layers `[first, first + count)`
+        (MLA: K only), 1.0 where none were given."""
+        planes = 1 if self.mla else 2
+        out = np.ones((count, planes), dtype=np.float32)
+        for plane, scales in enumerate((self.k_scales, self.v_scales)[:planes]):
+            if scales:
+                out[:, plane] = scales[first : first + count]
+        return out
 
     def _check_block_stride(self) -> None:
         if self.block_stride < 0:

@@ -43,6 +43,8 @@ def test_fields_are_exactly_the_public_contract():
         "layer_start",
         "total_layers",
         "block_stride",
+        "k_scales",
+        "v_scales",
     )
 
 
@@ -245,3 +247,30 @@ def test_engine_ranks_refuse_layer_ranges_that_do_not_fit(ranges):
     uneven = spec(pp_size=3, pp_rank=1, layer_start=1, num_layers=3, total_layers=6)
     with pytest.raises(ValueError, match="layer_ranges"):
         uneven.engine_ranks(ranges)
+
+
+def test_fp8_scales_roundtrip_normalize_and_default_to_one():
+    fp8 = spec(dtype="float8_e4m3fn", k_scales=[0.5, 2], v_scales=(1.0, 4.0))
+    assert fp8.k_scales == (0.5, 2.0) and type(fp8.k_scales[1]) is float
+    assert decode_spec(encode_spec(fp8)) == fp8
+    assert fp8.layer_scales(1, 1).tolist() == [[2.0, 4.0]]
+    assert spec(dtype="float8_e5m2").layer_scales(0, 2).tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    mla = spec(dtype="float8_e4m3fn", mla=True, num_kv_heads=1, k_scales=(3.0, 5.0))
+    assert mla.layer_scales(0, 2).tolist() == [[3.0], [5.0]]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(k_scales=(1.0, 1.0)), "scales describe an fp8 cache"),
+        (dict(dtype="float8_e4m3fn", k_scales=(1.0,)), "1 scales for 2 layers"),
+        (dict(dtype="float8_e4m3fn", v_scales=(1.0, 0.0)), "0.0 is not a positive finite"),
+        (dict(dtype="float8_e4m3fn", k_scales=(1.0, float("inf"))), "inf is not a positive"),
+        (dict(dtype="float8_e4m3fn", mla=True, num_kv_heads=1, v_scales=(1.0, 1.0)),
+         "one latent plane"),
+        (dict(dtype="float8_e4m3fn", k_scales="ab"), "must be a sequence of floats"),
+    ],
+)  # fmt: skip
+def test_bad_scales_are_refused_with_the_fix(changes, message):
+    with pytest.raises(ValueError, match=message):
+        spec(**changes)

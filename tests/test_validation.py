@@ -32,7 +32,6 @@ def scenario(**dst_changes):
     [
         (dict(head_dim=16), "head_dim differs"),
         (dict(num_layers=3), "num_layers differs"),
-        (dict(dtype="bfloat16"), "dtype differs"),
         (dict(heads=8), "num_kv_heads differs"),
     ],
 )

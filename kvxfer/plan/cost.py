@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 
 from kvxfer.plan.heads import HeadRoute
-from kvxfer.plan.layout import BlockGeometry, moved_bytes
+from kvxfer.plan.layout import moved_bytes
 from kvxfer.plan.program import (
     CellCopy,
     ProgramShape,
@@ -144,19 +144,24 @@ def estimate_strategies(
     src_spec = msgspec.structs.replace(src_spec, num_blocks=int(src_ids[-1]) + 1)
     dst_spec = msgspec.structs.replace(dst_spec, num_blocks=int(dst_ids[-1]) + 1)
     layers, _, _ = route.layer_span(src_spec, dst_spec)
-    geometry = BlockGeometry.of_spec(src_spec)
-    nbytes = layers * moved_bytes(geometry, route.num_heads, tokens)
     estimates = []
     for strategy in strategies:
         shape = program_shape(
             strategy, route, src_spec, dst_spec, src_ids, dst_ids, 0, tokens, landing
         )
+        nbytes = wire_bytes(shape, route, tokens)
         ops = count_program_segments(shape, route, 0, tokens, layers)
         passes = sum(_copy_passes(shape, model))
         estimates.append(
             StrategyEstimate(strategy, ops, nbytes, passes, model.seconds(ops, nbytes, passes))
         )
     return tuple(estimates)
+
+
+def wire_bytes(shape: ProgramShape, route: HeadRoute, tokens: int) -> int:
+    """Bytes a program shape sends for `tokens` tokens: in the dtype of the buffer it sends
+    from (between two dtypes, `pack` and a quantizing `pack+unpack` send the narrower)."""
+    return shape.num_layers * moved_bytes(shape.send_from.geometry, route.num_heads, tokens)
 
 
 def _touches_mirror(copy: CellCopy) -> bool:
@@ -223,7 +228,7 @@ def chunk_cost(
     shape = program_shape(strategy, route, src_spec, dst_spec, src_ids, dst_ids, 0, tokens, landing)
     layers = shape.num_layers
     ops = count_program_segments(shape, route, 0, tokens, layers)
-    nbytes = layers * moved_bytes(BlockGeometry.of_spec(src_spec), route.num_heads, tokens)
+    nbytes = wire_bytes(shape, route, tokens)
     pack_passes, unpack_passes = _copy_passes(shape, model)
     per_pass = 2 * nbytes / model.memory_bytes_per_second
     launch = model.seconds_per_kernel_launch

@@ -36,6 +36,7 @@ class BlockGeometry:
     head_dim: int
     itemsize: int
     block_stride: int = 0  # elements between blocks; 0: dense (KVCacheSpec.block_stride)
+    dtype: str = ""  # KVCacheSpec.dtype; "" where only the element size matters
 
     @classmethod
     def of_spec(cls, spec: KVCacheSpec) -> BlockGeometry:
@@ -54,6 +55,7 @@ class BlockGeometry:
             head_dim=spec.head_dim,
             itemsize=spec.itemsize,
             block_stride=spec.block_stride,
+            dtype=spec.dtype,
         )
         if len(_GEOMETRIES) >= _GEOMETRIES_MAX:
             _GEOMETRIES.clear()
@@ -191,12 +193,14 @@ def staging_mirror(
         num_heads=num_heads,
         head_dim=like.head_dim,
         itemsize=like.itemsize,
+        dtype=like.dtype,
     )
     return PagedView(geometry, np.arange(last - first + 1), first * bs, 0, "staging")
 
 
 def wire_buffer(like: BlockGeometry, num_heads: int, token_start: int, token_end: int) -> PagedView:
-    """The compact wire layout `[layers, 2, tokens, heads, head_dim]` (MLA: no plane axis).
+    """The compact wire layout `[layers, 2, tokens, heads, head_dim]` (MLA: no plane axis), in
+    `like`'s dtype.
 
     That is an NHD, kv_first buffer with one block of `tokens` slots.
     """
@@ -209,5 +213,6 @@ def wire_buffer(like: BlockGeometry, num_heads: int, token_start: int, token_end
         num_heads=num_heads,
         head_dim=like.head_dim,
         itemsize=like.itemsize,
+        dtype=like.dtype,
     )
     return PagedView(geometry, np.zeros(1, dtype=np.int64), token_start, 0, "staging")

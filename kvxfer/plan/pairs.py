@@ -9,17 +9,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvxfer.plan.cost import CostModel, StrategyEstimate, estimate_strategies
 from kvxfer.plan.heads import HeadRoute, routes_into
 from kvxfer.plan.program import Strategy, check_strategy, check_strategy_for, strategies_for
-from kvxfer.spec import KVCacheSpec
+from kvxfer.spec import FP8_DTYPES, KVCacheSpec
 
 # Fields that must agree between the two sides, and why a mismatch cannot be bridged (the
 # model's layer count is checked apart: `num_layers` counts a pipeline stage's layers only).
 _PAIRED_FIELDS = {
     "num_kv_heads": "both engines must serve the same model",
     "head_dim": "both engines must serve the same model",
-    "dtype": "KV dtype conversion is not supported yet; use the same kv cache dtype",
     "mla": "an MLA latent cache cannot pair with a K/V cache",
 }
 # Fields that must agree among the ranks of one engine (and `num_layers`, `layer_start` among
@@ -122,6 +123,39 @@ def check_pairable(src: KVCacheSpec, dst: KVCacheSpec) -> None:
         a, b = getattr(src, field), getattr(dst, field)
         if a != b:
             raise ValueError(f"{field} differs: source has {a!r}, destination has {b!r}; {reason}")
+    check_dtypes(src, dst)
+
+
+def check_dtypes(src: KVCacheSpec, dst: KVCacheSpec) -> None:
+    """Check that the source's KV dtype can become the destination's: equal dtypes move as
+    bytes (fp8 ones only with equal scales on the layers both hold), and the copy kernels
+    convert between a 16- or 32-bit float and fp8 or another such float; never between two fp8
+    formats (docs/kernels-and-layouts.md, "Dtype conversion").
+
+    Raises:
+        ValueError: naming the two dtypes, or the layer whose scales differ, and the fix.
+    """
+    if src.dtype in FP8_DTYPES and dst.dtype in FP8_DTYPES and src.dtype != dst.dtype:
+        raise ValueError(
+            f"dtype differs: source has {src.dtype!r}, destination has {dst.dtype!r}; kvxfer "
+            "converts between fp8 and 16- or 32-bit floats, not between two fp8 formats: use "
+            "one fp8 format on both engines"
+        )
+    if src.dtype == dst.dtype and src.dtype in FP8_DTYPES:
+        first = max(src.layer_start, dst.layer_start)
+        last = min(src.layer_start + src.num_layers, dst.layer_start + dst.num_layers)
+        if first >= last:
+            return
+        theirs = src.layer_scales(first - src.layer_start, last - first)
+        ours = dst.layer_scales(first - dst.layer_start, last - first)
+        if not np.array_equal(theirs, ours):
+            layer = first + int(np.nonzero((theirs != ours).any(axis=1))[0][0])
+            raise ValueError(
+                f"k_scales/v_scales differ at layer {layer}: source "
+                f"{theirs[layer - first].tolist()}, destination {ours[layer - first].tolist()}; "
+                "fp8 bytes mean one thing only under one scale: give both engines the same "
+                "scales, or run one of them with a 16-bit KV cache (kvxfer then converts)"
+            )
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,13 @@ local cell copy on the destination"; they differ only in the buffers the segment
 | unpack      | -                            | cache -> mirror of src  | scatter from the mirror  |
 | pack+unpack | gather into the wire layout  | wire -> wire (one run)  | scatter from the wire    |
 
+Between two KV dtypes (`check_dtypes`) the bytes change on the way, so `direct` is out; the
+conversion runs in a cell copy: `pack` converts on the source (its mirror holds the
+destination's dtype), `unpack` on the destination (its mirror holds the source's), and
+`pack+unpack` where the wire carries fewer bytes: on the source when the destination's dtype is
+the narrower, else on the destination (a 16-bit source and an fp8 destination: fp8 on the wire).
+A converting `CellCopy` carries the fp8 side's scales for its layers.
+
 A program moves its route's layers only (`HeadRoute`): the cache views start at each side's
 local index of the route's first layer, staging holds the route's layers alone.
 
@@ -49,7 +56,7 @@ from kvxfer.plan.segments import (
     expand_layers,
     layer_template,
 )
-from kvxfer.spec import KVCacheSpec
+from kvxfer.spec import FP8_DTYPES, KVCacheSpec
 
 Strategy = Literal["direct", "pack", "unpack", "pack+unpack"]
 STRATEGIES: tuple[Strategy, ...] = ("direct", "pack", "unpack", "pack+unpack")
@@ -74,9 +81,12 @@ def strategies_for(src_spec: KVCacheSpec, dst_spec: KVCacheSpec) -> tuple[Strate
     are not contiguous rows, so byte segments never address that cache; only a cell copy on
     its own side (the torch backend) reads or writes it. A `k_transposed` source then needs a
     pack, a `k_transposed` destination an unpack (landing: `direct` and `pack` would land in a
-    mirror of the destination's blocks, which the segments cannot address either).
+    mirror of the destination's blocks, which the segments cannot address either). Between two
+    dtypes `direct` is out: only a cell copy converts.
     """
     excluded: set[Strategy] = set()
+    if src_spec.dtype != dst_spec.dtype:
+        excluded.add("direct")
     if _k_transposed(src_spec):
         excluded |= _SEGMENTS_FROM_SOURCE_CACHE
     if _k_transposed(dst_spec):
@@ -93,6 +103,12 @@ def check_strategy_for(strategy: Strategy, src_spec: KVCacheSpec, dst_spec: KVCa
     allowed = strategies_for(src_spec, dst_spec)
     if strategy in allowed:
         return
+    if strategy == "direct" and src_spec.dtype != dst_spec.dtype:
+        raise ValueError(
+            f"strategy 'direct' cannot move KV here: it copies bytes, and the source's "
+            f"{src_spec.dtype} must become the destination's {dst_spec.dtype}; use one of "
+            f"{list(allowed)} (a cell copy converts), or let the cost model choose (strategy=None)"
+        )
     side = "source" if _k_transposed(src_spec) else "destination"
     raise ValueError(
         f"strategy {strategy!r} cannot move KV here: the {side} cache is 'k_transposed' (vLLM "
@@ -110,7 +126,9 @@ class CellCopy:
     """A local copy of the moved cells between two buffers of one side (a kernel pass).
 
     It copies `num_layers` layers: a cache's from its view's `layer_offset` on, a staging
-    buffer's from its first; None copies every layer of the tensors it is given.
+    buffer's from its first; None copies every layer of the tensors it is given. Between two
+    dtypes it converts, with `scales` (float32 `[layers, planes]`: the fp8 side's, for the
+    copy's layers) where one side is fp8.
     """
 
     src: PagedView
@@ -119,6 +137,7 @@ class CellCopy:
     token_start: int
     token_end: int
     num_layers: int | None = None
+    scales: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
@@ -191,8 +210,9 @@ def _staging_views(
         return mirror, mirror if landing else None
     if strategy == "unpack":
         return None, staging_mirror(src_geometry, n, t0, t1)
-    if strategy == "pack+unpack":
-        wire = wire_buffer(src_geometry, n, t0, t1)
+    if strategy == "pack+unpack":  # in the narrower dtype: converted where that saves wire bytes
+        narrower = dst_geometry if dst_geometry.itemsize < src_geometry.itemsize else src_geometry
+        wire = wire_buffer(narrower, n, t0, t1)
         return wire, wire
     return None, staging_mirror(dst_geometry, n, t0, t1) if landing else None
 
@@ -217,8 +237,9 @@ def program_shape(
     src_staging, dst_staging = _staging_views(
         strategy, src_cache.geometry, dst_cache.geometry, n, t0, t1, landing
     )
-    pack = CellCopy(src_cache, src_staging, n, t0, t1, layers) if src_staging else None
-    unpack = CellCopy(dst_staging, dst_cache, n, t0, t1, layers) if dst_staging else None
+    specs = (src_spec, dst_spec)
+    pack = _cell_copy(src_cache, src_staging, route, specs, t0, t1) if src_staging else None
+    unpack = _cell_copy(dst_staging, dst_cache, route, specs, t0, t1) if dst_staging else None
     send_from, send_to = src_staging or src_cache, dst_staging or dst_cache
     return ProgramShape(strategy, send_from, send_to, pack, unpack, layers)
 
@@ -246,9 +267,10 @@ def unpack_copy(
     )
     if dst_staging is None:
         return None
-    layers, _, dst_layer = route.layer_span(src_spec, dst_spec)
+    _, _, dst_layer = route.layer_span(src_spec, dst_spec)
     dst_cache = cache_view(dst_spec, dst_block_ids, route.dst_head_offset, dst_layer)
-    return CellCopy(dst_staging, dst_cache, route.num_heads, token_start, token_end, layers)
+    specs = (src_spec, dst_spec)
+    return _cell_copy(dst_staging, dst_cache, route, specs, token_start, token_end)
 
 
 def pack_copy(
@@ -272,9 +294,32 @@ def pack_copy(
     )
     if src_staging is None:
         return None
-    layers, src_layer, _ = route.layer_span(src_spec, dst_spec)
+    _, src_layer, _ = route.layer_span(src_spec, dst_spec)
     src_cache = cache_view(src_spec, src_block_ids, route.src_head_offset, src_layer)
-    return CellCopy(src_cache, src_staging, route.num_heads, token_start, token_end, layers)
+    specs = (src_spec, dst_spec)
+    return _cell_copy(src_cache, src_staging, route, specs, token_start, token_end)
+
+
+def _cell_copy(
+    src: PagedView,
+    dst: PagedView,
+    route: HeadRoute,
+    specs: tuple[KVCacheSpec, KVCacheSpec],
+    token_start: int,
+    token_end: int,
+) -> CellCopy:
+    """The cell copy from `src` to `dst` (one side's cache and staging, or the reverse) of
+    the route's layers, with the scales a conversion between them needs. `specs`: the
+    pair's (source, destination)."""
+    src_spec, dst_spec = specs
+    layers, src_layer, dst_layer = route.layer_span(src_spec, dst_spec)
+    scales = None
+    a, b = src.geometry.dtype, dst.geometry.dtype
+    if a != b and (a in FP8_DTYPES or b in FP8_DTYPES):  # the fp8 side's, for these layers
+        fp8_source = src_spec.dtype in FP8_DTYPES
+        fp8_spec, first = (src_spec, src_layer) if fp8_source else (dst_spec, dst_layer)
+        scales = fp8_spec.layer_scales(first, layers)
+    return CellCopy(src, dst, route.num_heads, token_start, token_end, layers, scales)
 
 
 def shape_template(shape: ProgramShape, route: HeadRoute, start: int, end: int) -> LayerTemplate:
@@ -360,7 +405,8 @@ def max_chunk_tokens(
     """
     planes = 1 if src_spec.mla else 2
     layers, _, _ = route.layer_span(src_spec, dst_spec)
-    row = layers * planes * route.num_heads * src_spec.head_dim * src_spec.itemsize
+    itemsize = max(src_spec.itemsize, dst_spec.itemsize)  # staging of either dtype fits
+    row = layers * planes * route.num_heads * src_spec.head_dim * itemsize
     limits = []
     if strategy == "pack+unpack":
         limits.append(min(src_slot_bytes, dst_slot_bytes) // row)

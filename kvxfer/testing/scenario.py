@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvxfer.reference import random_global_kv, write_rank_cells
-from kvxfer.spec import KVCacheSpec, allocate_kv_caches
+from kvxfer.reference import converted_global_kv, model_scales, random_global_kv, write_rank_cells
+from kvxfer.spec import FP8_DTYPES, KVCacheSpec, allocate_kv_caches
 from kvxfer.testing.geometry import random_block_table
 from kvxfer.testing.memory import POISON, bits, poison
 
@@ -53,9 +53,16 @@ def make_scenario(
     seed: int = 0,
     contiguous: bool = False,
 ) -> Scenario:
-    """Fill sources with noise plus the request's KV; poison destinations; compute expectations."""
+    """Fill sources with noise plus the request's KV; poison destinations; compute expectations
+    (between two KV dtypes: the request's KV as the destination's engine would store it,
+    `converted_global_kv` with the fp8 side's scales)."""
     rng = np.random.default_rng(seed)
     kv = random_global_kv(src_specs[0], num_tokens, seed=seed)
+    want_kv = kv
+    if dst_specs[0].dtype != src_specs[0].dtype:
+        fp8_side = src_specs if src_specs[0].dtype in FP8_DTYPES else dst_specs
+        scales = model_scales(fp8_side) if fp8_side[0].dtype in FP8_DTYPES else None
+        want_kv = converted_global_kv(kv, dst_specs[0].torch_dtype, scales)
     src, dst, expected = [], [], []
     for spec in src_specs:
         caches = allocate_kv_caches(spec)
@@ -69,7 +76,7 @@ def make_scenario(
         poison(caches)
         ids = random_block_table(spec, num_tokens, rng, contiguous)
         want = [t.clone() for t in caches]
-        write_rank_cells(spec, want, ids, kv, start_token, num_tokens)
+        write_rank_cells(spec, want, ids, want_kv, start_token, num_tokens)
         dst.append((spec, caches, ids))
         expected.append(want)
     return Scenario(src, dst, expected, num_tokens, start_token)

@@ -1,0 +1,85 @@
+"""vLLM's quantization arithmetic (`convert_torch`), byte for byte on values worked out by hand:
+saturation, ties to even, subnormals, signed zeros, NaN and infinities; and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvxfer.kernels.convert import check_conversion, convert_torch
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("dst", "value", "scale", "byte"),
+    [
+        (E4M3, 448.0, 1.0, 0x7E),  # the largest finite e4m3
+        (E4M3, 464.0, 1.0, 0x7E),  # beyond it: saturated (not NaN, which e4m3fn overflow is)
+        (E4M3, 1e9, 1.0, 0x7E),
+        (E4M3, INF, 1.0, 0x7E),
+        (E4M3, -INF, 1.0, 0xFE),
+        (E4M3, NAN, 1.0, 0x7F),
+        (E4M3, -NAN, 1.0, 0x7F),  # one canonical NaN
+        (E4M3, 1.0, 1.0, 0x38),
+        (E4M3, 1.0625, 1.0, 0x38),  # the tie between 1 and 1.125: to even
+        (E4M3, 1.1875, 1.0, 0x3A),  # the tie between 1.125 and 1.25: to even
+        (E4M3, 2.0**-6, 1.0, 0x08),  # the smallest normal
+        (E4M3, 2.0**-10, 1.0, 0x00),  # half the smallest subnormal: to even (zero)
+        (E4M3, 3 * 2.0**-10, 1.0, 0x02),  # 1.5 subnormal steps: to even (2)
+        (E4M3, -(2.0**-10), 1.0, 0x80),  # a negative zero
+        (E4M3, 1.0, 0.5, 0x40),  # divided by the scale: 2
+        (E4M3, 300.0, 0.5, 0x7E),  # 600 saturates
+        (E5M2, 57344.0, 1.0, 0x7B),
+        (E5M2, 61440.0, 1.0, 0x7B),
+        (E5M2, INF, 1.0, 0x7B),
+        (E5M2, NAN, 1.0, 0x7F),
+        (E5M2, 1.0, 1.0, 0x3C),
+        (E5M2, 2.0**-16, 1.0, 0x01),
+        (E5M2, 2.0**-17, 1.0, 0x00),
+        (E5M2, 3 * 2.0**-17, 1.0, 0x02),
+    ],
+)
+def test_quantization_gives_vllms_bytes(dst, value, scale, byte):
+    got = convert_torch(torch.tensor([value], dtype=torch.float32), dst, torch.tensor(scale))
+    assert int(got.view(torch.uint8)[0]) == byte
+
+
+def test_quantization_rounds_once_from_bfloat16():
+    # bf16 1.0625 is exact; the only rounding is the one into e4m3 (to even: 1.0)
+    value = torch.tensor([1.0625], dtype=torch.bfloat16)
+    assert int(convert_torch(value, E4M3, torch.tensor(1.0)).view(torch.uint8)[0]) == 0x38
+
+
+@pytest.mark.parametrize(
+    ("src_byte", "scale", "dst", "bits"),
+    [
+        (0x7E, 2.0, torch.bfloat16, 0x4460),  # 448 * 2 = 896
+        (0x01, 1.0, torch.float32, 0x3B000000),  # 2^-9, the smallest e4m3 subnormal
+        (0x7F, 1.0, torch.bfloat16, 0x7FC0),  # NaN
+        (0xFF, 1.0, torch.float16, 0x7E00),  # NaN, sign dropped
+        (0x80, 3.0, torch.bfloat16, -0x8000),  # -0 stays -0 (0x8000 as int16)
+    ],
+)
+def test_dequantization_multiplies_by_the_scale(src_byte, scale, dst, bits):
+    value = torch.tensor([src_byte], dtype=torch.uint8).view(E4M3)
+    got = convert_torch(value, dst, torch.tensor(scale))
+    assert int(got.view({2: torch.int16, 4: torch.int32}[got.element_size()])[0]) == bits
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "scales", "message"),
+    [
+        (E4M3, E5M2, torch.ones(2, 2), "not between two fp8 formats"),
+        (torch.bfloat16, E4M3, None, "needs the destination's scales"),
+        (E4M3, torch.bfloat16, None, "needs the source's scales"),
+        (torch.bfloat16, E4M3, torch.ones(2, 1), r"float32 \[2, 2\]"),
+        (torch.bfloat16, E4M3, torch.ones(2, 2, dtype=torch.float64), r"float32 \[2, 2\]"),
+        (torch.bfloat16, torch.float32, torch.ones(2, 2), "uses no scales"),
+        (torch.int32, torch.bfloat16, None, "cannot be converted"),
+    ],
+)
+def test_an_unsupported_conversion_is_refused_with_the_fix(src, dst, scales, message):
+    with pytest.raises(ValueError, match=message):
+        check_conversion(src, dst, scales, 2, 2)
