@@ -742,8 +742,9 @@ class KVProducer:
             slot = self._acquire_slot(session, pool, time.monotonic() + max(remaining, 0.1))
             try:
                 layers = pack.num_layers or self.spec.num_layers  # the route's layers
-                elements = layers * pack.dst.geometry.layer_elements
-                staging = pool.slot_tensor(slot, self.caches[0].dtype)[:elements]
+                # In bytes: between two KV dtypes the staging holds the destination's
+                nbytes = layers * pack.dst.geometry.layer_bytes
+                staging = pool.slot_tensor(slot, torch.uint8)[:nbytes]
                 with self._lock:
                     fence = self._fences.get(ask.request_id)
                 # After the publish's fence; then wait for this pack's own event only: the NIC

@@ -52,8 +52,9 @@ class CacheCopier:
         """Copy staging slot `slot` of `pool` into the cache by `copy` (after `fence`); the
         future completes once the copy has finished (on CUDA: its own event)."""
         layers = copy.num_layers or len(self._caches)  # the route's layers
-        elements = layers * copy.src.geometry.layer_elements
-        staging = pool.slot_tensor(slot, self._caches[0].dtype)[:elements]
+        # In bytes: between two KV dtypes the staging holds the source's (run_cell_copy views it)
+        nbytes = layers * copy.src.geometry.layer_bytes
+        staging = pool.slot_tensor(slot, torch.uint8)[:nbytes]
         run = functools.partial(run_cell_copy, copy, [staging], self._caches, self._backend)
         return self._pool.submit(self._copy_into_cache, run, fence)
 
