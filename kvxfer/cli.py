@@ -136,6 +136,12 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--head-dim", type=_positive, default=128, help="elements per head")
     model.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="cache dtype")
+    model.add_argument(
+        "--decode-dtype",
+        choices=DTYPES,
+        help="the decode's cache dtype, when it differs (e.g. float8_e4m3fn: the kernels "
+        "convert, with scales 1.0 here; default: --dtype)",
+    )
     model.add_argument("--mla", action="store_true", help="an MLA latent cache (one head)")
     defaults = {"prefill": (2, 16), "decode": (4, 16)}
     for side in _SIDES:
@@ -202,7 +208,7 @@ def _side_specs(args: argparse.Namespace, side: str) -> list[KVCacheSpec]:
         num_layers=args.num_layers,
         num_kv_heads=_plan_heads(args),
         head_dim=args.head_dim,
-        dtype=args.dtype,
+        dtype=args.decode_dtype or args.dtype if side == "decode" else args.dtype,
         tp_size=tp,
         tp_rank=0,
         block_size=block_size,
@@ -218,6 +224,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     from dataclasses import replace
 
     from kvxfer.plan import CostModel, plan_pairs
+    from kvxfer.plan.program import conversion_side
 
     if args.tokens <= 0:
         raise ValueError(f"--tokens: must be positive, got {args.tokens}")
@@ -227,6 +234,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     plans = plan_pairs(
         src, dst, cost_model=model, strategy=args.strategy, reference_tokens=args.tokens
     )
+    converts = {plan.strategy: conversion_side(plan.strategy, src[0], dst[0]) for plan in plans}
     per_source: dict[int, float] = {}
     for plan in plans:
         per_source[plan.src_rank] = per_source.get(plan.src_rank, 0.0) + plan.chosen.seconds
@@ -236,7 +244,9 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         "link": args.link,
         "prefill": _side_summary(src[0]),
         "decode": _side_summary(dst[0]),
-        "pairs": [_pair_summary(plan) for plan in plans],
+        "pairs": [
+            {**_pair_summary(plan), "converts_on": converts[plan.strategy]} for plan in plans
+        ],
         "total": {
             "segments": sum(p.chosen.num_ops for p in plans),
             "bytes": sum(p.chosen.nbytes for p in plans),
@@ -253,6 +263,7 @@ def _side_summary(spec: KVCacheSpec) -> dict[str, Any]:
         "layout": "MLA" if spec.mla else spec.layout,
         "placement": spec.kv_placement,
         "heads_per_rank": spec.heads_per_rank,
+        "dtype": spec.dtype,
     }
 
 
@@ -282,8 +293,9 @@ def format_plan(report: dict[str, Any]) -> str:
     """Human-readable table of a plan report."""
     p, d = report["prefill"], report["decode"]
     lines = [
-        f"prefill TP {p['tp']} bs {p['block_size']} {p['layout']}/{p['placement']}  ->  "
-        f"decode TP {d['tp']} bs {d['block_size']} {d['layout']}/{d['placement']}",
+        f"prefill TP {p['tp']} bs {p['block_size']} {p['layout']}/{p['placement']} "
+        f"{p['dtype']}  ->  decode TP {d['tp']} bs {d['block_size']} "
+        f"{d['layout']}/{d['placement']} {d['dtype']}",
         f"request: {report['tokens']} tokens, {report['block_allocation']} blocks, "
         f"{report['link']} cost model",
         "",
@@ -303,6 +315,9 @@ def format_plan(report: dict[str, Any]) -> str:
             f"{pair['estimated_seconds'] * 1e3:>9.3f}   {others}"
         )
     t = report["total"]
+    sides = sorted({pair["converts_on"] for pair in report["pairs"]} - {None})
+    if sides:
+        lines += ["", f"{p['dtype']} -> {d['dtype']}: converted on the {' and '.join(sides)}"]
     lines += [
         "",
         f"total: {len(report['pairs'])} pairs, {t['segments']} segments, {t['bytes']:,} bytes, "

@@ -91,7 +91,7 @@ def test_plan_json_keys(capsys):
         "pairs",
         "total",
     }
-    side = {"tp", "block_size", "layout", "placement", "heads_per_rank"}
+    side = {"tp", "block_size", "layout", "placement", "heads_per_rank", "dtype"}
     assert set(report["prefill"]) == set(report["decode"]) == side
     assert report["decode"] == {
         "tp": 4,
@@ -99,6 +99,7 @@ def test_plan_json_keys(capsys):
         "layout": "HND",
         "placement": "kv_first",
         "heads_per_rank": 3,
+        "dtype": "bfloat16",
     }
     pair = {
         "src_rank",
@@ -109,6 +110,7 @@ def test_plan_json_keys(capsys):
         "bytes",
         "estimated_seconds",
         "estimates",
+        "converts_on",
     }
     for p in report["pairs"]:
         assert set(p) == pair
@@ -136,11 +138,39 @@ def test_plan_forced_strategy(capsys):
     assert {p["strategy"] for p in report["pairs"]} == {"direct"}
 
 
+@pytest.mark.parametrize(
+    ("decode_dtype", "side", "wire_itemsize"),
+    [("float8_e4m3fn", "source", 1), ("float32", "destination", 2)],
+)
+def test_plan_with_a_decode_dtype_converts_where_the_wire_is_narrower(
+    capsys, decode_dtype, side, wire_itemsize
+):
+    assert main([*ARGS, "--json", "--decode-dtype", decode_dtype]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["prefill"]["dtype"], report["decode"]["dtype"]) == ("bfloat16", decode_dtype)
+    for p in report["pairs"]:
+        assert "direct" not in p["estimates"]  # a byte copy cannot convert
+        assert p["strategy"] == "pack+unpack" or p["converts_on"] == (
+            "source" if p["strategy"] == "pack" else "destination"
+        )
+        if p["strategy"] == "pack+unpack":
+            assert p["converts_on"] == side
+    forced = [*ARGS, "--json", "--decode-dtype", decode_dtype, "--strategy", "pack+unpack"]
+    assert main(forced) == 0
+    wire = json.loads(capsys.readouterr().out)
+    heads, tokens, layers, dim = 12, 300, 4, 64
+    assert wire["total"]["bytes"] == layers * 2 * tokens * heads * dim * wire_itemsize
+    assert {p["converts_on"] for p in wire["pairs"]} == {side}
+    assert main([*ARGS, "--json"]) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert {p["converts_on"] for p in same["pairs"]} == {None}
+
+
 def test_plan_table_runs_as_a_command():
     done = kvxfer(*ARGS)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert "prefill TP 3 bs 16 NHD/kv_first  ->  decode TP 4 bs 48 HND/kv_first" in out
+    assert "prefill TP 3 bs 16 NHD/kv_first bfloat16  ->  decode TP 4 bs 48 HND/kv_first" in out
     assert "0->1" in out and "[3,4)" in out
     assert "total: 6 pairs" in out
 

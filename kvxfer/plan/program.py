@@ -117,6 +117,18 @@ def check_strategy_for(strategy: Strategy, src_spec: KVCacheSpec, dst_spec: KVCa
     )
 
 
+def conversion_side(
+    strategy: Strategy, src_spec: KVCacheSpec, dst_spec: KVCacheSpec
+) -> Literal["source", "destination"] | None:
+    """Which side's cell copy converts between the two KV dtypes under `strategy` (the module
+    docstring), or None between equal dtypes."""
+    if src_spec.dtype == dst_spec.dtype:
+        return None
+    if strategy == "pack" or (strategy == "pack+unpack" and dst_spec.itemsize < src_spec.itemsize):
+        return "source"
+    return "destination"
+
+
 def _k_transposed(spec: KVCacheSpec) -> bool:
     return is_k_transposed(spec.kv_placement, spec.mla)
 
