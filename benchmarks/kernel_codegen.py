@@ -5,7 +5,8 @@
     python benchmarks/kernel_codegen.py --check    # exit 1 unless every aligned row is clean
 
 Every configuration the planner can produce (pack and unpack of NHD and HND caches, head
-slices, remaps that change the block size, landing mirrors, MLA, fp8, kv_inner) is prepared by
+slices, remaps that change the block size, landing mirrors, MLA, fp8, kv_inner, and the
+converting copies between two dtypes, named `SRC->DST`) is prepared by
 `prepare_cell_copy` on small CPU tensors of the real geometry, exactly as a launch would be,
 then compiled by Triton for sm_90 (Triton ships ptxas, so no GPU is needed). Each row reports:
 
@@ -37,7 +38,9 @@ from typing import Any
 
 import torch
 
-# The kernel has no float arithmetic; the setting only silences Triton 3.9's warning about it.
+# Fusing a multiply and an add into an FMA (Triton's default, set here only to silence Triton
+# 3.9's warning) changes no result of the kernel: its one multiply-add, in the fp8 rounding of
+# `kvxfer.kernels.convert`, multiplies by a power of two, which is exact.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import triton
 from triton.backends.compiler import GPUTarget
@@ -45,6 +48,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import compute_cache_key, create_function_from_signature
 
 from kvxfer.kernels import KVBuffer, StackedLayers, prepare_cell_copy, wire_kv_buffer
+from kvxfer.kernels.convert import scale_mode
 from kvxfer.kernels.copy_cells import CellCopyLaunch, _copy_cells_kernel
 from kvxfer.layout import layer_shape
 
@@ -172,13 +176,18 @@ class Config:
     moved: int = 8
     head_dim: int = 128
     dtype: torch.dtype = torch.bfloat16
+    dst_dtype: torch.dtype | None = None  # a converting copy: the destination's dtype
 
     def launch(self) -> CellCopyLaunch:
         """Prepare the launch on small CPU tensors of this geometry."""
         tokens = 192  # a multiple of every block size below
+        dst_dtype = self.dst_dtype or self.dtype
         src = _buffer(self.src, self.moved, self.head_dim, self.dtype, tokens)
-        dst = _buffer(self.dst, self.moved, self.head_dim, self.dtype, tokens)
-        return prepare_cell_copy(src, dst, 0, tokens, self.moved)
+        dst = _buffer(self.dst, self.moved, self.head_dim, dst_dtype, tokens)
+        scales = None
+        if scale_mode(self.dtype, dst_dtype):
+            scales = torch.ones((2, 1 if self.src.mla else 2), dtype=torch.float32)
+        return prepare_cell_copy(src, dst, 0, tokens, self.moved, scales=scales)
 
 
 CACHE_NHD = Side("cache", "NHD")
@@ -214,6 +223,51 @@ CONFIGS = [
     Config("pack MLA 576 bs64 -> wire", Side("cache", mla=True, block_size=64), MLA_WIRE, 1, 576),
     Config("unpack wire -> MLA 576 bs16", MLA_WIRE, Side("cache", mla=True), 1, 576),
     Config("narrow: fp16 head_dim 5 (10-byte rows)", CACHE_NHD, WIRE, 8, 5, torch.float16),
+    # Converting copies (docs/kernels-and-layouts.md, "Dtype conversion"): quantizing packs,
+    # dequantizing unpacks, an MLA latent, a widening and a narrowing between 16/32 bits.
+    Config("pack bfloat16->float8_e4m3fn NHD bs16 -> wire", CACHE_NHD, WIRE, dst_dtype=FP8_E4M3),
+    Config(
+        "pack bfloat16->float8_e5m2 HND bs16 -> mirror HND bs64",
+        CACHE_HND,
+        Side("mirror", "HND", block_size=64),
+        dst_dtype=FP8_E5M2,
+    ),
+    Config(
+        "unpack float8_e4m3fn->bfloat16 wire -> HND bs64",
+        WIRE,
+        HND_64,
+        dtype=FP8_E4M3,
+        dst_dtype=torch.bfloat16,
+    ),
+    Config(
+        "unpack float8_e5m2->float16 wire -> kv_inner HND bs32",
+        WIRE,
+        Side("cache", "HND", "kv_inner", block_size=32),
+        dtype=FP8_E5M2,
+        dst_dtype=torch.float16,
+    ),
+    Config(
+        "pack MLA 576 bfloat16->float8_e4m3fn bs64 -> wire",
+        Side("cache", mla=True, block_size=64),
+        MLA_WIRE,
+        1,
+        576,
+        dst_dtype=FP8_E4M3,
+    ),
+    Config(
+        "unpack float32->bfloat16 wire -> NHD bs16",
+        WIRE,
+        CACHE_NHD,
+        dtype=torch.float32,
+        dst_dtype=torch.bfloat16,
+    ),
+    Config(
+        "unpack float8_e4m3fn->float32 wire -> NHD bs16",
+        WIRE,
+        CACHE_NHD,
+        dtype=FP8_E4M3,
+        dst_dtype=torch.float32,
+    ),
 ]
 
 
@@ -264,10 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"target": "sm_90", "rows": rows}, indent=1))
     else:
-        print(f"{'config':44} aligned  T warps  ld  st  regs spill div64")
+        print(f"{'config':56} aligned  T warps  ld  st  regs spill div64")
         for r in rows:
             print(
-                f"{r['config']:44} {r['aligned']!s:7} {r['block_t']:2} {r['num_warps']:5} "
+                f"{r['config']:56} {r['aligned']!s:7} {r['block_t']:2} {r['num_warps']:5} "
                 f"{r['ld_bits']:3} {r['st_bits']:3} {r['registers']:5} {r['spill_bytes']:5} "
                 f"{r['div64']!s}"
             )

@@ -21,7 +21,9 @@ def test_every_aligned_configuration_compiles_to_16_byte_accesses_without_spills
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout)["rows"]
     configs = " ".join(r["config"] for r in rows)
-    for kind in ("pack", "unpack", "remap", "mirror", "MLA", "fp8", "kv_inner", "heads"):
+    kinds = ("pack", "unpack", "remap", "mirror", "MLA", "fp8", "kv_inner", "heads")
+    conversions = ("bfloat16->float8_e4m3fn", "bfloat16->float8_e5m2", "float8_e4m3fn->bfloat16")
+    for kind in (*kinds, *conversions):
         assert kind in configs, f"no {kind} configuration compiled"
     aligned = [r for r in rows if r["aligned"]]
     assert len(aligned) >= 15

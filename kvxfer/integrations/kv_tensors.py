@@ -22,8 +22,11 @@ Dtypes: float16, bfloat16, float32, and fp8 caches. A float8_e4m3fn or float8_e5
 its format. vLLM allocates fp8 caches (`kv_cache_dtype` "fp8", "fp8_e4m3", "fp8_e5m2") as
 uint8 tensors, whose bytes do not say which format they hold; the format then comes from
 `EngineGeometry.kv_cache_dtype` (vLLM's `cache_config.cache_dtype`), and a uint8 cache without
-it is refused with an error that names that setting. kvxfer never converts: the format is part
-of the handshake, so that both sides agree on what the bytes mean.
+it is refused with an error that names that setting. The format is part of the handshake, so
+that both sides agree on what the bytes mean; an fp8 cache's per-layer scales (vLLM's
+`k_scale`, `v_scale`) come with its tensors (`spec_from_layers(scales=...)`) and travel in the
+spec, so a 16-bit engine and an fp8 engine pair and the kernels convert
+(docs/kernels-and-layouts.md, "Dtype conversion").
 
 Pipeline parallelism: a stage registers the caches of its own layers only, named by the model's
 layers (vLLM: `model.layers.7.self_attn.attn`). `spec_from_layers` takes each tensor's model-layer
@@ -39,7 +42,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
+import msgspec
 import torch
 
 from kvxfer.layout import (
@@ -54,7 +59,9 @@ from kvxfer.layout import (
     SLOT,
     layer_axes,
 )
-from kvxfer.spec import KVCacheSpec
+from kvxfer.spec import FP8_DTYPES, KVCacheSpec
+
+_Item = TypeVar("_Item")  # a cache tensor, with what goes with it (`_place_layers`)
 
 # The layout contract's K/V layouts by the axes of their tensors, outermost first (kv_inner:
 # vLLM's LBNHC and LBHNC).
@@ -219,6 +226,7 @@ def spec_from_layers(
     layers: Sequence[torch.Tensor],
     geometry: EngineGeometry,
     layer_indices: Sequence[int] | None = None,
+    scales: Sequence[tuple[float, float]] | None = None,
 ) -> tuple[KVCacheSpec, list[torch.Tensor]]:
     """The `KVCacheSpec` of one rank and its layer tensors in the spec's shape.
 
@@ -232,6 +240,9 @@ def spec_from_layers(
             in layer order, and the spec's `layer_start`, `num_layers` and `total_layers`
             count in KV-cache-layer space (`geometry.kv_layers`). None: the tensors are the
             whole model's layers, in order.
+        scales: each tensor's `(k_scale, v_scale)` (vLLM: the attention layer's
+            `_k_scale_float`, `_v_scale_float`), kept in the spec of an fp8 cache (MLA: the
+            K scale) and ignored for others. None: 1.0.
 
     Raises:
         ValueError: no layers, mixed layouts or dtypes, a layout kvxfer cannot read, or layer
@@ -239,7 +250,14 @@ def spec_from_layers(
     """
     if not layers:
         raise ValueError("no KV cache tensors were registered; pass one per attention layer")
-    layers, layer_start, total_layers = _place_layers(layers, geometry, layer_indices)
+    if scales is not None and len(scales) != len(layers):
+        raise ValueError(
+            f"scales: {len(scales)} (k_scale, v_scale) pairs for {len(layers)} cache tensors; "
+            "pass one per tensor"
+        )
+    paired = list(zip(layers, scales or [(1.0, 1.0)] * len(layers), strict=True))
+    placed, layer_start, total_layers = _place_layers(paired, geometry, layer_indices)
+    layers = [tensor for tensor, _ in placed]
     views, layouts = [], []
     for tensor in layers:
         view, layout, placement = physical_layer(tensor, geometry)
@@ -272,6 +290,10 @@ def spec_from_layers(
         layer_start=layer_start,
         total_layers=total_layers,
     )
+    if spec.dtype in FP8_DTYPES and scales is not None:
+        k_scales = tuple(float(k) for _, (k, _) in placed)
+        v_scales = () if spec.mla else tuple(float(v) for _, (_, v) in placed)
+        spec = msgspec.structs.replace(spec, k_scales=k_scales, v_scales=v_scales)
     return spec, views
 
 
@@ -292,12 +314,13 @@ def _k_transposed_placement(layout: str, placement: str) -> str:
 
 
 def _place_layers(
-    layers: Sequence[torch.Tensor],
+    layers: Sequence[_Item],
     geometry: EngineGeometry,
     layer_indices: Sequence[int] | None,
-) -> tuple[list[torch.Tensor], int, int]:
-    """The tensors in layer order, the first one's index in KV-cache-layer space, and the
-    model's KV-cache layers (0 without pipeline parallelism, as `KVCacheSpec` counts)."""
+) -> tuple[list[_Item], int, int]:
+    """The tensors (with what goes with each) in layer order, the first one's index in
+    KV-cache-layer space, and the model's KV-cache layers (0 without pipeline parallelism, as
+    `KVCacheSpec` counts)."""
     stage = f"pipeline stage {geometry.pp_rank} of {geometry.pp_size}"
     if layer_indices is None:
         if geometry.pp_size > 1:

@@ -50,6 +50,7 @@ def cache_groups(
     backends: Backends,
     *,
     conv_state_dim_first: bool | None = None,
+    scales: dict[str, tuple[float, float]] | None = None,
 ) -> tuple[list[CacheGroup], list[TableSource]]:
     """This worker's KV cache groups, in vLLM's group order, and where each one's block table
     comes from (`TableSource`, read by `group_tables`): each attention group's registered
@@ -58,7 +59,9 @@ def cache_groups(
     Without a `kv_cache_config` (or with one group), every registered layer is one group.
     `backends` are the layers' attention backends (`geometry.attention_backends`): an attention
     group's layout comes from their table, the strides are checked against it.
-    `conv_state_dim_first` is passed to `mamba_state_layout` (None: vLLM's setting).
+    `conv_state_dim_first` is passed to `mamba_state_layout` (None: vLLM's setting). `scales`:
+    each attention layer's `(k_scale, v_scale)` (`geometry.attention_scales`), kept in an fp8
+    group's spec.
 
     Raises:
         ValueError: a group kvxfer cannot move, or several groups with pipeline parallelism,
@@ -74,6 +77,7 @@ def cache_groups(
             list(kv_caches.values()),
             attention_geometry(geometry, layers, backends),
             layer_indices(layers, geometry.pp_size),
+            _scales_of(layers, scales),
         )
         return [CacheGroup(spec, caches, window)], [TableSource(0)]
     if geometry.pp_size > 1:
@@ -113,7 +117,10 @@ def cache_groups(
             dataclasses.replace(geometry, block_size=int(kind.block_size)), names, backends
         )
         spec, caches = spec_from_layers(
-            [kv_caches[n] for n in names], own, layer_indices(names, geometry.pp_size)
+            [kv_caches[n] for n in names],
+            own,
+            layer_indices(names, geometry.pp_size),
+            _scales_of(names, scales),
         )
         result.append(CacheGroup(spec, caches, window_of(kind)))
         tables.append(TableSource(index))
@@ -233,6 +240,15 @@ def mamba_state_layout(
         tp_size,
         tp_rank,
     )
+
+
+def _scales_of(
+    names: list[str], scales: dict[str, tuple[float, float]] | None
+) -> list[tuple[float, float]] | None:
+    """The layers' (k_scale, v_scale), 1.0 where a layer has none; None without scales."""
+    if scales is None:
+        return None
+    return [scales.get(name, (1.0, 1.0)) for name in names]
 
 
 def attention_geometry(

@@ -54,6 +54,20 @@ def attention_backends(vllm_config: VllmConfig, names: list[str]) -> Backends:
     return found
 
 
+def attention_scales(vllm_config: VllmConfig, names: list[str]) -> dict[str, tuple[float, float]]:
+    """Each named attention layer's KV cache scales `(k_scale, v_scale)` as its cache write
+    uses them (an fp8 cache stores `K / k_scale`): vLLM keeps them on the layer
+    (`_k_scale_float`, `_v_scale_float`; 1.0 unless the checkpoint calibrated them), final
+    once the weights are loaded, before the caches are registered."""
+    context = vllm_config.compilation_config.static_forward_context
+    found: dict[str, tuple[float, float]] = {}
+    for name in names:
+        layer = context.get(name)
+        if layer is not None and hasattr(layer, "_k_scale_float"):
+            found[name] = (float(layer._k_scale_float), float(layer._v_scale_float))
+    return found
+
+
 def pp_rank(vllm_config: VllmConfig) -> int:
     """vLLM's PP group rank when it is initialized, else from the worker's rank in its config
     (vLLM orders ranks TP-fastest)."""

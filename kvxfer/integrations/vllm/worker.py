@@ -36,7 +36,11 @@ from kvxfer.integrations.vllm.cache_groups import (
     group_tables,
     layer_positions,
 )
-from kvxfer.integrations.vllm.geometry import attention_backends, engine_geometry
+from kvxfer.integrations.vllm.geometry import (
+    attention_backends,
+    attention_scales,
+    engine_geometry,
+)
 from kvxfer.integrations.vllm.loads import Load, Loads
 from kvxfer.integrations.vllm.metadata import (
     AbortSpec,
@@ -136,6 +140,7 @@ class WorkerSide:
             self._kv_cache_config,
             self._geometry,
             attention_backends(self._vllm_config, list(kv_caches)),
+            scales=attention_scales(self._vllm_config, list(kv_caches)),
         )
         self._layers = layer_positions(kv_caches, self._kv_cache_config, self._pp_size)
         for index, group in enumerate(self._groups):
