@@ -170,8 +170,24 @@ def test_reader_takes_fp8_tensors_as_they_are(dtype):
 def test_reader_names_uint8_caches_by_the_engines_cache_dtype(setting, dtype):
     """vLLM stores fp8 caches as uint8; its cache_dtype setting says which format."""
     layers = [torch.empty(6, 4, 4, 32, dtype=torch.uint8).permute(0, 2, 1, 3)]  # [B, H, N, C]
-    spec, _ = spec_from_layers(layers, EngineGeometry(**GEOMETRY, kv_cache_dtype=setting))
+    spec, views = spec_from_layers(layers, EngineGeometry(**GEOMETRY, kv_cache_dtype=setting))
     assert (spec.dtype, spec.layout, spec.kv_placement) == (dtype, "NHD", "kv_inner")
+    # The connectors get the format itself, over the same bytes (no copy).
+    assert views[0].dtype == spec.torch_dtype
+    assert views[0].data_ptr() == layers[0].data_ptr()
+
+
+def test_reader_keeps_an_fp8_caches_scales_in_layer_order():
+    """vLLM's attention layers carry k_scale and v_scale; a stage's tensors may come in any
+    order, the spec lists the scales by layer."""
+    geometry = EngineGeometry(**GEOMETRY, kv_cache_dtype="fp8", kv_layers=(0, 1, 2))
+    layers = [torch.empty(6, 4, 4, 32, dtype=torch.uint8).permute(0, 2, 1, 3) for _ in range(3)]
+    spec, _ = spec_from_layers(layers, geometry, [2, 0, 1], [(3.0, 30.0), (1.0, 10.0), (2.0, 20.0)])
+    assert spec.k_scales == (1.0, 2.0, 3.0) and spec.v_scales == (10.0, 20.0, 30.0)
+    plain = EngineGeometry(**GEOMETRY)
+    bf16 = [torch.empty(6, 4, 4, 32, dtype=torch.bfloat16).permute(0, 2, 1, 3)]
+    spec, _ = spec_from_layers(bf16, plain, None, [(2.0, 2.0)])  # vLLM's 1.0s: not fp8, unused
+    assert spec.k_scales == spec.v_scales == ()
 
 
 def test_reader_refuses_uint8_caches_of_unknown_format():

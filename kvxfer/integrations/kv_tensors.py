@@ -290,6 +290,8 @@ def spec_from_layers(
         layer_start=layer_start,
         total_layers=total_layers,
     )
+    if dtype == torch.uint8:  # vLLM allocates fp8 caches as bytes: view them as their format
+        views = [view.view(spec.torch_dtype) for view in views]
     if spec.dtype in FP8_DTYPES and scales is not None:
         k_scales = tuple(float(k) for _, (k, _) in placed)
         v_scales = () if spec.mla else tuple(float(v) for _, (_, v) in placed)

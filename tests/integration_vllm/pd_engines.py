@@ -263,6 +263,11 @@ class EngineSpec:
     # A hybrid attention/Mamba2 model: even layers full attention, odd layers Mamba2 (a group
     # of recurrent state, `MAMBA_*` below), conv state stored channels first (DS).
     mamba: bool = False
+    # vLLM's kv_cache_dtype ("auto": the model's bf16; "fp8", "fp8_e5m2": uint8 caches whose
+    # layers carry calibrated scales, `kv_scales`), and the setting of the engine whose cache
+    # write made the KV this engine holds (a decode engine: its prefill engine's).
+    cache_dtype: str = "auto"
+    kv_from: str = "auto"
 
     @property
     def engine_id(self) -> str:
@@ -294,7 +299,11 @@ def vllm_config(model_dir: str, spec: EngineSpec, rank: int = 0) -> Any:
     config = VllmConfig(
         model_config=model,
         # Mamba state without prefix caching (vLLM's mamba_cache_mode "none" requires it).
-        cache_config=CacheConfig(block_size=spec.block_size, enable_prefix_caching=not spec.mamba),
+        cache_config=CacheConfig(
+            block_size=spec.block_size,
+            enable_prefix_caching=not spec.mamba,
+            cache_dtype=spec.cache_dtype,
+        ),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=1024,
             max_num_seqs=16,
@@ -437,7 +446,7 @@ def kv_cache_config(spec: EngineSpec, config: Any, pp_rank: int = 0) -> Any:
         "block_size": spec.block_size,
         "num_kv_heads": max(1, config.model_config.get_total_num_kv_heads() // spec.tp),
         "head_size": HEAD_DIM,
-        "dtype": torch.bfloat16,
+        "dtype": torch.uint8 if spec.cache_dtype in FP8_SETTINGS else torch.bfloat16,
     }
     page = FullAttentionSpec(**shape).page_size_bytes
 
@@ -493,6 +502,36 @@ def expected_kv(
     return torch.from_numpy(bits.copy())
 
 
+FP8_SETTINGS = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def kv_scales(layer: int) -> tuple[float, float]:
+    """A model layer's (k_scale, v_scale) on an fp8 engine, as a calibrated checkpoint gives
+    them (distinct per layer and plane, so that a scale of the wrong layer shows)."""
+    return 0.5 + 0.25 * layer, 2.0 + 0.5 * layer
+
+
+def stored_kv(bits: torch.Tensor, layers: Sequence[int], cache_dtype: str, kv_from: str) -> Any:
+    """The stand-in model's KV bits (`expected_kv`) as an engine whose cache dtype is
+    `cache_dtype` holds them, when the engine with `kv_from` wrote them: that engine's cache
+    write (into fp8: vLLM's quantization with its layers' scales), then kvxfer's conversion
+    into this engine's dtype (`kvxfer.reference`, written from vLLM's arithmetic). Bits of the
+    stored dtype: int16 (bf16) or uint8 (fp8)."""
+    from kvxfer.reference import converted_global_kv
+
+    scales = np.asarray([kv_scales(layer) for layer in layers], dtype=np.float32)
+    values = bits.view(torch.bfloat16)
+    for setting in (kv_from, cache_dtype):
+        dtype = FP8_SETTINGS.get(setting, torch.bfloat16)
+        if values.dtype != dtype:
+            values = converted_global_kv(values, dtype, scales)
+    return values.view(torch.uint8 if values.element_size() == 1 else torch.int16)
+
+
 def allocate_caches(spec: EngineSpec, config: Any, pp_rank: int = 0) -> dict[str, torch.Tensor]:
     """A stage's layer tensors exactly as vLLM's model runner allocates and registers them
     (`[blocks, heads, block_size, 2 * head_dim]` views in the resolved layout), poisoned."""
@@ -508,10 +547,15 @@ def allocate_caches(spec: EngineSpec, config: Any, pp_rank: int = 0) -> dict[str
     return caches
 
 
+def _bits(cache: torch.Tensor) -> torch.Tensor:
+    """A cache as the integers of its element width (bf16: int16; fp8, allocated as uint8)."""
+    return cache.view(torch.uint8 if cache.element_size() == 1 else torch.int16)
+
+
 def _cells(cache: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor, plane: int):
     """A copy of one plane of tokens' cells, `[tokens, heads, head_dim]`, from a `[B, H, N, 2D]`
     view (K is the first half of a cell, V the second)."""
-    return cache.view(torch.int16)[blocks, :, slots, plane * HEAD_DIM : (plane + 1) * HEAD_DIM]
+    return _bits(cache)[blocks, :, slots, plane * HEAD_DIM : (plane + 1) * HEAD_DIM]
 
 
 @dataclass(frozen=True)
@@ -583,7 +627,12 @@ def write_kv(
                 state = mamba_state(token_ids, end, layer, spec.tp, worker.tp_rank)
                 page[table[(end - 1) // spec.block_size], : state.numel()] = state
             continue
-        values = expected_kv(token_ids, range(start, end), worker.heads, group.layers)
+        values = stored_kv(
+            expected_kv(token_ids, range(start, end), worker.heads, group.layers),
+            group.layers,
+            spec.cache_dtype,
+            spec.cache_dtype,  # its own cache write
+        )
         ids = torch.as_tensor(table, dtype=torch.int64)
         blocks, slots = ids[positions // spec.block_size], positions % spec.block_size
         for index, (layer, cache) in enumerate(zip(group.layers, group.caches, strict=True)):
@@ -591,7 +640,7 @@ def write_kv(
     for layer, cache, value, blocks, slots in sorted(writes, key=lambda w: w[0]):
         for plane in (0, 1):  # advanced indexing reads copies: write through the index
             dims = slice(plane * HEAD_DIM, (plane + 1) * HEAD_DIM)
-            cache.view(torch.int16)[blocks, :, slots, dims] = value[plane]
+            _bits(cache)[blocks, :, slots, dims] = value[plane]
         if saved is not None:
             saved(layer_names([layer])[0])
 
@@ -609,7 +658,12 @@ def mismatched_tokens(groups: list[Group], spec, worker: Worker, token_ids, tabl
                     bad[num_tokens - 1] = True
             continue
         first = group.first_token(num_tokens)
-        expected = expected_kv(token_ids, range(first, num_tokens), worker.heads, group.layers)
+        expected = stored_kv(
+            expected_kv(token_ids, range(first, num_tokens), worker.heads, group.layers),
+            group.layers,
+            spec.cache_dtype,
+            spec.kv_from,
+        )
         positions = torch.arange(first, num_tokens)
         ids = torch.as_tensor(table, dtype=torch.int64)
         blocks, slots = ids[positions // spec.block_size], positions % spec.block_size
@@ -637,9 +691,14 @@ class _WrittenLikeFlashAttention:
 
 
 class _StandInAttentionLayer:
-    """What a worker reads of a model's attention layer in vLLM's forward context."""
+    """What a worker reads of a model's attention layer in vLLM's forward context: its
+    backend and its KV cache scales (vLLM's `_k_scale_float`, `_v_scale_float`: 1.0 unless
+    an fp8 checkpoint calibrated them)."""
 
     isa = None
+
+    def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        self._k_scale_float, self._v_scale_float = k_scale, v_scale
 
     @staticmethod
     def get_attn_backend() -> type[_WrittenLikeFlashAttention]:
@@ -648,15 +707,18 @@ class _StandInAttentionLayer:
 
 def declare_attention_layers(config: Any, cache_config: Any) -> None:
     """Put the attention layers of `cache_config` in vLLM's forward context, as a model does
-    when it is built: kvxfer reads each layer's KV layout from its backend (Mamba layers are
-    not attention layers)."""
+    when it is built: kvxfer reads each layer's KV layout from its backend, and an fp8
+    cache's scales from the layer (Mamba layers are not attention layers)."""
+    from vllm.model_executor.models.utils import extract_layer_index
     from vllm.v1.kv_cache_interface import MambaSpec
 
+    fp8 = config.cache_config.cache_dtype in FP8_SETTINGS
     context = config.compilation_config.static_forward_context
     for group in cache_config.kv_cache_groups:
         if not isinstance(group.kv_cache_spec, MambaSpec):
             for name in group.layer_names:
-                context[name] = _StandInAttentionLayer()
+                scales = kv_scales(extract_layer_index(name)) if fp8 else (1.0, 1.0)
+                context[name] = _StandInAttentionLayer(*scales)
 
 
 def worker_main(conn: Any, model_dir: str, spec: EngineSpec, rank: int, hold: bool) -> None:
