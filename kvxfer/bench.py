@@ -47,6 +47,7 @@ class BenchConfig:
     staging_slots: int = DEFAULT_STAGING_SLOTS
     strategy: str | None = None
     repeat: int = 3
+    decode_dtype: str = "bfloat16"  # the prefill's is bfloat16; another one converts
 
     @property
     def pair(self) -> str:
@@ -54,13 +55,13 @@ class BenchConfig:
         return f"{self.src_tp}->{self.dst_tp}"
 
 
-def _side(cfg: BenchConfig, tp: int, block_size: int) -> list[KVCacheSpec]:
+def _side(cfg: BenchConfig, tp: int, block_size: int, dtype: str = "bfloat16") -> list[KVCacheSpec]:
     blocks = 2 * -(-cfg.tokens // block_size)
     return KVCacheSpec(
         num_layers=cfg.layers,
         num_kv_heads=cfg.kv_heads,
         head_dim=cfg.head_dim,
-        dtype="bfloat16",
+        dtype=dtype,  # type: ignore[arg-type]
         tp_size=tp,
         tp_rank=0,
         block_size=block_size,
@@ -108,7 +109,7 @@ def bench_row(cfg: BenchConfig, progress: Progress | None = None) -> dict[str, A
     progress = progress or _no_progress
     progress("set-up", 0)
     src_specs = _side(cfg, cfg.src_tp, cfg.block_size)
-    dst_specs = _side(cfg, cfg.dst_tp, cfg.dst_block_size)
+    dst_specs = _side(cfg, cfg.dst_tp, cfg.dst_block_size, cfg.decode_dtype)
     src_caches = [allocate_kv_caches(s) for s in src_specs]
     for caches in src_caches:
         for t in caches:
@@ -163,7 +164,7 @@ def bench_row(cfg: BenchConfig, progress: Progress | None = None) -> dict[str, A
         kvxfer_s, kvxfer_cpu_s = _median_seconds(kvxfer_once, cfg.repeat, progress, "kvxfer")
         strategies = sorted({p.strategy for ps in plans for p in ps})
         chunking = [c for consumer in consumers for c in consumer.chunking().values()]
-        (contiguous_s, contiguous_cpu_s), naive_s, naive_ops = _baselines(
+        (contiguous_s, contiguous_cpu_s), naive_s, naive_ops, source_bytes = _baselines(
             cfg, producers, consumers, src_specs, dst_specs, progress
         )
     finally:
@@ -172,9 +173,14 @@ def bench_row(cfg: BenchConfig, progress: Progress | None = None) -> dict[str, A
             c.close()
         for p in producers:
             p.close()
+    # `source_bytes`: what every pair moves in the prefill's dtype (what the baselines write);
+    # between two dtypes the wire carries another amount (`bytes`).
     return {
         "pair": cfg.pair,
         "bytes": nbytes,
+        "decode_dtype": cfg.decode_dtype,
+        "source_bytes": source_bytes,
+        "kvxfer_source_gbps": source_bytes / kvxfer_s / 1e9,
         "tokens": cfg.tokens,
         "layers": cfg.layers,
         "kv_heads": cfg.kv_heads,
@@ -183,11 +189,11 @@ def bench_row(cfg: BenchConfig, progress: Progress | None = None) -> dict[str, A
         "chunks_in_flight": sorted({c.depth for c in chunking}),
         "protocol": cfg.protocol,
         "kvxfer_gbps": nbytes / kvxfer_s / 1e9,
-        "contiguous_gbps": nbytes / contiguous_s / 1e9,
-        "naive_gbps": nbytes / naive_s / 1e9,
+        "contiguous_gbps": source_bytes / contiguous_s / 1e9,
+        "naive_gbps": source_bytes / naive_s / 1e9,
         "naive_ops": naive_ops,
         "kvxfer_cpu_s_per_gb": kvxfer_cpu_s / (nbytes / 1e9),
-        "contiguous_cpu_s_per_gb": contiguous_cpu_s / (nbytes / 1e9),
+        "contiguous_cpu_s_per_gb": contiguous_cpu_s / (source_bytes / 1e9),
         "ratio_to_contiguous": contiguous_s / kvxfer_s,
         "speedup_over_naive": naive_s / kvxfer_s,
     }
@@ -200,10 +206,11 @@ def _baselines(
     src_specs: Sequence[KVCacheSpec],
     dst_specs: Sequence[KVCacheSpec],
     progress: Progress = _no_progress,
-) -> tuple[tuple[float, float], float, int]:
-    """((contiguous seconds, its CPU seconds), naive seconds, naive ops), through the
-    connectors' own engines. The contiguous writes of every pair are in flight at once and
-    complete by polling, as kvxfer's transfers do (a fair baseline)."""
+) -> tuple[tuple[float, float], float, int, int]:
+    """((contiguous seconds, its CPU seconds), naive seconds, naive ops, bytes), through the
+    connectors' own engines, writing every pair's bytes in the prefill's dtype. The contiguous
+    writes of every pair are in flight at once and complete by polling, as kvxfer's transfers
+    do (a fair baseline)."""
     routes = route_heads(cfg.kv_heads, cfg.src_tp, cfg.dst_tp)
     row = lambda spec, n: spec.head_dim * spec.itemsize * n  # noqa: E731 (bytes of n heads)
     pair_bytes = [cfg.layers * 2 * cfg.tokens * row(src_specs[0], r.num_heads) for r in routes]
@@ -281,7 +288,7 @@ def _baselines(
             producers[r].transport.unregister(reg)
         for r, reg in dst_reg.items():
             consumers[r].transport.unregister(reg)
-    return contiguous_timing, naive_s, sum(len(segs) for _, _, segs in naive)
+    return contiguous_timing, naive_s, sum(len(segs) for _, _, segs in naive), sum(pair_bytes)
 
 
 def row_steps(cfg: BenchConfig) -> int:
@@ -325,6 +332,7 @@ def _run(args: argparse.Namespace, console: TextIO) -> int:
             staging_slots=args.staging_slots,
             strategy=args.strategy,
             repeat=args.repeat,
+            decode_dtype=args.decode_dtype or "bfloat16",
         )
         for src_tp, dst_tp in args.pairs
     ]
@@ -369,8 +377,15 @@ def _run(args: argparse.Namespace, console: TextIO) -> int:
 
 def format_row(r: dict[str, Any]) -> str:
     """One row of `kvxfer bench`, as text."""
+    converted = ""
+    if r["bytes"] != r["source_bytes"]:
+        converted = (
+            f"-> {r['decode_dtype']}: {r['source_bytes'] / 1e6:.1f} MB of bf16 as "
+            f"{r['kvxfer_source_gbps']:.3f} GB/s  "
+        )
     return (
-        f"{r['pair']:>6}  {r['bytes'] / 1e6:8.1f} MB  kvxfer {r['kvxfer_gbps']:6.3f} GB/s "
+        f"{r['pair']:>6}  {r['bytes'] / 1e6:8.1f} MB  {converted}"
+        f"kvxfer {r['kvxfer_gbps']:6.3f} GB/s "
         f"({','.join(r['strategies'])}; chunks of {_listing(r['chunk_tokens'])} tokens, "
         f"{_listing(r['chunks_in_flight'])} in flight)  "
         f"contiguous {r['contiguous_gbps']:6.3f} GB/s  "

@@ -356,6 +356,12 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--repeat", type=_positive, default=3, help="timed runs per row (median)")
     p.add_argument(
+        "--decode-dtype",
+        choices=DTYPES,
+        help="the decode's cache dtype (the prefill's is bfloat16; e.g. float8_e4m3fn: the "
+        "kernels convert, the wire carries half the bytes)",
+    )
+    p.add_argument(
         "--torch-threads",
         type=_positive,
         default=1,

@@ -55,6 +55,9 @@ ROW_KEYS = {
     "speedup_over_naive",
     "kvxfer_cpu_s_per_gb",
     "contiguous_cpu_s_per_gb",
+    "decode_dtype",
+    "source_bytes",
+    "kvxfer_source_gbps",
 }
 
 
@@ -78,6 +81,16 @@ def test_bench_json_rows(capsys):
     section = reference.split("## `kvxfer bench --json`", 1)[1].split("\n## ", 1)[0]
     for key in ["rows", *ROW_KEYS]:
         assert f"`{key}`" in section, key
+
+
+def test_bench_with_an_fp8_decode_sends_half_the_bytes(capsys):
+    assert main([*TOY, "--json", "--decode-dtype", "float8_e4m3fn"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["decode_dtype"] == "float8_e4m3fn"
+    assert row["source_bytes"] == 2 * 2 * 64 * 4 * 16 * 2  # layers, K/V, tokens, heads, dim, bf16
+    assert row["bytes"] * 2 == row["source_bytes"]  # one byte an element on the wire
+    assert row["kvxfer_source_gbps"] == pytest.approx(2 * row["kvxfer_gbps"])
+    assert "direct" not in row["strategies"]
 
 
 def run_on_terminal(argv: list[str], timeout: float = 240) -> tuple[int, str, str]:
