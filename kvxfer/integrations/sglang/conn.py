@@ -355,7 +355,8 @@ class KvxferKVManager(CommonKVManager):
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """SGLang's look-up of the prefill engine, without its refusals of a different page
-        size or TP ratio: kvxfer bridges both. The dtype must still match (kvxfer moves bits)."""
+        size or TP ratio: kvxfer bridges both. The dtype must still match: this backend does
+        not convert (docs/sglang.md, "Not supported, and refused at start with the reason")."""
         if bootstrap_addr in self.prefill_info_table:
             return True
         import requests
@@ -375,8 +376,9 @@ class KvxferKVManager(CommonKVManager):
         if info.kv_cache_dtype is not None and info.kv_cache_dtype != self.kv_cache_dtype_str:
             raise RuntimeError(
                 f"KV cache dtype mismatch: prefill {info.kv_cache_dtype}, decode "
-                f"{self.kv_cache_dtype_str}; kvxfer moves KV bit for bit: pass the same "
-                "--kv-cache-dtype to both engines"
+                f"{self.kv_cache_dtype_str}; kvxfer's SGLang backend does not convert KV dtypes "
+                "(it does not read SGLang's scales yet): pass the same --kv-cache-dtype to both "
+                "engines"
             )
         if info.attn_cp_size != 1:
             raise RuntimeError(
