@@ -40,6 +40,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "kv_heads": 24,
     "strategy": None,
     "seed": 0,
+    "decode_dtype": "float32",
 }
 DEMO_MLA_Q_HEADS = 48  # the demo model's query heads with --model mla (2 x KV heads for gqa)
 
@@ -442,6 +443,13 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
         help="force one strategy for every pair (default: the cost model picks per pair)",
     )
     model.add_argument("--seed", type=_non_negative, default=d["seed"], help="weights and prompt")
+    model.add_argument(
+        "--decode-dtype",
+        choices=DTYPES,
+        default=d["decode_dtype"],
+        help="the decode's KV cache dtype (the prefill's is float32; float8_e4m3fn: quantized "
+        "with per-layer scales, and the reference decodes over such a cache too)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_verbose(p)
 

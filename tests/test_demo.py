@@ -3,6 +3,7 @@ what one unsharded model generates; quietly, with a progress bar on a terminal o
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -17,8 +18,9 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
-from kvxfer.examples.pd_demo import DemoOptions, _report
+from kvxfer.examples.pd_demo import DemoOptions, _report, reference
 from kvxfer.logs import is_harmless
 
 # A demo small enough to run in a few seconds: for the output checks, not the transfer's.
@@ -151,6 +153,29 @@ def test_demo_matches_the_unsharded_model(args):
     assert report["bytes"] > 0 and report["num_ops"] > 0 and report["transfer_seconds"] > 0
     assert report["strategies"]
     assert all(r == ["demo-request"] for r in report["released"])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "extra"),
+    [("float8_e4m3fn", []), ("float8_e5m2", ["--model", "mla", "--prefill-tp", "2"])],
+    ids=["gqa-e4m3", "mla-e5m2"],
+)
+def test_an_fp8_decode_matches_the_unsharded_model_over_an_fp8_cache(dtype, extra):
+    base = ["--prompt-tokens", "90", "--decode-tokens", "5", *extra]
+    code, report = run_demo(*base, "--decode-dtype", dtype)
+    assert code == 0 and report["match"], report
+    assert report["logits_max_abs_diff"] == 0
+    assert report["options"]["decode_dtype"] == dtype
+    _, plain = run_demo(*base)
+    assert plain["match"]
+    assert report["bytes"] * 4 == plain["bytes"]  # fp8 on the wire, not float32
+    # The fp8 cache changes the decode's logits (its reference's too): the verdict saw the
+    # conversion, and the decode ranks generated what the unsharded fp8 model does.
+    options = DemoOptions(**report["options"])
+    fp8_tokens, fp8_logits = reference(options)
+    _, fp32_logits = reference(dataclasses.replace(options, decode_dtype="float32"))
+    assert report["tokens"] == fp8_tokens
+    assert not torch.equal(fp8_logits, fp32_logits)
 
 
 def test_a_different_last_logit_is_a_mismatch():

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from kvxfer.kernels import canonical_kv_view
-from kvxfer.spec import KVCacheSpec
+from kvxfer.kernels.convert import convert_torch
+from kvxfer.spec import FP8_DTYPES, KVCacheSpec
 
 AllGather = Callable[[torch.Tensor], torch.Tensor]  # [tokens, local width] -> [tokens, width]
 
@@ -121,25 +122,41 @@ class ShardedModel:
         self.group = config.q_heads // config.kv_heads  # query heads per KV head (GQA)
 
     def _views(self, layer: int) -> torch.Tensor:
+        """A layer's cache as `[planes, blocks, slots, heads, dim]` integers of its element
+        width (CPU torch indexes no fp8: the cells move as their bits)."""
         s = self.spec
-        return canonical_kv_view(self.caches[layer], s.layout, s.kv_placement, s.mla)
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[s.itemsize]
+        view = canonical_kv_view(self.caches[layer], s.layout, s.kv_placement, s.mla)
+        return view.view(bits)
+
+    def _scales(self, layer: int) -> torch.Tensor | None:
+        """The layer's (K, V) scales, shaped to scale `[planes, tokens, heads, dim]` cells, for
+        an fp8 cache (vLLM's k_scale and v_scale: it stores `K / k_scale`); else None."""
+        if self.spec.dtype not in FP8_DTYPES:
+            return None
+        return torch.from_numpy(self.spec.layer_scales(layer, 1)[0])[:, None, None, None]
 
     def _write_kv(
         self, layer: int, cells: torch.Tensor, block_ids: torch.Tensor, start: int
     ) -> None:
-        """Store new tokens' K/V (or latent) at positions `start...` in the paged cache."""
+        """Store new tokens' K/V (or latent) at positions `start...` in the paged cache (in
+        the cache's dtype: an fp8 cache holds them quantized as vLLM's cache write does)."""
         positions = torch.arange(start, start + cells.shape[-3])
         blocks = block_ids[positions // self.spec.block_size]
         slots = positions % self.spec.block_size
+        stored = convert_torch(cells, self.spec.torch_dtype, self._scales(layer))
         view = self._views(layer)  # [planes, blocks, slots, heads, dim]
         for plane in range(view.shape[0]):
-            view[plane, blocks, slots] = cells[plane]
+            view[plane, blocks, slots] = stored[plane].view(view.dtype)
 
     def _read_kv(self, layer: int, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-        """Cached K/V (or latent) of positions [0, length): [planes, length, heads, dim]."""
+        """Cached K/V (or latent) of positions [0, length) as float32 (an fp8 cache's
+        dequantized with its scales): [planes, length, heads, dim]."""
         positions = torch.arange(length)
         blocks = block_ids[positions // self.spec.block_size]
-        return self._views(layer)[:, blocks, positions % self.spec.block_size]
+        cells = self._views(layer)[:, blocks, positions % self.spec.block_size]
+        stored = cells.view(self.spec.torch_dtype)
+        return convert_torch(stored, torch.float32, self._scales(layer))
 
     def forward(self, tokens: torch.Tensor, start: int, block_ids: torch.Tensor) -> torch.Tensor:
         """Run `tokens` at positions `start...` (prefill: start 0; decode: one token), writing

@@ -53,6 +53,9 @@ class DemoOptions:
     kv_heads: int = 24
     strategy: str | None = None
     seed: int = 0
+    # The decode's KV cache dtype (the prefill's is float32); an fp8 one holds the prompt's KV
+    # quantized with per-layer scales (`decode_scales`), as a calibrated vLLM engine would.
+    decode_dtype: str = "float32"
 
     def config(self) -> ModelConfig:
         """The model both groups and the reference run."""
@@ -65,18 +68,32 @@ class DemoOptions:
             seed=self.seed,
         )
 
+    def decode_scales(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(k_scales, v_scales) of an fp8 decode cache: one per layer, distinct (MLA: K only)."""
+        layers = range(self.config().layers)
+        k_scales = tuple(0.25 + 0.125 * layer for layer in layers)
+        v_scales = () if self.model == "mla" else tuple(0.5 + 0.25 * layer for layer in layers)
+        return k_scales, v_scales
+
     def spec(self, side: str, rank: int) -> KVCacheSpec:
-        """The cache geometry of one rank of "prefill", "decode" or "reference" (TP 1)."""
+        """The cache geometry of one rank of "prefill", "decode", "reference" (TP 1, as the
+        prefill) or "reference-decode" (TP 1, the decode's dtype and scales)."""
         c = self.config()
-        tp = {"prefill": self.prefill_tp, "decode": self.decode_tp, "reference": 1}[side]
+        tp = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(side, 1)
         who = "decode" if side == "decode" else "prefill"
         block_size = getattr(self, f"{who}_block_size")
         tokens = self.prompt_tokens + self.decode_tokens + 1
+        decoding = side in ("decode", "reference-decode")
+        dtype = self.decode_dtype if decoding else "float32"
+        scales: dict[str, tuple[float, ...]] = {}
+        if dtype.startswith("float8"):
+            scales["k_scales"], scales["v_scales"] = self.decode_scales()
         return KVCacheSpec(
             num_layers=c.layers,
             num_kv_heads=c.cache_heads,
             head_dim=c.cache_head_dim,
-            dtype="float32",
+            dtype=dtype,  # type: ignore[arg-type]
+            **scales,
             tp_size=tp,
             tp_rank=rank,
             block_size=block_size,
@@ -109,13 +126,23 @@ def generate(model: ShardedModel, first: int, start: int, steps: int, block_ids:
 
 
 def reference(options: DemoOptions) -> tuple[list[int], torch.Tensor]:
-    """The unsharded model in this process: prefill, then decode."""
+    """The unsharded model in this process: prefill, then decode. With another decode dtype,
+    the decode runs over a cache of that dtype (fp8: with the decode's scales) holding the
+    prompt's KV as that cache's own write stores it, as a decode engine of that dtype would."""
     config = options.config()
+    weights = init_weights(config)
     spec = options.spec("reference", 0)
     caches = allocate_kv_caches(spec)
     ids = options.block_ids(spec, salt=0)
-    model = ShardedModel(config, init_weights(config), spec, caches)
+    model = ShardedModel(config, weights, spec, caches)
     first = int(torch.argmax(model.forward(options.prompt(), 0, ids)[-1]))
+    if options.decode_dtype != spec.dtype:
+        decode_spec = options.spec("reference-decode", 0)
+        decoder = ShardedModel(config, weights, decode_spec, allocate_kv_caches(decode_spec))
+        for layer in range(config.layers):  # the prompt's KV, stored by the decode's cache
+            prompt_kv = model._read_kv(layer, ids, options.prompt_tokens)
+            decoder._write_kv(layer, prompt_kv, ids, 0)
+        model = decoder
     tokens, logits = generate(model, first, options.prompt_tokens, options.decode_tokens, ids)
     assert logits is not None
     return tokens, logits
