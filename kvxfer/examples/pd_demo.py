@@ -85,15 +85,14 @@ class DemoOptions:
         tokens = self.prompt_tokens + self.decode_tokens + 1
         decoding = side in ("decode", "reference-decode")
         dtype = self.decode_dtype if decoding else "float32"
-        scales: dict[str, tuple[float, ...]] = {}
-        if dtype.startswith("float8"):
-            scales["k_scales"], scales["v_scales"] = self.decode_scales()
+        k_scales, v_scales = self.decode_scales() if dtype.startswith("float8") else ((), ())
         return KVCacheSpec(
             num_layers=c.layers,
             num_kv_heads=c.cache_heads,
             head_dim=c.cache_head_dim,
             dtype=dtype,  # type: ignore[arg-type]
-            **scales,
+            k_scales=k_scales,
+            v_scales=v_scales,
             tp_size=tp,
             tp_rank=rank,
             block_size=block_size,
