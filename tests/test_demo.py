@@ -161,7 +161,7 @@ def test_demo_matches_the_unsharded_model(args):
     ids=["gqa-e4m3", "mla-e5m2"],
 )
 def test_an_fp8_decode_matches_the_unsharded_model_over_an_fp8_cache(dtype, extra):
-    base = ["--prompt-tokens", "90", "--decode-tokens", "5", *extra]
+    base = ["--prompt-tokens", "60", "--decode-tokens", "4", *extra]
     code, report = run_demo(*base, "--decode-dtype", dtype)
     assert code == 0 and report["match"], report
     assert report["logits_max_abs_diff"] == 0
