@@ -90,6 +90,26 @@ def _pages(count: int, pool_pages: int, seed: int) -> list[int]:
     return (torch.randperm(pool_pages - 1, generator=g)[:count] + 1).tolist()
 
 
+# SGLang's modules cost a rank process about 10 s of CPU to import: a forkserver that imported
+# them once forks every rank (a fresh process that did nothing else: no threads, no sockets).
+_PRELOAD = [
+    "ranks",
+    "sglang.srt.disaggregation.base.conn",
+    "sglang.srt.disaggregation.utils",
+    "sglang.srt.mem_cache.memory_pool",
+    "sglang.srt.runtime_context",
+    "sglang.srt.server_args",
+    "sglang.srt.disaggregation.prefill",
+    "sglang.srt.disaggregation.decode",
+]
+
+
+def _rank_context() -> Any:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _run_pair(
     model_dir: str,
     port: int,
@@ -110,7 +130,7 @@ def _run_pair(
     and the decode's DP attention sizes, `serving_dp` the DP groups the request is routed to
     (the other groups' ranks start and register, and are left out of the results). A rank
     killed on purpose answers None."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _rank_context()
     configs = []
     pool_tokens = 512
     dist_port = _free_port()  # the prefill's process groups, where a case builds them
