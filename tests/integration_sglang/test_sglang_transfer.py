@@ -16,6 +16,7 @@ import multiprocessing
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
