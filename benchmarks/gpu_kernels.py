@@ -20,6 +20,14 @@ both sides). MLA caches (`[blocks, 16, 576]`): pack and unpack. Sizes: 32 and 80
 (`--full`; by default a subset, see `default_grid`). Rows that do not fit in free device
 memory are reported as skipped.
 
+Converting rows (`conversion`, e.g. "bfloat16->float8_e4m3fn"; docs/kernels-and-layouts.md,
+"Dtype conversion"): a bf16 cache and an fp8 e4m3 wire buffer, with a scale per layer and
+plane; pack quantizes (`bfloat16->float8_e4m3fn`: a prefill's pack), unpack dequantizes
+(`float8_e4m3fn->bfloat16`: a decode's unpack). Their `bytes_moved` are the destination's, the
+copy baseline copies the destination's bytes, and GB/s counts the bytes read (the source's) plus
+the bytes written; the previous kernel and the index and block baselines do not convert
+(skipped).
+
 Device time: CUDA events around one launch, on the device only, `--reps` times (default 25),
 after a warm-up launch (compilation). Before each repetition, outside the events, a 256 MiB
 buffer is written (flushes the L2: 50 MB on H100, 60 MB on H200) and the stream is held busy
@@ -37,7 +45,8 @@ times also gbps and vs_copy):
   planes x tokens x heads moved x head_dim x itemsize.
 - copy GB/s: `Tensor.copy_` of `bytes_moved` contiguous bytes (one cudaMemcpyAsync), measured
   in the same run: the reference. "x copy" = copy's median / the op's median; GB/s counts
-  bytes read once plus bytes written once, 2 x bytes_moved / median, for every column.
+  bytes read once plus bytes written once (2 x bytes_moved / median, or the source's plus the
+  destination's bytes for a conversion), for every column.
 - new ms [p10-p90], GB/s, x copy: the new kernel's device time, median [10th-90th percentile].
 - prev: the previous kernel (commit c8c5817's, kept in benchmarks/previous_kernel.py), x copy.
 - index: torch, one pass per layer: `index_select(..., out=wire)` (pack) or `index_copy_` from
@@ -64,6 +73,7 @@ runs it (tests/triton/test_gpu_benchmark_script.py) so the script cannot rot.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -111,6 +121,8 @@ OP_LABELS = {
 }
 BF16, FP8 = "bfloat16", "float8_e4m3fn"
 DTYPES = {BF16: torch.bfloat16, FP8: torch.float8_e4m3fn}
+# A converting geometry's scales: one per (layer, plane), distinct (`conversion_scales`).
+SCALE_BASE, SCALE_STEP = 0.5, 0.125
 SHORT_DTYPE = {BF16: "bf16", FP8: "fp8"}
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _RANDOM_RANGE = {1: (0, 256), 2: (-(1 << 15), 1 << 15)}
@@ -146,6 +158,7 @@ class Geometry:
     dtype: str
     heads_moved: int = HEADS
     mla: bool = False
+    wire_dtype: str | None = None  # a converting geometry: the wire's dtype (the cache's: dtype)
 
     def __post_init__(self) -> None:
         if not 1 <= self.heads_moved <= self.heads:
@@ -168,8 +181,27 @@ class Geometry:
         return torch.empty(0, dtype=self.torch_dtype).element_size()
 
     @property
+    def wire_torch_dtype(self) -> torch.dtype:
+        """The wire buffer's dtype: the cache's, or another one that the copies convert to."""
+        return DTYPES[self.wire_dtype or self.dtype]
+
+    def conversion(self, op: str) -> str | None:
+        """`SRC->DST` of a converting op (pack: cache -> wire; unpack: wire -> cache)."""
+        if self.wire_dtype is None:
+            return None
+        return (
+            f"{self.dtype}->{self.wire_dtype}"
+            if op == "pack"
+            else f"{self.wire_dtype}->{self.dtype}"
+        )
+
+    def wire_bytes(self) -> int:
+        """The moved cells' bytes in the wire's dtype."""
+        return self.moved_bytes() * self.wire_torch_dtype.itemsize // self.itemsize
+
+    @property
     def ops(self) -> tuple[str, ...]:
-        return MLA_OPS if self.mla else KV_OPS
+        return MLA_OPS if self.mla or self.wire_dtype else KV_OPS
 
     @property
     def head_offset(self) -> int:
@@ -185,9 +217,9 @@ class Geometry:
         cells = self.layers * self.planes * blocks * block * self.heads * self.head_dim
         return cells * self.itemsize
 
-    def kernel_variant(self) -> tuple[int, str, int, bool]:
+    def kernel_variant(self) -> tuple[int, str, int, bool, str | None]:
         """What decides the compiled kernel: checked once per variant."""
-        return (self.head_dim, self.dtype, self.heads_moved, self.mla)
+        return (self.head_dim, self.dtype, self.heads_moved, self.mla, self.wire_dtype)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -198,6 +230,7 @@ class Geometry:
             "head_dim": self.head_dim,
             "dtype": self.dtype,
             "mla": self.mla,
+            "wire_dtype": self.wire_dtype,
         }
 
 
@@ -210,6 +243,8 @@ def default_grid() -> list[Geometry]:
     grid += [Geometry(32, 16384, 128, FP8, heads_moved=1)]
     grid += [Geometry(32, t, 576, BF16, heads_moved=1, mla=True) for t in (4096, 65536)]
     grid += [Geometry(32, 16384, 576, FP8, heads_moved=1, mla=True)]
+    grid += [Geometry(32, t, 128, BF16, wire_dtype=FP8) for t in (4096, 65536)]
+    grid += [Geometry(32, 16384, 576, BF16, heads_moved=1, mla=True, wire_dtype=FP8)]
     grid += [Geometry(80, t, 128, BF16) for t in (4096, 32768, 131072)]
     return grid
 
@@ -223,6 +258,8 @@ def full_grid() -> list[Geometry]:
             for head_dim, heads_moved in itertools.product((64, 128, 256), (8, 4, 2, 1)):
                 grid.append(Geometry(layers, tokens, head_dim, dtype, heads_moved))
             grid.append(Geometry(layers, tokens, 576, dtype, heads_moved=1, mla=True))
+        grid.append(Geometry(layers, tokens, 128, BF16, wire_dtype=FP8))
+        grid.append(Geometry(layers, tokens, 576, BF16, heads_moved=1, mla=True, wire_dtype=FP8))
     return grid
 
 
@@ -232,6 +269,8 @@ def tiny_grid() -> list[Geometry]:
         Geometry(2, 32, 16, BF16),
         Geometry(2, 48, 16, FP8, heads_moved=2),
         Geometry(2, 32, 576, BF16, heads_moved=1, mla=True),
+        Geometry(2, 32, 16, BF16, heads_moved=2, wire_dtype=FP8),
+        Geometry(2, 32, 576, BF16, heads_moved=1, mla=True, wire_dtype=FP8),
     ]
 
 
@@ -280,13 +319,13 @@ def make_cache(
 
 
 def make_wire(g: Geometry, device: torch.device, token_start: int = 0) -> torch.Tensor:
-    """A poisoned wire buffer for tokens `[token_start, g.tokens)`."""
+    """A poisoned wire buffer for tokens `[token_start, g.tokens)`, in the wire's dtype."""
     n = g.tokens - token_start
     if g.mla:
         shape: tuple[int, ...] = (g.layers, n, g.head_dim)
     else:
         shape = (g.layers, 2, n, g.heads_moved, g.head_dim)
-    wire = torch.empty(shape, dtype=g.torch_dtype, device=device)
+    wire = torch.empty(shape, dtype=g.wire_torch_dtype, device=device)
     poison(wire)
     return wire
 
@@ -301,20 +340,44 @@ class CellCopyCase:
     token_start: int
     token_end: int
     num_heads: int
-    public: Callable[..., None]
+    public: Callable[..., None]  # with the scales bound, where it converts
     torch_twin: Callable[..., None]
+    scales: torch.Tensor | None = None  # a converting copy's: [layers, planes] float32
 
     @property
     def args(self) -> tuple[KVBuffer, KVBuffer, int, int, int]:
         return self.src, self.dst, self.token_start, self.token_end, self.num_heads
 
+    def check_no_conversion(self, what: str) -> None:
+        """Skip an implementation that only copies bits, for a converting case."""
+        if self.scales is not None:
+            raise Skipped(f"{what} does not convert dtypes")
 
-def _case(op: str, src: KVBuffer, dst: KVBuffer, start: int, end: int, n: int) -> CellCopyCase:
+
+def conversion_scales(g: Geometry, device: torch.device) -> torch.Tensor:
+    """Distinct scales per (layer, plane), as a calibrated vLLM checkpoint gives them."""
+    count = g.layers * g.planes
+    steps = torch.arange(count, dtype=torch.float32) * SCALE_STEP + SCALE_BASE
+    return steps.reshape(g.layers, g.planes).to(device)
+
+
+def _case(
+    op: str,
+    src: KVBuffer,
+    dst: KVBuffer,
+    start: int,
+    end: int,
+    n: int,
+    scales: torch.Tensor | None = None,
+) -> CellCopyCase:
     public, twin = {
         "pack": (gather_kv, gather_kv_torch),
         "unpack": (scatter_kv, scatter_kv_torch),
     }.get(op, (remap_kv, remap_kv_torch))
-    return CellCopyCase(op, src, dst, start, end, n, public, twin)
+    if scales is not None:
+        public = functools.partial(public, scales=scales)
+        twin = functools.partial(twin, scales=scales)
+    return CellCopyCase(op, src, dst, start, end, n, public, twin, scales)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,8 +388,8 @@ def prepare_new(case: CellCopyCase) -> Launch:
     """The new kernel's launch alone when the API offers it, else its whole call."""
     prepare = getattr(kernels, "prepare_cell_copy", None)
     if prepare is not None:
-        return prepare(*case.args).launch
-    return lambda: kernels.copy_cells(*case.args)
+        return prepare(*case.args, scales=case.scales).launch
+    return lambda: kernels.copy_cells(*case.args, scales=case.scales)
 
 
 def new_timing_method() -> str:
@@ -336,6 +399,7 @@ def new_timing_method() -> str:
 
 
 def prepare_previous(case: CellCopyCase) -> Launch:
+    case.check_no_conversion("the previous kernel")
     return previous_kernel.prepare_copy_cells(*case.args).launch
 
 
@@ -378,6 +442,7 @@ def _first_of_run(rows: torch.Tensor) -> int | None:
 def prepare_index_copy(case: CellCopyCase) -> Launch:
     """Per layer, one `index_select` into the dense side (pack), one `index_copy_` from it
     (unpack), or both through a temporary (remap); rows of int64 where the cell allows."""
+    case.check_no_conversion("the index baseline")
     src, dst, start, end, n = case.args
     device = src.layers[0].device
     tokens = torch.arange(start, end, device=device)
@@ -445,6 +510,7 @@ def _locate(buf: KVBuffer, ids: list[int] | None, token: int) -> tuple[int, int]
 
 def prepare_block_copies(case: CellCopyCase, max_copies: int) -> Launch:
     """One `copy_` per (layer, plane, run of tokens within one block on both sides)."""
+    case.check_no_conversion("the per-block baseline")
     src, dst, start, end, n = case.args
     bounds = sorted({start, end, *_pieces(src, start, end), *_pieces(dst, start, end)})
     runs = list(itertools.pairwise(bounds))
@@ -584,6 +650,10 @@ def time_case(
 ) -> dict[str, Any]:
     """One row: the op's device time by implementation, and end-to-end call times."""
     nbytes = g.moved_bytes()
+    conversion = g.conversion(case.op)
+    read = written = nbytes
+    if conversion is not None:  # the destination's bytes, and the source's read
+        read, written = (nbytes, g.wire_bytes()) if case.op == "pack" else (g.wire_bytes(), nbytes)
     dev = timer.device
     device_times = {
         "copy": copy,
@@ -597,13 +667,11 @@ def time_case(
     copy_ms = copy.get("median_ms")
     for stats in device_times.values():
         if "median_ms" in stats:
-            stats["gbps"] = 2 * nbytes / stats["median_ms"] / 1e6
+            stats["gbps"] = (read + written) / stats["median_ms"] / 1e6
             stats["vs_copy"] = None if copy_ms is None else copy_ms / stats["median_ms"]
     e2e = {
         "new": _measure(lambda: timer.call_time(lambda: case.public(*case.args)), dev),
-        "previous": _measure(
-            lambda: timer.call_time(lambda: previous_kernel.copy_cells(*case.args)), dev
-        ),
+        "previous": _measure(lambda: timer.call_time(_previous_call(case)), dev),
         "torch": _measure(lambda: timer.call_time(lambda: case.torch_twin(*case.args)), dev),
     }
     target = TARGETS[case.op] if g.tokens >= TARGET_FROM_TOKENS else None
@@ -611,12 +679,18 @@ def time_case(
     return {
         "op": case.op,
         **g.describe(),
-        "bytes_moved": nbytes,
+        "conversion": conversion,
+        "bytes_moved": written,
         "device": device_times,
         "e2e": e2e,
         "target_vs_copy": target,
         "meets_target": None if target is None or ratio is None else ratio >= target,
     }
+
+
+def _previous_call(case: CellCopyCase) -> Launch:
+    case.check_no_conversion("the previous kernel")
+    return lambda: previous_kernel.copy_cells(*case.args)
 
 
 def time_geometry(
@@ -637,13 +711,18 @@ def time_geometry(
         _needs(device, 2 * moved)
         wire = make_wire(g, device)
         copy = _time_copy(wire, timer)
+        # A conversion's unpack writes the cache's bytes: its copy baseline is of those.
+        unpack_copy = copy
+        if g.wire_dtype is not None:
+            unpack_copy = _time_copy(torch.empty(moved, dtype=torch.uint8, device=device), timer)
+        scales = conversion_scales(g, device) if g.wire_dtype is not None else None
         _needs(device, g.cache_bytes())
         nhd = make_cache(g, device, gen, head_offset=g.head_offset)
         wire_buf = wire_kv_buffer(wire, 0, g.mla)
-        row(_case("pack", nhd, wire_buf, 0, g.tokens, g.heads_moved), copy)
-        row(_case("unpack", wire_buf, nhd, 0, g.tokens, g.heads_moved), copy)
+        row(_case("pack", nhd, wire_buf, 0, g.tokens, g.heads_moved, scales), copy)
+        row(_case("unpack", wire_buf, nhd, 0, g.tokens, g.heads_moved, scales), unpack_copy)
         del wire, wire_buf
-        if not g.mla:
+        if "remap_nhd_to_hnd" in g.ops:  # not MLA, not a conversion (pack and unpack only)
             _needs(device, g.cache_bytes())
             hnd = make_cache(g, device, gen, layout="HND")
             row(_case("remap_nhd_to_hnd", nhd, hnd, 0, g.tokens, g.heads_moved), copy)
@@ -652,7 +731,10 @@ def time_geometry(
         reason = str(why) if isinstance(why, Skipped) else "out of device memory"
         for op in g.ops:
             if op not in done:
-                emit({"op": op, **g.describe(), "bytes_moved": moved, "skipped": reason})
+                emit(
+                    {"op": op, **g.describe(), "conversion": g.conversion(op),
+                     "bytes_moved": moved, "skipped": reason}
+                )  # fmt: skip
 
 
 def _time_copy(wire: torch.Tensor, timer: Timer) -> dict[str, Any]:
@@ -671,7 +753,17 @@ def _time_copy(wire: torch.Tensor, timer: Timer) -> dict[str, Any]:
 
 def _label(g: Geometry) -> str:
     heads = "MLA" if g.mla else f"{g.heads_moved}/{g.heads} heads"
-    return f"{g.layers}L {g.tokens}t {heads} d{g.head_dim} {SHORT_DTYPE[g.dtype]}"
+    wire = f"<>{SHORT_DTYPE[g.wire_dtype]}" if g.wire_dtype else ""
+    return f"{g.layers}L {g.tokens}t {heads} d{g.head_dim} {SHORT_DTYPE[g.dtype]}{wire}"
+
+
+def _dtype_cell(r: dict[str, Any]) -> str:
+    """A row's dtype, or its conversion as `bf16>fp8`."""
+    conversion = r.get("conversion")
+    if not conversion:
+        return SHORT_DTYPE[r["dtype"]]
+    src, dst = conversion.split("->")
+    return f"{SHORT_DTYPE[src]}>{SHORT_DTYPE[dst]}"
 
 
 def _num(value: object, width: int, digits: int) -> str:
@@ -691,7 +783,7 @@ def _cell(stats: dict[str, Any] | None, key: str, width: int, digits: int) -> st
 
 
 _HEADER = (
-    f"{'op':<9} {'layers':>6} {'tokens':>7} {'heads':>5} {'dim':>4} {'dtype':>5} {'MB':>8} "
+    f"{'op':<9} {'layers':>6} {'tokens':>7} {'heads':>5} {'dim':>4} {'dtype':>8} {'MB':>8} "
     f"| {'copy GB/s':>9} | {'new ms':>8} {'[p10-p90]':>17} {'GB/s':>6} {'x copy':>6} "
     f"| {'prev':>5} {'index':>5} {'block':>5} | {'e2e new':>8} {'prev':>8} {'torch':>8} "
     f"| target"
@@ -703,7 +795,7 @@ def format_row(r: dict[str, Any]) -> str:
     heads = "MLA" if r["mla"] else f"{r['heads_moved']}/{r['heads']}"
     head = (
         f"{OP_LABELS[r['op']]:<9} {r['layers']:>6} {r['tokens']:>7} {heads:>5} "
-        f"{r['head_dim']:>4} {SHORT_DTYPE[r['dtype']]:>5} {r['bytes_moved'] / 1e6:>8,.1f}"
+        f"{r['head_dim']:>4} {_dtype_cell(r):>8} {r['bytes_moved'] / 1e6:>8,.1f}"
     )
     if "skipped" in r:
         return head + f"| skipped: {r['skipped']}"
@@ -732,18 +824,24 @@ def format_row(r: dict[str, Any]) -> str:
 
 
 def target_summary(rows: list[dict[str, Any]]) -> list[str]:
-    """Per op: the new kernel's range of x copy from 4k tokens, against its target."""
+    """Per op (and per conversion): the new kernel's range of x copy from 4k tokens, against
+    its target."""
     lines = []
-    for op, target in TARGETS.items():
+    conversions = sorted({r.get("conversion") or "" for r in rows})
+    for (op, target), conversion in itertools.product(TARGETS.items(), conversions):
         ratios = [
             r["device"]["new"]["vs_copy"]
             for r in rows
-            if r["op"] == op and r.get("target_vs_copy") and r["device"]["new"].get("vs_copy")
+            if r["op"] == op
+            and (r.get("conversion") or "") == conversion
+            and r.get("target_vs_copy")
+            and r["device"]["new"].get("vs_copy")
         ]
         if ratios:
             met = "met" if min(ratios) >= target else "NOT met"
+            name = f"{OP_LABELS[op]} {conversion}".strip()
             lines.append(
-                f"{OP_LABELS[op]}: {min(ratios):.2f}-{max(ratios):.2f} of copy over "
+                f"{name}: {min(ratios):.2f}-{max(ratios):.2f} of copy over "
                 f"{len(ratios)} rows from {TARGET_FROM_TOKENS} tokens; target {target}: {met}"
             )
     return lines
@@ -816,7 +914,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton": triton.__version__,
         "reps": reps,
         "flush_bytes": FLUSH_BYTES if device.type == "cuda" else 0,
-        "gbps_counts": "bytes read + bytes written = 2 x bytes_moved",
+        "gbps_counts": "bytes read + bytes written (2 x bytes_moved without a conversion)",
         "new_device_timing": new_timing_method(),
         "rows": [],
         "stopped": None,

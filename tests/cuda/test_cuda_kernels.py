@@ -6,7 +6,10 @@
    implementation the benchmark times must give the torch twin's bytes (`gather_kv_torch`...),
    cells not moved included: the public call (`gather_kv`...), its prepared launch
    (`prepare_cell_copy(...).launch()`), the previous kernel (benchmarks/previous_kernel.py),
-   the `index_select` baseline and the per-block baseline.
+   the `index_select` baseline and the per-block baseline. The converting variants (a bf16
+   cache and an fp8 wire: pack quantizes, unpack dequantizes, with a scale per layer and plane)
+   check the public call and the prepared launch against the torch twin, which converts with
+   torch's float ops (the others only copy bits).
 2. `kvxfer.reshard` end to end on the device's tensors, Triton backend, each strategy forced
    in turn: the demo's sharding (prefill TP 3, blocks of 16, NHD/kv_first -> decode TP 4,
    blocks of 48, HND/blocks_first; 4 layers, 24 KV heads, head_dim 64) at the demo's 300
@@ -115,11 +118,11 @@ def cell_copy_cases(index: int) -> dict[str, Any]:
     bench.fill_random(wire_src, gen)
     wire_dst = wire_kv_buffer(bench.make_wire(g, DEVICE, START), START, g.mla)
     unpack_dst = bench.make_cache(g, DEVICE, gen, head_offset=off, spare_blocks=3)
+    scales = bench.conversion_scales(g, DEVICE) if g.wire_dtype else None
+    wire_in = wire_kv_buffer(wire_src, START, g.mla)
     cases = {
-        "pack": bench._case("pack", nhd, wire_dst, START, TOKENS, n),
-        "unpack": bench._case(
-            "unpack", wire_kv_buffer(wire_src, START, g.mla), unpack_dst, START, TOKENS, n
-        ),
+        "pack": bench._case("pack", nhd, wire_dst, START, TOKENS, n, scales),
+        "unpack": bench._case("unpack", wire_in, unpack_dst, START, TOKENS, n, scales),
     }
     if not g.mla:
         hnd = bench.make_cache(
@@ -150,7 +153,7 @@ CELL_COPY = [
     pytest.param(index, op, impl, id=f"{_variant_id(g)}-{op}-{impl}")
     for index, g in enumerate(VARIANTS)
     for op in g.ops
-    for impl in IMPLS
+    for impl in (IMPLS if g.wire_dtype is None else IMPLS[:2])  # the others copy bits only
 ]
 
 
