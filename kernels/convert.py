@@ -29,10 +29,10 @@ import triton
 import triton.language as tl
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-WIDE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The largest finite value of each fp8 format: quantization saturates to it.
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-# The positive quiet NaN a conversion writes (bits of the destination dtype).
+# The positive quiet NaN a conversion writes (bits of the destination dtype; each fits the
+# signed integer of its width that torch views the dtype as).
 CANONICAL_NAN = {
     torch.float8_e4m3fn: 0x7F,
     torch.float8_e5m2: 0x7F,
@@ -142,16 +142,8 @@ def convert_torch(
     nan = torch.isnan(wide)
     if bool(nan.any()):
         bits = out.view(_BITS[out.element_size()])
-        bits[nan] = _signed(CANONICAL_NAN[dst], out.element_size())
+        bits[nan] = CANONICAL_NAN[dst]
     return out
-
-
-def _signed(bits: int, size: int) -> int:
-    """`bits` as the signed integer of `size` bytes that torch stores them in (uint8 stays)."""
-    if size == 1:
-        return bits
-    half = 1 << (8 * size - 1)
-    return bits - 2 * half if bits >= half else bits
 
 
 # ---- Triton: the same arithmetic on integer bits --------------------------------------------

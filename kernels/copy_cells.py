@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvxfer.kernels.convert import KIND_NONE, KINDS, SCALE_DIVIDE, SCALE_MULTIPLY, scale_mode
+from kvxfer.kernels.convert import KIND_NONE, KINDS, scale_mode
 from kvxfer.kernels.convert import from_float32 as _from_float32
 from kvxfer.kernels.convert import to_float32 as _to_float32
 from kvxfer.kernels.layout import (
@@ -549,7 +549,6 @@ def prepare_cell_copy(
                 f"{name.upper()}_TABLE": table is not None,
             }
         )
-    mode = scale_mode(src_dtype, dst_dtype)
     arguments.update(
         scales_ptr=scales if scales is not None else src_set.word_view,
         NUM_PLANES=src_geo.planes,
@@ -561,7 +560,7 @@ def prepare_cell_copy(
         ALIGNED=aligned,
         SRC_KIND=KINDS[src_dtype] if converting else KIND_NONE,
         DST_KIND=KINDS[dst_dtype] if converting else KIND_NONE,
-        SCALE_MODE=mode if mode in (SCALE_DIVIDE, SCALE_MULTIPLY) else 0,
+        SCALE_MODE=scale_mode(src_dtype, dst_dtype),
     )
     return CellCopyLaunch(grid, arguments, warps_for(block_t * row_bytes))
 

@@ -235,7 +235,6 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     plans = plan_pairs(
         src, dst, cost_model=model, strategy=args.strategy, reference_tokens=args.tokens
     )
-    converts = {plan.strategy: conversion_side(plan.strategy, src[0], dst[0]) for plan in plans}
     per_source: dict[int, float] = {}
     for plan in plans:
         per_source[plan.src_rank] = per_source.get(plan.src_rank, 0.0) + plan.chosen.seconds
@@ -246,7 +245,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         "prefill": _side_summary(src[0]),
         "decode": _side_summary(dst[0]),
         "pairs": [
-            {**_pair_summary(plan), "converts_on": converts[plan.strategy]} for plan in plans
+            {**_pair_summary(plan), "converts_on": conversion_side(plan.strategy, src[0], dst[0])}
+            for plan in plans
         ],
         "total": {
             "segments": sum(p.chosen.num_ops for p in plans),

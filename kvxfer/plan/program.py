@@ -118,13 +118,14 @@ def check_strategy_for(strategy: Strategy, src_spec: KVCacheSpec, dst_spec: KVCa
 
 
 def conversion_side(
-    strategy: Strategy, src_spec: KVCacheSpec, dst_spec: KVCacheSpec
+    strategy: Strategy, src: KVCacheSpec | BlockGeometry, dst: KVCacheSpec | BlockGeometry
 ) -> Literal["source", "destination"] | None:
     """Which side's cell copy converts between the two KV dtypes under `strategy` (the module
-    docstring), or None between equal dtypes."""
-    if src_spec.dtype == dst_spec.dtype:
+    docstring), or None between equal dtypes: `pack+unpack`'s wire buffer takes the narrower
+    dtype, the destination's only when it is narrower (`_staging_views` builds it so)."""
+    if src.dtype == dst.dtype:
         return None
-    if strategy == "pack" or (strategy == "pack+unpack" and dst_spec.itemsize < src_spec.itemsize):
+    if strategy == "pack" or (strategy == "pack+unpack" and dst.itemsize < src.itemsize):
         return "source"
     return "destination"
 
@@ -222,9 +223,9 @@ def _staging_views(
         return mirror, mirror if landing else None
     if strategy == "unpack":
         return None, staging_mirror(src_geometry, n, t0, t1)
-    if strategy == "pack+unpack":  # in the narrower dtype: converted where that saves wire bytes
-        narrower = dst_geometry if dst_geometry.itemsize < src_geometry.itemsize else src_geometry
-        wire = wire_buffer(narrower, n, t0, t1)
+    if strategy == "pack+unpack":  # in the dtype of the side that does not convert
+        source_converts = conversion_side(strategy, src_geometry, dst_geometry) == "source"
+        wire = wire_buffer(dst_geometry if source_converts else src_geometry, n, t0, t1)
         return wire, wire
     return None, staging_mirror(dst_geometry, n, t0, t1) if landing else None
 
