@@ -9,49 +9,71 @@ views (benchmarks/RESULTS.md).
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from kvxfer.kernels.convert import convert_torch, scale_mode
-from kvxfer.kernels.layout import KVBuffer, canonical_kv_view, check_cell_copy
+from kvxfer.kernels.layout import KVBuffer, StackedLayers, canonical_kv_view, check_cell_copy
 from kvxfer.layout import plane_views
 
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
 def cell_offsets(
-    view: torch.Tensor,  # [planes, blocks, slots, heads, head_dim], head_dim contiguous
-    blocks: torch.Tensor,  # [tokens] int64
-    slots: torch.Tensor,  # [tokens] int64
+    strides: tuple[int, ...],  # [planes, blocks, slots, heads] strides of the canonical view
+    planes: int,
+    blocks: np.ndarray,  # [tokens] int64
+    slots: np.ndarray,  # [tokens] int64
     head_offset: int,
     num_heads: int,
-) -> torch.Tensor:
-    """Element offset (from the view's first element) of every moved cell: [planes, tokens,
-    heads]."""
-    if view.dim() != 5 or view.stride(4) != 1:
-        raise ValueError(
-            f"view: expected [planes, blocks, slots, heads, head_dim] with head_dim contiguous, "
-            f"got shape {tuple(view.shape)} strides {view.stride()}"
-        )
-    s_plane, s_block, s_slot, s_head, _ = view.stride()
-    device = blocks.device
-    planes = torch.arange(view.shape[0], device=device)[:, None, None] * s_plane
-    tokens = (blocks * s_block + slots * s_slot)[None, :, None]
-    heads = (head_offset + torch.arange(num_heads, device=device))[None, None, :] * s_head
-    return planes + tokens + heads
+) -> np.ndarray:
+    """Element offset (from the canonical view's first element) of every moved cell:
+    `[planes, tokens, heads]`.
+
+    Index math runs in numpy on the host: a 16-token chunk's offsets are a handful of tiny
+    arrays, which numpy builds several times faster than torch's per-op dispatch (the cell
+    copy of such a chunk was mostly this host work, benchmarks/RESULTS.md).
+    """
+    s_plane, s_block, s_slot, s_head = strides[:4]
+    plane = np.arange(planes, dtype=np.int64)[:, None, None] * s_plane
+    token = (blocks * s_block + slots * s_slot)[None, :, None]
+    head = (head_offset + np.arange(num_heads, dtype=np.int64))[None, None, :] * s_head
+    return plane + token + head
 
 
-def _word_for(
-    views: list[torch.Tensor], spans: list[int], granule_bytes: int
-) -> tuple[int, torch.dtype]:
-    """The widest integer word dividing `granule_bytes` and every view's start and size.
+def _moved_cells(
+    buf: KVBuffer, side: _Side, token_start: int, token_end: int, num_heads: int
+) -> np.ndarray:
+    """`cell_offsets` of tokens `[token_start, token_end)` in `buf`, on the host."""
+    block_size = side.shape[2]
+    pos = np.arange(token_start - buf.token_shift, token_end - buf.token_shift, dtype=np.int64)
+    logical = pos // block_size
+    block = logical if buf.block_ids is None else _host(buf.block_ids)[logical]
+    slot = pos - logical * block_size
+    return cell_offsets(side.strides, side.shape[0], block, slot, buf.head_offset, num_heads)
+
+
+def _host(ids: torch.Tensor) -> np.ndarray:
+    """A block table on the host (no copy for a CPU tensor; on CUDA the torch path is a
+    reference, and its index math synchronizes)."""
+    return ids.cpu().numpy()
+
+
+def _word_for(sides: list[_Side], itemsize: int, granule_bytes: int) -> tuple[int, torch.dtype]:
+    """The widest integer word dividing `granule_bytes` and every layer's start and size.
 
     Copies move bits, and 8-byte words index about 1.8x faster than bf16 elements on CPU.
     """
     sizes = [granule_bytes]
-    for v, span in zip(views, spans, strict=True):
-        sizes += [v.storage_offset() * v.element_size(), span * v.element_size()]
+    for side in sides:
+        sizes += [start * itemsize for start in side.starts]
+        sizes += [span * itemsize for span in side.spans]
     return next((w, t) for w, t in _WORDS if all(n % w == 0 for n in sizes))
 
 
@@ -61,12 +83,12 @@ def _span(view: torch.Tensor) -> int:
     return 1 + sum((n - 1) * s for n, s in zip(view.shape, view.stride(), strict=True) if s)
 
 
-def _flat_words(view: torch.Tensor, dtype: torch.dtype, span: int | None = None) -> torch.Tensor:
+def _flat_words(view: torch.Tensor, dtype: torch.dtype, span: int) -> torch.Tensor:
     """The memory under a canonical view (or its layer tensor: the same first element), flat,
-    as `dtype` words: the dense range from its first element to its last, `span` elements
-    (default: the view's; a permuted contiguous tensor, or a layer with `block_stride`, whose
-    gaps are then addressable but never written)."""
-    flat = view.as_strided((_span(view) if span is None else span,), (1,))
+    as `dtype` words: the dense range from its first element to its last, `span` elements (a
+    permuted contiguous tensor, or a layer with `block_stride`, whose gaps are then
+    addressable but never written)."""
+    flat = view.as_strided((span,), (1,))
     return flat if flat.dtype == dtype else flat.view(torch.uint8).view(dtype)
 
 
@@ -99,16 +121,15 @@ def copy_cells_torch(
         copy_elements_torch(src, dst, token_start, token_end, num_heads, scales)
         return
     device = src.layers[0].device
-    tokens = torch.arange(token_start, token_end, device=device)
     # The first layer's canonical view stands for every layer where all share its shape and
-    # strides (a cache's layers, a staging buffer's): per-layer host work is then a few views
-    # (a 16-token chunk of 8 layers: most of its 1 ms copy was per-layer view-making).
-    (src_layers, src_spans), (dst_layers, dst_spans) = _canonical_first(src), _canonical_first(dst)
-    head_dim = src_layers[0].shape[4]
-    src_off = cell_offsets(src_layers[0], *src.token_cells(tokens), src.head_offset, num_heads)
-    dst_off = cell_offsets(dst_layers[0], *dst.token_cells(tokens), dst.head_offset, num_heads)
+    # strides (a cache's layers, a staging buffer's): per-layer host work is then one cached
+    # row view per layer (a 16-token chunk of 8 layers: most of its copy was host work).
+    src_side, dst_side = _side(src), _side(dst)
+    head_dim, planes = src_side.shape[4], src_side.shape[0]
+    src_off = _moved_cells(src, src_side, token_start, token_end, num_heads)
+    dst_off = _moved_cells(dst, dst_side, token_start, token_end, num_heads)
     unit = head_dim
-    grain = _grain(head_dim, src_layers[0], dst_layers[0])
+    grain = _grain(head_dim, src_side, dst_side)
     if grain < head_dim:
         # Cells off the head_dim grid (a layer with a block_stride that head_dim does not
         # divide): rows of the largest grain that divides every cell's start and head_dim.
@@ -119,7 +140,7 @@ def copy_cells_torch(
         unit = grain
     elif (
         num_heads > 1
-        and src_layers[0].stride(3) == head_dim == dst_layers[0].stride(3)
+        and src_side.strides[3] == head_dim == dst_side.strides[3]
         and bool((dst_off[..., 0] % (num_heads * head_dim) == 0).all())
     ):
         unit = num_heads * head_dim
@@ -130,63 +151,67 @@ def copy_cells_torch(
     src_step = unit if bool((src_off % unit == 0).all()) else head_dim
     src_rows = (src_off // src_step).reshape(-1)
     dst_rows = (dst_off // unit).reshape(-1)
-    if src_layers[0].dtype != dst_layers[0].dtype:
-        planes = src_layers[0].shape[0]  # rows are plane-major: [planes, tokens(, heads)]
-        _convert_rows(src_layers, src_spans, dst_layers, dst_spans, src_rows, dst_rows,
-                      (unit, src_step), planes, scales)  # fmt: skip
+    if src_side.dtype != dst_side.dtype:
+        # rows are plane-major: [planes, tokens(, heads)]
+        reads = _layer_rows(src, src_side, _BITS[src_side.dtype.itemsize], unit, src_step)
+        writes = _layer_rows(dst, dst_side, _BITS[dst_side.dtype.itemsize], unit, unit)
+        _convert_rows(reads, writes, _on(src_rows, device), _on(dst_rows, device),
+                      (src_side.dtype, dst_side.dtype), planes, scales)  # fmt: skip
         return
-    itemsize = src_layers[0].element_size()
-    word, dtype = _word_for(
-        [*src_layers, *dst_layers], [*src_spans, *dst_spans], min(grain, head_dim) * itemsize
-    )
+    itemsize = src_side.dtype.itemsize
+    word, dtype = _word_for([src_side, dst_side], itemsize, min(grain, head_dim) * itemsize)
     unit_words, src_step_words = unit * itemsize // word, src_step * itemsize // word
+    reads = _layer_rows(src, src_side, dtype, unit_words, src_step_words)
+    writes = _layer_rows(dst, dst_side, dtype, unit_words, unit_words)
     # One pass where one side's rows are consecutive (a dense staging buffer: the wire layout
     # of pack+unpack): gather straight into it, or scatter straight from it, instead of through
     # a temporary (two passes and an allocation).
     dst_run, src_run = _first_of_run(dst_rows), _first_of_run(src_rows)
-    n = dst_rows.numel()
-    for s, s_span, d, d_span in zip(src_layers, src_spans, dst_layers, dst_spans, strict=True):
-        reads = _rows(_flat_words(s, dtype, s_span), unit_words, src_step_words)
-        writes = _rows(_flat_words(d, dtype, d_span), unit_words, unit_words)
-        if dst_run is not None:
-            torch.index_select(reads, 0, src_rows, out=writes[dst_run : dst_run + n])
-        elif src_run is not None:
-            writes.index_copy_(0, dst_rows, reads[src_run : src_run + n])
-        else:
-            writes.index_copy_(0, dst_rows, reads.index_select(0, src_rows))
+    n = dst_rows.size
+    if dst_run is not None:
+        src_index = _on(src_rows, device)
+        for r, w in zip(reads, writes, strict=True):
+            torch.index_select(r, 0, src_index, out=w[dst_run : dst_run + n])
+        return
+    dst_index = _on(dst_rows, device)
+    if src_run is not None:
+        for r, w in zip(reads, writes, strict=True):
+            w.index_copy_(0, dst_index, r[src_run : src_run + n])
+        return
+    src_index = _on(src_rows, device)
+    for r, w in zip(reads, writes, strict=True):
+        w.index_copy_(0, dst_index, r.index_select(0, src_index))
+
+
+def _on(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host row indices as an int64 tensor on `device` (no copy on the CPU)."""
+    index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+    return index if device.type == "cpu" else index.to(device)
 
 
 def _convert_rows(
-    src_layers: list[torch.Tensor],
-    src_spans: list[int],
-    dst_layers: list[torch.Tensor],
-    dst_spans: list[int],
+    reads: list[torch.Tensor],
+    writes: list[torch.Tensor],
     src_rows: torch.Tensor,
     dst_rows: torch.Tensor,
-    unit_step: tuple[int, int],
+    dtypes: tuple[torch.dtype, torch.dtype],
     planes: int,
     scales: torch.Tensor | None,
 ) -> None:
-    """The rows of a copy between two dtypes: gathered in the source's dtype, converted with
-    each row's plane's scale, scattered in the destination's (rows of `unit` elements, source
-    rows starting every `step`)."""
-    unit, step = unit_step
-    src_dtype, dst_dtype = src_layers[0].dtype, dst_layers[0].dtype
-    # Moved as their bits (CPU torch indexes no fp8), converted as their dtypes.
-    src_bits, dst_bits = _BITS[src_dtype.itemsize], _BITS[dst_dtype.itemsize]
+    """The rows of a copy between two dtypes: gathered in the source's dtype (`reads`, each
+    layer's rows as the source's bits), converted with each row's plane's scale, scattered in
+    the destination's (`writes`, as its bits). CPU torch indexes no fp8, so rows move as bits
+    and convert as their dtypes."""
+    src_dtype, dst_dtype = dtypes
     per_plane = src_rows.numel() // planes
     scaled = scale_mode(src_dtype, dst_dtype) != 0
-    for layer, (s, s_span, d, d_span) in enumerate(
-        zip(src_layers, src_spans, dst_layers, dst_spans, strict=True)
-    ):
-        reads = _rows(_flat_words(s, src_bits, s_span), unit, step)
-        values = reads.index_select(0, src_rows).view(src_dtype)
+    for layer, (r, w) in enumerate(zip(reads, writes, strict=True)):
+        values = r.index_select(0, src_rows).view(src_dtype)
         scale = None
         if scaled:
             assert scales is not None  # check_cell_copy
             scale = scales[layer].repeat_interleave(per_plane)[:, None]
-        writes = _rows(_flat_words(d, dst_bits, d_span), unit, unit)
-        writes.index_copy_(0, dst_rows, convert_torch(values, dst_dtype, scale).view(dst_bits))
+        w.index_copy_(0, dst_rows, convert_torch(values, dst_dtype, scale).view(w.dtype))
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -233,47 +258,135 @@ def copy_elements_torch(
             d_plane.view(d_bits)[dst_blocks, dst_slots, dst_heads] = got.view(d_bits)
 
 
-def _grain(head_dim: int, *views: torch.Tensor) -> int:
-    """A divisor of `head_dim` that every cell start of the canonical `views` is a multiple of:
-    the gcd of `head_dim` and their strides along every axis longer than one (a cell start is a
-    sum of multiples of those). `head_dim` itself for every dense layout; smaller for a layer
+def _grain(head_dim: int, *sides: _Side) -> int:
+    """A divisor of `head_dim` that every cell start of the `sides` is a multiple of: the gcd
+    of `head_dim` and their strides along every axis longer than one (a cell start is a sum
+    of multiples of those). `head_dim` itself for every dense layout; smaller for a layer
     whose blocks sit `block_stride` apart when head_dim does not divide it. Integers only: no
     work on the cells."""
     grain = head_dim
-    for view in views:
-        for size, stride in zip(view.shape[:4], view.stride()[:4], strict=True):
+    for side in sides:
+        for size, stride in zip(side.shape[:4], side.strides[:4], strict=True):
             if size > 1:
                 grain = math.gcd(grain, stride)
     return grain
 
 
-def _split_cells(offsets: torch.Tensor, head_dim: int, grain: int) -> torch.Tensor:
+def _split_cells(offsets: np.ndarray, head_dim: int, grain: int) -> np.ndarray:
     """Each cell's `head_dim // grain` pieces of `grain` elements, in order: `[..., pieces]`."""
-    pieces = torch.arange(0, head_dim, grain, device=offsets.device)
-    return offsets[..., None] + pieces
+    return offsets[..., None] + np.arange(0, head_dim, grain, dtype=np.int64)
 
 
-def _canonical_first(buf: KVBuffer) -> tuple[list[torch.Tensor], list[int]]:
-    """Every layer for `_flat_words`, and the span of each: layer 0's canonical view, then
-    the other layers as they are, where they all share layer 0's shape, strides and dtype (a
-    canonical view starts at its layer's first element and spans what its layer does, so the
-    flat memory under each is the same range); else every layer's canonical view."""
-    layers = list(buf.layers)
+@dataclass(frozen=True)
+class _Side:
+    """One side of a copy as its rows are made: the canonical `[plane, block, slot, head,
+    head_dim]` shape, strides and dtype that every layer shares (layer 0's), each layer's
+    first element (its storage offset) and span, in elements, and (a cache's) row views
+    already made, by (word, unit, step)."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+    starts: tuple[int, ...]
+    spans: tuple[int, ...]
+    rows: dict[tuple[torch.dtype, int, int], list[torch.Tensor]] | None = None
+
+
+def _side(buf: KVBuffer) -> _Side:
+    """`buf`'s `_Side`: a staging buffer's from its geometry; a cache's made once per set of
+    layer tensors (`_CACHE_SIDES`)."""
+    layers = buf.layers
+    if isinstance(layers, StackedLayers):
+        shape, strides = _dense_canonical(layers.layer_shape, buf.layout, buf.kv_placement, buf.mla)
+        first, size, count = layers.flat.storage_offset(), layers.layer_elements, len(layers)
+        starts = tuple(first + i * size for i in range(count))
+        return _Side(shape, strides, layers.flat.dtype, starts, (size,) * count)
+    return _CACHE_SIDES.get(buf)
+
+
+@functools.lru_cache(maxsize=256)
+def _dense_canonical(
+    layer_shape: tuple[int, ...], layout: str, kv_placement: str, mla: bool
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The canonical view's shape and strides of a contiguous layer of `layer_shape`."""
+    view = canonical_kv_view(torch.empty(layer_shape, device="meta"), layout, kv_placement, mla)
+    return tuple(view.shape), view.stride()
+
+
+def _cache_side(buf: KVBuffer) -> _Side:
+    """A cache's `_Side`. Where every layer shares layer 0's shape and strides (a cache's
+    layers) layer 0's canonical view stands for all (a canonical view starts at its layer's
+    first element and spans what its layer does); otherwise each layer's span comes from its
+    own canonical view."""
+    layers = buf.layers
     first = layers[0]
-    if all(
-        t.shape == first.shape and t.stride() == first.stride() and t.dtype == first.dtype
-        for t in layers[1:]
-    ):
-        view = canonical_kv_view(first, buf.layout, buf.kv_placement, buf.mla)
-        return [view, *layers[1:]], [_span(view)] * len(layers)
-    views = buf.canonical_layers()
-    return views, [_span(v) for v in views]
+    view = canonical_kv_view(first, buf.layout, buf.kv_placement, buf.mla)
+    starts = tuple(t.storage_offset() for t in layers)
+    if all(t.shape == first.shape and t.stride() == first.stride() for t in layers):
+        spans = (_span(view),) * len(layers)
+    else:
+        spans = tuple(_span(v) for v in buf.canonical_layers())
+    return _Side(tuple(view.shape), view.stride(), view.dtype, starts, spans, {})
 
 
-def _first_of_run(rows: torch.Tensor) -> int | None:
+class _CacheSides:
+    """Each cache's `_Side`, with its row views, made once: a cache is the same layer tensors
+    for the engine's life, so a copy's per-layer host work is a lookup. An entry is found by
+    layer 0 and checked against every layer (weak references: the cache keeps no tensor
+    alive), and goes when layer 0 does, its row views with it. A tensor whose memory is
+    replaced in place (`set_`, `resize_`) is not a cache the layout contract knows."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[Any, ...], tuple[list[weakref.ref[torch.Tensor]], _Side]] = {}
+
+    def get(self, buf: KVBuffer) -> _Side:
+        layers = buf.layers
+        key = (id(layers[0]), len(layers), buf.layout, buf.kv_placement, buf.mla)
+        entry = self._entries.get(key)
+        if entry is not None and all(r() is t for r, t in zip(entry[0], layers, strict=True)):
+            return entry[1]
+        side = _cache_side(buf)
+        entries = self._entries  # not self: the callback must not keep this registry alive
+        refs = [weakref.ref(layers[0], lambda _: entries.pop(key, None))]
+        refs += [weakref.ref(t) for t in list(layers)[1:]]
+        entries[key] = (refs, side)  # a race makes the same entry twice: harmless
+        return side
+
+
+_CACHE_SIDES = _CacheSides()
+
+
+def _layer_rows(
+    buf: KVBuffer, side: _Side, word: torch.dtype, unit: int, step: int
+) -> list[torch.Tensor]:
+    """Every layer's memory as rows of `unit` words starting every `step` words: a cache's
+    made once (`_Side.rows`); a staging buffer's from its one flat tensor, a view per layer."""
+    layers = buf.layers
+    if side.rows is not None:
+        key = (word, unit, step)
+        rows = side.rows.get(key)
+        if rows is None:
+            rows = side.rows[key] = [
+                _rows(_flat_words(t, word, span), unit, step)
+                for t, span in zip(layers, side.spans, strict=True)
+            ]
+        return rows
+    assert isinstance(layers, StackedLayers)
+    base, itemsize = side.starts[0], side.dtype.itemsize
+    # Layers sit back to back, whole words each (`_word_for`): all of them as words at once
+    words = _flat_words(layers.flat, word, side.starts[-1] - base + side.spans[-1])
+    ratio = words.element_size() // itemsize or 1
+    out = []
+    for start, span in zip(side.starts, side.spans, strict=True):
+        count = (span // ratio - unit) // step + 1
+        offset = words.storage_offset() + (start - base) // ratio
+        out.append(words.as_strided((count, unit), (step, 1), offset))
+    return out
+
+
+def _first_of_run(rows: np.ndarray) -> int | None:
     """The first row if `rows` are consecutive (r, r + 1, ...), else None."""
-    if rows.numel() == 0:
+    if rows.size == 0:
         return None
     first = int(rows[0])
-    expected = torch.arange(first, first + rows.numel(), device=rows.device)
-    return first if torch.equal(rows, expected) else None
+    return first if np.array_equal(rows, np.arange(first, first + rows.size)) else None

@@ -1,0 +1,95 @@
+"""The torch cell copy (the CPU backend) keeps each cache's row views between copies: the views
+must follow the tensors they were made from, never outlive them, and never keep them alive.
+
+Each test checks the bytes against `kvxfer.reference` on poisoned memory."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+from helpers import POISON_BYTE, bits, side_specs
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from kvxfer import allocate_kv_caches
+from kvxfer.kernels import KVBuffer, gather_kv_torch, scatter_kv_torch, wire_kv_buffer
+from kvxfer.reference import random_global_kv, write_rank_cells
+
+TOKENS = 11  # a partial last block
+
+
+def _spec(layout: str = "HND", num_blocks: int = 6):
+    (spec,) = side_specs(
+        1, heads=2, block_size=4, layout=layout, head_dim=8, dtype="bfloat16",
+        num_blocks=num_blocks,
+    )  # fmt: skip
+    return spec
+
+
+def _poisoned(spec):
+    caches = allocate_kv_caches(spec)
+    for t in caches:
+        bits(t).fill_(POISON_BYTE)
+    return caches
+
+
+def _scatter(spec, caches, ids, wire):
+    paged = KVBuffer(caches, spec.layout, spec.kv_placement, spec.mla, torch.from_numpy(ids), 0, 0)
+    scatter_kv_torch(wire_kv_buffer(wire, 0), paged, 0, TOKENS, spec.heads_per_rank)
+
+
+def _expected(spec, ids, kv):
+    want = _poisoned(spec)
+    write_rank_cells(spec, want, ids, kv, 0, TOKENS)
+    return want
+
+
+def _assert_holds(caches, want):
+    for layer, (got, exp) in enumerate(zip(caches, want, strict=True)):
+        assert torch.equal(bits(got), bits(exp)), f"layer {layer} differs from the reference"
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_a_cache_allocated_where_a_freed_one_was_gets_the_bytes(layout):
+    """Caches freed and allocated again, round after round (their tensors often take the
+    freed ones' ids and addresses): each round's copy lands in that round's cache, whole."""
+    spec = _spec(layout)
+    ids = np.array([4, 1, 3], dtype=np.int64)
+    for seed in range(6):
+        kv = random_global_kv(spec, TOKENS, seed=seed)
+        caches = _poisoned(spec)
+        _scatter(spec, caches, ids, kv.contiguous())
+        _assert_holds(caches, _expected(spec, ids, kv))
+        del caches
+
+
+def test_a_layer_replaced_behind_the_same_first_layer_is_written():
+    """Two copies through layer lists that share layer 0 and differ after it: the second
+    copy writes the second list's layers, not the first's."""
+    spec = _spec()
+    ids = np.array([0, 5, 2], dtype=np.int64)
+    kv = random_global_kv(spec, TOKENS, seed=3)
+    first = _poisoned(spec)
+    _scatter(spec, first, ids, kv.contiguous())
+    second = [first[0], *_poisoned(spec)[1:]]
+    bits(second[0]).fill_(POISON_BYTE)
+    _scatter(spec, second, ids, kv.contiguous())
+    _assert_holds(second, _expected(spec, ids, kv))
+
+
+def test_a_copy_keeps_no_cache_alive():
+    """Once the engine drops its cache, its memory goes: the row views kept for it go too."""
+    spec = _spec()
+    ids = np.array([1, 2, 3], dtype=np.int64)
+    caches = _poisoned(spec)
+    wire = torch.empty((spec.num_layers, 2, TOKENS, spec.heads_per_rank, spec.head_dim),
+                       dtype=torch.bfloat16)  # fmt: skip
+    paged = KVBuffer(caches, spec.layout, spec.kv_placement, spec.mla, torch.from_numpy(ids))
+    gather_kv_torch(paged, wire_kv_buffer(wire, 0), 0, TOKENS, spec.heads_per_rank)
+    _scatter(spec, caches, ids, wire)
+    storages = [StorageWeakRef(t.untyped_storage()) for t in caches]
+    del caches, paged
+    gc.collect()
+    assert all(s.expired() for s in storages)
