@@ -65,3 +65,41 @@ def test_unregistered_region_is_refused():
 def test_registering_requires_contiguous_memory():
     with pytest.raises(ValueError, match="contiguous"):
         LocalTransport().register(torch.zeros(4, 4).t())
+
+
+def test_segments_over_several_regions_are_checked_each_against_its_own():
+    """Segments spread over regions of different sizes: each is bounded by its own region, and
+    an unregistered one among registered ones is named."""
+    t = LocalTransport()
+    small, large = t.register(torch.zeros(4, dtype=torch.uint8)), t.register(torch.zeros(64))
+    dst = t.register(torch.zeros(512, dtype=torch.uint8))
+    ok = segments(
+        [small.region_id, large.region_id], [0, 200], [dst.region_id] * 2, [0, 8], [4, 56]
+    )
+    t.write(ok, t.peer())
+    past = segments([large.region_id, small.region_id], [200, 1], [dst.region_id] * 2, [0, 8],
+                    [56, 4])  # fmt: skip
+    with pytest.raises(TransferError, match=r"segment 1 \(4 bytes at source offset 1\)"):
+        t.write(past, t.peer())
+    stray = segments([small.region_id, 99], [0, 0], [dst.region_id] * 2, [0, 8], [4, 4])
+    with pytest.raises(TransferError, match=r"source region\(s\) \[99\] are not registered"):
+        t.write(stray, t.peer())
+
+
+@pytest.mark.parametrize("places", [1, 2])
+def test_region_keys_without_a_place_are_named(places):
+    """`Segments.with_regions` places each key in its registered buffer, and names the keys
+    it has no place for (one buffer on a side, or several)."""
+    plan = segments([0, 0, 1], [0, 8, 16], [5, 5, 5], [0, 8, 16], [8, 8, 8])
+    src_places = {0: (40, 1000), 1: (41, 0)} if places == 2 else {0: (40, 1000)}
+    if places == 1:
+        with pytest.raises(KeyError, match=r"region keys \[1\]"):
+            plan.with_regions(src_places, {5: (50, 64)})
+        return
+    placed = plan.with_regions(src_places, {5: (50, 64)})
+    assert placed.src_region.tolist() == [40, 40, 41]
+    assert placed.src_offset.tolist() == [1000, 1008, 16]
+    assert placed.dst_region.tolist() == [50, 50, 50]
+    assert placed.dst_offset.tolist() == [64, 72, 80]
+    with pytest.raises(KeyError, match=r"region keys \[5\]"):
+        plan.with_regions(src_places, {6: (50, 64), 7: (51, 0)})

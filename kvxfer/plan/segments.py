@@ -59,6 +59,12 @@ class Segments:
 def _map_keys(
     keys: np.ndarray, places: dict[int, tuple[int, int]]
 ) -> tuple[np.ndarray, np.ndarray]:
+    if len(places) == 1:  # one buffer on this side: most chunks
+        ((key, (region, base)),) = places.items()
+        if not bool((keys == key).all()):
+            missing = sorted({int(k) for k in keys[keys != key]})
+            raise KeyError(f"no registered region for region keys {missing}")
+        return np.full(keys.shape, region, dtype=np.int64), np.full(keys.shape, base, np.int64)
     known = np.asarray(sorted(places), dtype=np.int64)
     ids = np.asarray([places[int(k)][0] for k in known], dtype=np.int64)
     bases = np.asarray([places[int(k)][1] for k in known], dtype=np.int64)

@@ -79,14 +79,7 @@ def check_segments_in_regions(
         ("source", segments.src_region, segments.src_offset, src_regions),
         ("destination", segments.dst_region, segments.dst_offset, dst_regions),
     ):
-        unknown = sorted({int(r) for r in np.unique(regions)} - set(table))
-        if unknown:
-            raise TransferError(f"{side} region(s) {unknown} are not registered")
-        if not len(segments):
-            continue
-        ids = np.asarray(sorted(table), dtype=np.int64)
-        limits = np.asarray([table[int(i)].nbytes for i in ids], dtype=np.int64)
-        limit = limits[np.searchsorted(ids, regions)]
+        limit = _region_limits(side, regions, table)
         bad = np.flatnonzero(
             (offsets < 0) | (segments.length <= 0) | (offsets + segments.length > limit)
         )
@@ -97,6 +90,27 @@ def check_segments_in_regions(
                 f"not lie inside {side} region {regions[i]} of {limit[i]} bytes "
                 f"({bad.size} such segments)"
             )
+
+
+def _region_limits(side: str, regions: np.ndarray, table: Mapping[int, Region]) -> np.ndarray:
+    """Each segment's region size, in bytes.
+
+    Raises:
+        TransferError: a region that is not registered.
+    """
+    first = int(regions[0]) if regions.size else None
+    if first is not None and bool((regions == first).all()):  # one region: most reads
+        if first not in table:
+            raise TransferError(f"{side} region(s) [{first}] are not registered")
+        return np.full(regions.shape, table[first].nbytes, dtype=np.int64)
+    unknown = sorted({int(r) for r in np.unique(regions)} - set(table))
+    if unknown:
+        raise TransferError(f"{side} region(s) {unknown} are not registered")
+    if not regions.size:
+        return np.zeros(0, dtype=np.int64)
+    ids = np.asarray(sorted(table), dtype=np.int64)
+    limits = np.asarray([table[int(i)].nbytes for i in ids], dtype=np.int64)
+    return limits[np.searchsorted(ids, regions)]
 
 
 def tensor_memory(tensor: torch.Tensor) -> torch.Tensor:
