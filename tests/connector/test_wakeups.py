@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from kvxfer.connector import KVConsumer, KVProducer
@@ -20,6 +21,7 @@ from kvxfer.connector import sidechannel as sidechannel_module
 from kvxfer.connector.consumer import loop as loop_module
 from kvxfer.connector.consumer.loop import EventLoop
 from kvxfer.connector.sidechannel import SideChannelServer
+from kvxfer.reference import random_global_kv, write_rank_cells
 from kvxfer.testing import make_scenario, side_specs
 
 A_MINUTE = 60.0
@@ -82,6 +84,45 @@ def test_connect_late_publish_and_chunks_need_no_tick(slow_ticks: None, chunk_to
             consumer.close()
         for producer in producers:
             producer.close()
+
+
+def test_fetches_sharing_a_slot_and_a_cancelled_fetch_need_no_tick(slow_ticks: None) -> None:
+    """Two fetches on one consumer with one staging slot: a read that waits for the slot
+    starts when the other fetch's copy frees it (a turn moves on only what an event stirred:
+    this one is the slot's release). A fetch of a request never published, given up by its
+    wait's timeout, ends at once with every block failed."""
+    num_tokens = 64
+    src = side_specs(1, heads=4, block_size=16, num_blocks=40)
+    dst = side_specs(1, heads=4, block_size=32, layout="HND", num_blocks=40)
+    scenario = make_scenario(src, dst, num_tokens)
+    pool = {"staging_bytes": 1 << 16, "staging_slots": 1}
+    ((spec, caches, ids),) = scenario.src
+    ((dspec, dcaches, dids),) = scenario.dst
+    other = np.setdiff1d(np.arange(dspec.num_blocks), dids)[: len(dids)]
+    write_rank_cells(dspec, scenario.expected[0], other, random_global_kv(spec, num_tokens), 0,
+                     num_tokens)  # fmt: skip
+    producer = KVProducer(spec, caches, "prefill", **pool)
+    consumer = KVConsumer(dspec, dcaches, "decode", chunk_tokens=16, **pool)
+    try:
+        consumer.connect([producer.address], timeout=WAIT_S)
+        handles = [
+            consumer.fetch(request_id, table, num_tokens, timeout=2 * WAIT_S)
+            for request_id, table in (("a", dids), ("b", other))
+        ]
+        producer.publish("a", ids, num_tokens)
+        producer.publish("b", ids, num_tokens)
+        results = [handle.wait(WAIT_S) for handle in handles]
+        assert all(r.ok for r in results), [r.errors for r in results]
+        scenario.assert_exact()
+
+        never = consumer.fetch("never", dids, num_tokens, timeout=2 * WAIT_S)
+        began = time.monotonic()
+        given_up = never.wait(0.2)
+        assert time.monotonic() - began < WAIT_S, "the cancel waited for the tick"
+        assert not given_up.ok and given_up.failed_block_ids == sorted(dids.tolist())
+    finally:
+        consumer.close()
+        producer.close()
 
 
 def test_idle_loops_tick_at_the_idle_rate(monkeypatch: pytest.MonkeyPatch) -> None:

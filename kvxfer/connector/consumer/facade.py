@@ -240,7 +240,7 @@ class KVConsumer:
         )
         if not self._pairs:
             raise ValueError("fetch: connect() to the prefill engine first")
-        handle = FetchHandle(request_id, self._loop.wake)
+        handle = FetchHandle(request_id, self._wake_to_sweep)
         budget = self._timeout_s if timeout is None else timeout
         now = time.monotonic()
         fetch = Fetch(handle, ids, num_tokens, start_token, now + budget, now, streamed=streamed)
@@ -322,7 +322,11 @@ class KVConsumer:
         for pending, done in list(self._connects):
             self._await_sessions(pending, done)
         self._sessions.tick(now, self._loop.polled_at)
-        self._machine.tick(now)
+        self._machine.tick(now, sweep=self._loop.sweep_due(now))
+
+    def _wake_to_sweep(self) -> None:
+        """(any thread: a fetch's handle was cancelled) Look at every fetch now."""
+        self._loop.post(self._machine.ask_sweep)
 
     def _shutdown(self) -> None:
         self._machine.shutdown()

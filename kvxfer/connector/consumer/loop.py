@@ -3,9 +3,10 @@
 No thread per fetch or per session, so abandoned fetches cannot exhaust anything: other threads
 (the caller's, the transport's completions, the copy workers) `post` callables to it, and a
 pipe wakes it. Each turn it reads every readable socket, runs what was posted, then `tick`s
-(deadlines, heartbeats, chunks to ask for); it sleeps at most `_TICK_S` between turns while its
-owner is busy (fetches or connects running), `_IDLE_TICK_S` otherwise: an idle consumer wakes
-ten times a second for its heartbeats, not a hundred.
+(heartbeats, the chunks that the turn's events let move on); it sleeps at most `_TICK_S` between
+turns while its owner is busy (fetches or connects running), `_IDLE_TICK_S` otherwise: an idle
+consumer wakes ten times a second for its heartbeats, not a hundred. Work that grows with what
+is in flight (every fetch's deadline) runs once per `_TICK_S` (`sweep_due`), not every turn.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class EventLoop:
         # When the last turn had read every socket: a peer's silence is measured from here,
         # so a loop that was busy (a plan, a compile) does not take live peers for dead.
         self.polled_at = time.monotonic()
+        self._swept = self.polled_at
 
     def start(self) -> None:
         """Start the thread."""
@@ -76,6 +78,14 @@ class EventLoop:
             return  # closed
         with contextlib.suppress(BlockingIOError):  # a full pipe wakes the loop anyway
             os.write(fd, b"x")
+
+    def sweep_due(self, now: float) -> bool:
+        """(the loop) Whether `_TICK_S` has passed since the last sweep (then this one is
+        it): how often the owner looks at everything in flight, whatever the turns."""
+        if now - self._swept < _TICK_S:
+            return False
+        self._swept = now
+        return True
 
     def run_posted(self) -> None:
         """(the loop) Run every event posted so far."""
