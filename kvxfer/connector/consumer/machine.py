@@ -80,9 +80,8 @@ class FetchMachine:
         self.quarantine: set[Chunk] = set()  # failed chunks whose reads have not settled
         self._chunk_ids = itertools.count()
         self._chunks: dict[int, Chunk] = {}  # chunks not done or failed, by chunk id
-        # A turn moves on the fetches an event may have unblocked, not every fetch: with many
-        # fetches in flight, looking at each of them every turn made a turn O(fetches) and a
-        # batch of them O(fetches^2) (16 concurrent requests: most of the decode's CPU).
+        # A turn moves on the fetches an event may have unblocked, not every fetch: looking at
+        # each fetch in flight every turn made a turn O(fetches), a batch of them O(fetches^2).
         self._stirred: dict[Fetch, None] = {}  # insertion-ordered set
         self._waiting_for_slot: dict[Fetch, None] = {}  # fetches with chunks in fetch.waiting
         self._sweep_asked = False  # a rare event wants every fetch looked at this turn
