@@ -386,7 +386,7 @@ def _layer_rows(
     base, itemsize = side.starts[0], side.dtype.itemsize
     # Layers sit back to back, whole words each (`_word_for`): all of them as words at once
     words = _flat_words(layers.flat, word, side.starts[-1] - base + side.spans[-1])
-    ratio = words.element_size() // itemsize or 1
+    ratio = words.element_size() // itemsize  # >= 1: a word never splits an element (_word_for)
     out = []
     for start, span in zip(side.starts, side.spans, strict=True):
         count = (span // ratio - unit) // step + 1
