@@ -11,6 +11,8 @@ region keys onto registered memory.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,6 +24,7 @@ from kvxfer.plan.program import (
     chunk_block_count,
     chunk_blocks,
     chunk_program,
+    chunk_unpack_copy,
 )
 from kvxfer.spec import KVCacheSpec
 
@@ -89,11 +92,16 @@ def chunk_read_program(
     if staged != (src_block_ids is None):
         where = "its staging" if src_block_ids is None else "its cache"
         raise ValueError(f"it offered {where} for a chunk of strategy {strategy}")
-    if src_block_ids is None:
-        src_ids = np.zeros(chunk_block_count(producer.block_size, token_start, token_end), np.int64)
-    else:
-        src_ids = chunk_source_blocks(producer, src_block_ids, token_start, token_end)
     dst_ids = chunk_blocks(dst_block_ids, consumer.block_size, token_start, token_end)
+    if src_block_ids is None:
+        # Staging to staging: the segments do not depend on any block id, only the unpack does
+        # (the reads of a 16-token chunk were a quarter of its consumer's host work).
+        shared = _staged_program(route, strategy, producer, consumer, token_start, token_end)
+        unpack = chunk_unpack_copy(
+            strategy, route, producer, consumer, dst_ids, token_start, token_end, landing=True
+        )
+        return dataclasses.replace(shared, unpack=unpack)
+    src_ids = chunk_source_blocks(producer, src_block_ids, token_start, token_end)
     return chunk_program(
         route,
         strategy,
@@ -105,3 +113,24 @@ def chunk_read_program(
         token_end,
         landing=True,
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _staged_program(
+    route: HeadRoute,
+    strategy: Strategy,
+    producer: KVCacheSpec,
+    consumer: KVCacheSpec,
+    token_start: int,
+    token_end: int,
+) -> TransferProgram:
+    """The landing program of a staged chunk but for its unpack (made for block 0s), shared by
+    every chunk of that shape: its segments are read-only."""
+    src_ids = np.zeros(chunk_block_count(producer.block_size, token_start, token_end), np.int64)
+    dst_ids = np.zeros(chunk_block_count(consumer.block_size, token_start, token_end), np.int64)
+    program = chunk_program(
+        route, strategy, producer, consumer, src_ids, dst_ids, token_start, token_end, landing=True
+    )
+    for field in dataclasses.fields(program.segments):
+        getattr(program.segments, field.name).flags.writeable = False
+    return program

@@ -11,7 +11,7 @@ from helpers import side_specs
 from kvxfer.plan import CostModel, plan_pairs
 from kvxfer.plan.cost import choose_chunking
 from kvxfer.plan.fitting import fit_pair
-from kvxfer.plan.program import build_program, chunk_blocks, max_chunk_tokens
+from kvxfer.plan.program import build_program, chunk_blocks, chunk_program, max_chunk_tokens
 from kvxfer.plan.reads import chunk_read_program, chunk_source_blocks, reads_from_staging
 
 (SRC,) = side_specs(1, heads=4, block_size=16, num_blocks=40)
@@ -79,3 +79,55 @@ def test_a_read_program_is_the_chunks_part_of_the_whole_program(strategy):
     assert len(program.segments) == len(whole.segments)
     with pytest.raises(ValueError, match=r"it offered its (staging|cache) for a chunk of strategy"):
         chunk_read_program(pair.route, strategy, SRC, DST, dst_ids, lo, hi, [] if staged else None)
+
+
+def _view_fields(view):
+    """A cell view as comparable values (its block ids as a list)."""
+    block_ids = view.block_ids.tolist()
+    return [
+        view.geometry,
+        block_ids,
+        view.token_shift,
+        view.head_offset,
+        view.region,
+        view.layer_offset,
+    ]
+
+
+def _fields(copy):
+    """A cell copy as comparable values (its arrays as lists)."""
+    if copy is None:
+        return None
+    scalars = [copy.num_heads, copy.token_start, copy.token_end, copy.num_layers, copy.scales]
+    return [_view_fields(copy.src), _view_fields(copy.dst), *scalars]
+
+
+@pytest.mark.parametrize("strategy", ["pack", "pack+unpack"])
+def test_a_staged_chunks_program_is_made_once_per_shape_and_unpacks_into_its_own_blocks(
+    strategy,
+):
+    pair = plan(strategy)
+    lo, hi = 64, 128
+    programs = []
+    for dst_ids in (np.arange(5, dtype=np.int64), np.array([9, 2, 7, 4, 30], dtype=np.int64)):
+        program = chunk_read_program(pair.route, strategy, SRC, DST, dst_ids, lo, hi, None)
+        src_ids = np.zeros(4, dtype=np.int64)  # what a staged source's ids are: none read
+        fresh = chunk_program(
+            pair.route, strategy, SRC, DST, src_ids, chunk_blocks(dst_ids, 32, lo, hi), lo, hi,
+            landing=True,
+        )  # fmt: skip
+        for name in ("src_region", "src_offset", "dst_region", "dst_offset", "length"):
+            assert (
+                getattr(program.segments, name).tolist() == getattr(fresh.segments, name).tolist()
+            )
+        assert _fields(program.unpack) == _fields(fresh.unpack)
+        assert _fields(program.pack) == _fields(fresh.pack)
+        assert (program.num_layers, program.src_staging, program.dst_staging) == (
+            fresh.num_layers, fresh.src_staging, fresh.dst_staging,
+        )  # fmt: skip
+        programs.append(program)
+    first, second = programs
+    assert first.segments is second.segments  # shared by every chunk of this shape
+    assert not first.segments.length.flags.writeable  # so nobody may change it
+    if first.unpack is not None:
+        assert first.unpack.dst.block_ids.tolist() != second.unpack.dst.block_ids.tolist()
