@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+import zmq
 
 from kvxfer.connector import KVConsumer, KVProducer
 from kvxfer.connector import sidechannel as sidechannel_module
@@ -159,4 +160,40 @@ def test_idle_loops_tick_at_the_idle_rate(monkeypatch: pytest.MonkeyPatch) -> No
         loop.post(loop.stop)
         loop.join()
         loop.close()
+        server.close()
+
+
+def test_a_busy_side_channel_ticks_once_per_period_whatever_its_messages() -> None:
+    """A stream of messages does not run the tick after each one: its periodic work (expiry,
+    deadlines) was a tenth of a busy producer's time. Only an upper bound is asserted: a loaded
+    machine makes fewer ticks, not more."""
+    received: list[int] = []
+    ticks: list[float] = []
+    server = SideChannelServer(
+        "127.0.0.1",
+        0,
+        lambda identity, frames: received.append(len(frames)),
+        lambda: ticks.append(time.monotonic()),
+        tick_s=0.25,
+        busy=lambda: True,
+    )
+    context = zmq.Context()
+    client = context.socket(zmq.DEALER)
+    try:
+        client.connect(server.address)
+        began = time.monotonic()
+        sent = 0
+        while time.monotonic() - began < 1.0:  # a message a millisecond for a second
+            client.send(b"x")
+            sent += 1
+            time.sleep(0.001)
+        elapsed = time.monotonic() - began
+        deadline = time.monotonic() + WAIT_S
+        while len(received) < sent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(received) == sent  # every message was handled
+        assert len(ticks) <= elapsed / 0.25 + 2, (len(ticks), sent)
+    finally:
+        client.close(linger=0)
+        context.term()
         server.close()

@@ -45,6 +45,7 @@ from kvxfer.connector.messages import (
     decode_terms,
     encode,
 )
+from kvxfer.connector.sidechannel import has_message
 from kvxfer.plan.layout import STAGING_REGION
 from kvxfer.session.protocol import Delivered, Opened, Rejected, Reply, SessionClient
 from kvxfer.spec import KVCacheSpec
@@ -226,10 +227,9 @@ class ProducerSessions:
         """Handle every message waiting on `sock`."""
         session = self._open.get(sock)
         while session is not None and session.state is not SessionState.DEAD:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            if not has_message(sock):
                 return
+            frames = sock.recv_multipart(zmq.NOBLOCK)
             try:
                 self._on_frames(session, frames)
             except ProtocolError as exc:
