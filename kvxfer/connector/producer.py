@@ -739,12 +739,15 @@ class KVProducer:
         try:
             pool = self._pool_for(session)
             remaining = max(0.0, ask.wait_seconds)
-            slot = self._acquire_slot(session, pool, time.monotonic() + max(remaining, 0.1))
+            layers = pack.num_layers or self.spec.num_layers  # the route's layers
+            # In bytes: between two KV dtypes the staging holds the destination's
+            nbytes = layers * pack.dst.geometry.layer_bytes
+            slot = self._acquire_slot(session, pool, nbytes, max(remaining, 0.1))
             try:
-                layers = pack.num_layers or self.spec.num_layers  # the route's layers
-                # In bytes: between two KV dtypes the staging holds the destination's
-                nbytes = layers * pack.dst.geometry.layer_bytes
-                staging = pool.slot_tensor(slot, torch.uint8)[:nbytes]
+                staging = pool.slot_tensor(slot, torch.uint8)
+                info = RegionInfo(
+                    pool.region.region_id, pool.region.address + pool.offset(slot), nbytes
+                )
                 with self._lock:
                     fence = self._fences.get(ask.request_id)
                 # After the publish's fence; then wait for this pack's own event only: the NIC
@@ -761,23 +764,17 @@ class KVProducer:
                 session.leases[(ask.request_id, ask.chunk_id)] = _Lease(
                     slot, time.monotonic() + remaining + 1.0
                 )
-            info = RegionInfo(
-                pool.region.region_id, pool.region.address + pool.offset(slot), pool.slot_bytes
-            )
             self._send(session, _with_staging(ready, info))
         except Exception as exc:
             log.warning("request %s chunk %d: pack failed: %s", ask.request_id, ask.chunk_id, exc)
             self._send(session, _failed(ask, f"{type(exc).__name__}: {exc}"))
 
-    def _acquire_slot(self, session: _Session, pool: StagingPool, deadline: float) -> int:
-        """A free slot of the session's pool; gives up at `deadline`, at `close` or when the
+    def _acquire_slot(
+        self, session: _Session, pool: StagingPool, nbytes: int, timeout: float
+    ) -> int:
+        """`nbytes` of the session's pool; gives up after `timeout`, at `close` or when the
         session ends (its consumer's own leases fill the pool: only it waits)."""
-        while True:
-            try:
-                return pool.acquire(timeout=0.05)
-            except TimeoutError:
-                if self._closed or session.ended or time.monotonic() >= deadline:
-                    raise
+        return pool.acquire(nbytes, timeout, give_up=lambda: self._closed or session.ended)
 
     def _pool_for(self, session: _Session) -> StagingPool:
         with session.lock:

@@ -134,3 +134,16 @@ def _staged_program(
     for field in dataclasses.fields(program.segments):
         getattr(program.segments, field.name).flags.writeable = False
     return program
+
+
+def landing_bytes(program: TransferProgram, num_layers: int) -> int:
+    """Bytes of staging a landing program needs (its destination is the staging region alone,
+    from offset 0): what its reads write, and what its unpack views, whole layers of its
+    wire geometry (a mirror's reads may stop short of its last block), for a cache of
+    `num_layers` layers."""
+    segments, unpack = program.segments, program.unpack
+    written = int((segments.dst_offset + segments.length).max()) if len(segments) else 0
+    if unpack is None:
+        return written
+    viewed = (unpack.num_layers or num_layers) * unpack.src.geometry.layer_bytes
+    return max(written, viewed)

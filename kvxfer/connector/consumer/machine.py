@@ -44,7 +44,7 @@ from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.stats import TransferRecord, TransferStats
 from kvxfer.plan.fitting import FittedPair
 from kvxfer.plan.layout import STAGING_REGION, blocks_of_tokens
-from kvxfer.plan.reads import chunk_read_program
+from kvxfer.plan.reads import chunk_read_program, landing_bytes
 from kvxfer.spec import KVCacheSpec
 from kvxfer.transport.base import Transport
 
@@ -239,15 +239,10 @@ class FetchMachine:
         self._sessions().send(session, ask)
 
     def _start_read(self, chunk: Chunk) -> None:
-        """Read a ready chunk into a staging slot, if one is free (else it waits, ready)."""
+        """Read a ready chunk into staging, if the pool has room for it (else it waits, ready)."""
         session, ready = chunk.session, chunk.ready
         assert session is not None and session.spec is not None and ready is not None
         pool = self._pools[chunk.pair.src_rank]
-        chunk.slot = pool.try_acquire()
-        if chunk.slot is None:
-            chunk.fetch.waiting.append(chunk)
-            self._waiting_for_slot[chunk.fetch] = None
-            return  # every slot is busy reading or copying: soon one is free
         try:
             src_ids = None if ready.staging is not None else ready.src_block_ids
             program = chunk_read_program(
@@ -260,6 +255,15 @@ class FetchMachine:
                 chunk.end,
                 src_ids,
             )
+            chunk.slot = pool.try_acquire(landing_bytes(program, self._spec.num_layers))
+        except Exception as exc:
+            self._fail(chunk, f"cannot read from producer rank {session.rank}: {exc}")
+            return
+        if chunk.slot is None:
+            chunk.fetch.waiting.append(chunk)
+            self._waiting_for_slot[chunk.fetch] = None
+            return  # the pool is full of reads and copies: room comes free soon
+        try:
             dst_places = {STAGING_REGION: (pool.region.region_id, pool.offset(chunk.slot))}
             segments = program.segments.with_regions(session.src_places, dst_places)
             future = self._transport.read(segments, session.source(ready.staging))
