@@ -22,6 +22,7 @@ after the publish's fence, and the worker waits for each pack's own event before
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -595,8 +596,9 @@ class KVProducer:
     def _on_chunk_read(self, session: _Session, read: ChunkRead) -> None:
         with session.lock:
             lease = session.leases.pop((read.request_id, read.chunk_id), None)
-        if lease is not None and session.pool is not None:
-            session.pool.release(lease.slot)
+            pool = session.pool
+        if lease is not None:
+            _give_back(pool, [lease.slot])
         held = self._requests.holds(read.request_id, read.generation)
         valid = held and (lease is not None or not read.staged)
         reason = "" if valid else "the source was released before the read was confirmed"
@@ -679,9 +681,8 @@ class KVProducer:
         with session.lock:
             expired = [key for key, lease in session.leases.items() if lease.expires <= now]
             slots = [session.leases.pop(key).slot for key in expired]
-        if session.pool is not None:
-            for slot in slots:
-                session.pool.release(slot)
+            pool = session.pool
+        _give_back(pool, slots)
 
     def _forget_request(self, session: _Session, request_id: str) -> None:
         """The session is done with a request: its waiting chunks, leases and packs to come
@@ -693,9 +694,8 @@ class KVProducer:
                 session.finished.popitem(last=False)
             keys = [key for key in session.leases if key[0] == request_id]
             slots = [session.leases.pop(key).slot for key in keys]
-        if session.pool is not None:
-            for slot in slots:
-                session.pool.release(slot)
+            pool = session.pool
+        _give_back(pool, slots)
 
     def _release(self, request_id: str, why: str, expired: bool = False) -> None:
         if not self._requests.release(request_id):
@@ -774,7 +774,7 @@ class KVProducer:
     ) -> int:
         """`nbytes` of the session's pool; gives up after `timeout`, at `close` or when the
         session ends (its consumer's own leases fill the pool: only it waits)."""
-        return pool.acquire(nbytes, timeout, give_up=lambda: self._closed or session.ended)
+        return pool.acquire(nbytes, timeout=timeout, give_up=lambda: self._closed or session.ended)
 
     def _pool_for(self, session: _Session) -> StagingPool:
         with session.lock:
@@ -788,6 +788,17 @@ class KVProducer:
                     self.caches[0].device,
                 )
             return session.pool
+
+
+def _give_back(pool: StagingPool | None, slots: list[int]) -> None:
+    """Return leased ranges to their session's pool (read with the leases, under the session's
+    lock). A range the pool no longer holds was freed by its reset: the session ended and its
+    pool was recycled between the lease's end and this call."""
+    if pool is None:
+        return
+    for slot in slots:
+        with contextlib.suppress(ValueError):
+            pool.release(slot)
 
 
 def _with_staging(ready: ChunkReady, staging: RegionInfo) -> ChunkReady:

@@ -5,8 +5,12 @@ The pool is sized as `num_slots` slots of `slot_bytes` (a chunk is cut to fit on
 takes only the bytes it needs: many short chunks (a short request's, or many requests' at once)
 are in flight where one slot each would allow `num_slots` (16 requests of 256 tokens at once
 waited for slots; benchmarks/RESULTS.md). Ranges are taken first-fit and merge back when
-given back; blocking takers are served in arrival order, so a slot-sized chunk is never passed
-over for ever by smaller ones.
+given back. Blocking takers are served in arrival order; `try_acquire` takes nothing while one
+waits. The price of ranges: a slot-sized chunk may wait while less than a slot's bytes are held,
+scattered (before, a slot fitted whenever fewer than `num_slots` chunks were held); holders
+give their ranges back when their reads end or their leases expire, so it waits, never for
+ever. Non-blocking takers (the consumer's reads) have no order among themselves: a slot-sized
+read may be overtaken by short ones until room is free or its fetch's deadline passes.
 
 A full pool means waiting, never failing. A range that a transfer may still land in stays held
 by its holder until that transfer has settled (the consumer's quarantine).
@@ -86,11 +90,13 @@ class StagingPool:
     def acquire(
         self,
         nbytes: int | None = None,
+        *,
         timeout: float | None = None,
         give_up: Callable[[], bool] | None = None,
     ) -> int:
         """Take `nbytes` (a slot's worth by default), waiting until they are free, after every
-        taker that came before; `give_up` is asked every `GIVE_UP_POLL_S` while waiting.
+        taker that came before; `give_up` is asked every `GIVE_UP_POLL_S` while waiting (under
+        the pool's lock: it must neither block nor take a lock held around `release`).
 
         Raises:
             ValueError: `nbytes` is more than a slot.

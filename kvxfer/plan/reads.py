@@ -85,6 +85,10 @@ def chunk_read_program(
         src_block_ids: the producer's blocks of the chunk, as it sent them; None when it
             offered its staging slot (the source is then the slot: block ids play no part).
 
+    Returns:
+        The program; a staged chunk's shares its segments and pack with every chunk of its
+        shape (their arrays are read-only): treat it as read-only.
+
     Raises:
         ValueError: the producer's answer does not fit the chunk or its strategy.
     """
@@ -125,14 +129,18 @@ def _staged_program(
     token_end: int,
 ) -> TransferProgram:
     """The landing program of a staged chunk but for its unpack (made for block 0s), shared by
-    every chunk of that shape: its segments are read-only."""
+    every chunk of that shape: its arrays are made read-only."""
     src_ids = np.zeros(chunk_block_count(producer.block_size, token_start, token_end), np.int64)
     dst_ids = np.zeros(chunk_block_count(consumer.block_size, token_start, token_end), np.int64)
     program = chunk_program(
         route, strategy, producer, consumer, src_ids, dst_ids, token_start, token_end, landing=True
     )
-    for field in dataclasses.fields(program.segments):
-        getattr(program.segments, field.name).flags.writeable = False
+    arrays = [getattr(program.segments, f.name) for f in dataclasses.fields(program.segments)]
+    if program.pack is not None:
+        arrays += [program.pack.src.block_ids, program.pack.dst.block_ids, program.pack.scales]
+    for array in arrays:
+        if isinstance(array, np.ndarray):
+            array.flags.writeable = False
     return program
 
 

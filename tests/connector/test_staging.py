@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ WAIT_S = 20.0
 
 
 @pytest.fixture
-def pool() -> StagingPool:
+def pool() -> Iterator[StagingPool]:
     staging = StagingPool(LocalTransport(), 2 * SLOT, 2)
     yield staging
     staging.close()
@@ -72,22 +73,40 @@ def test_bad_sizes_and_releases_are_refused_with_the_fix(pool: StagingPool) -> N
     assert pool.offset(fresh) == 0
 
 
-def test_a_waiting_slot_sized_chunk_is_not_passed_over_by_short_ones(pool: StagingPool) -> None:
-    shorts = [pool.acquire(SLOT_ALIGNMENT) for _ in range(8)]  # the pool is full
-    got: dict[str, int] = {}
-    taker = threading.Thread(target=lambda: got.setdefault("big", pool.acquire(timeout=WAIT_S)))
-    taker.start()
+def _wait_for_takers(pool: StagingPool, count: int) -> None:
     deadline = time.monotonic() + WAIT_S
-    while pool.waiting_takers == 0 and time.monotonic() < deadline:
+    while pool.waiting_takers < count and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert pool.waiting_takers == 1
+    assert pool.waiting_takers == count
+
+
+def test_blocking_takers_are_served_in_arrival_order(pool: StagingPool) -> None:
+    """A slot-sized taker that came first is not passed over by a short one that came after
+    it (blocking or not), though the room freed would fit the short one."""
+    shorts = [pool.acquire(SLOT_ALIGNMENT) for _ in range(8)]  # the pool is full
+    order: list[str] = []
+
+    def take(name: str, nbytes: int | None) -> None:
+        pool.acquire(nbytes, timeout=WAIT_S)
+        order.append(name)
+
+    big = threading.Thread(target=take, args=("big", None))
+    big.start()
+    _wait_for_takers(pool, 1)
+    small = threading.Thread(target=take, args=("small", SLOT_ALIGNMENT))
+    small.start()
+    _wait_for_takers(pool, 2)
     pool.release(shorts.pop())  # room for a short chunk, not for the taker ahead of it
     assert pool.try_acquire(SLOT_ALIGNMENT) is None
+    # Time for a wrong pool to hand the room to the small taker (a right one never does)
+    time.sleep(0.05)
+    assert order == [] and pool.waiting_takers == 2  # the small taker still waits its turn
     for slot in shorts:
         pool.release(slot)
-    taker.join(WAIT_S)
-    assert not taker.is_alive() and pool.size(got["big"]) == SLOT
-    assert pool.waiting_takers == 0
+    for taker in (big, small):
+        taker.join(WAIT_S)
+        assert not taker.is_alive()
+    assert order == ["big", "small"] and pool.waiting_takers == 0
 
 
 def test_a_blocked_taker_gives_up_when_told_or_at_its_timeout(pool: StagingPool) -> None:
