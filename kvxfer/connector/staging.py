@@ -9,8 +9,8 @@ given back. Blocking takers are served in arrival order; `try_acquire` takes not
 waits. The price of ranges: a slot-sized chunk may wait while less than a slot's bytes are held,
 scattered (before, a slot fitted whenever fewer than `num_slots` chunks were held); holders
 give their ranges back when their reads end or their leases expire, so it waits, never for
-ever. Non-blocking takers (the consumer's reads) have no order among themselves: a slot-sized
-read may be overtaken by short ones until room is free or its fetch's deadline passes.
+ever. Non-blocking takers keep their own order (the consumer's reads wait in a line per
+producer rank: `FetchMachine._room_for`).
 
 A full pool means waiting, never failing. A range that a transfer may still land in stays held
 by its holder until that transfer has settled (the consumer's quarantine).

@@ -407,6 +407,24 @@ def test_a_failed_read_and_a_refused_source_fail_their_chunks():
     assert rig.pool.free_slots == 2 and rig.copier.copies == []
 
 
+def test_a_read_waiting_for_room_is_not_passed_by_a_later_one():
+    """Reads take room in the order they came to wait for it: room that comes free without a
+    turn of the machine (here, released outside it) goes to the first in line, not to a chunk
+    answered after it."""
+    rig = Rig(num_tokens=64)  # two chunks of 32 tokens: half a slot each
+    first, second = rig.chunks
+    held = [rig.pool.try_acquire(), rig.pool.try_acquire(SLOT_BYTES * 3 // 4)]
+    rig.offer(first)  # a quarter of a slot free: it waits
+    assert first.state is S.READY and first.slot is None
+    rig.pool.release(held.pop())  # now room for one chunk, and no turn has run
+    rig.offer(second)
+    assert second.state is S.READY and second.slot is None  # behind the first
+    assert len(rig.transport.reads) == 0
+    rig.machine.tick(time.monotonic())  # a sweep: the line moves, in order
+    assert first.state is S.READING and second.state is S.READING
+    assert rig.pool.offset(first.slot) < rig.pool.offset(second.slot)
+
+
 def test_a_forgotten_session_asks_again_for_the_chunks_it_had_not_served():
     rig = Rig(num_tokens=96, depth=2)
     reading, ready, queued = rig.chunks

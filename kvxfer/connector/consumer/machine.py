@@ -19,6 +19,7 @@ thread and copies on the copier's, and both post their outcome back to the loop.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -84,6 +85,10 @@ class FetchMachine:
         # each fetch in flight every turn made a turn O(fetches), a batch of them O(fetches^2).
         self._stirred: dict[Fetch, None] = {}  # insertion-ordered set
         self._waiting_for_slot: dict[Fetch, None] = {}  # fetches with chunks in fetch.waiting
+        # Per producer rank, the ready chunks waiting for room in its pool, in the order they
+        # came to wait: a read takes room only when no earlier one waits (chunks take what they
+        # need, so short reads would otherwise pass a slot-sized one until its deadline).
+        self._read_lines: dict[int, collections.deque[Chunk]] = {}
         self._sweep_asked = False  # a rare event wants every fetch looked at this turn
 
     # ---- what the consumer asks ----------------------------------------------------------
@@ -255,7 +260,7 @@ class FetchMachine:
                 chunk.end,
                 src_ids,
             )
-            chunk.slot = pool.try_acquire(landing_bytes(program, self._spec.num_layers))
+            chunk.slot = self._room_for(chunk, pool, landing_bytes(program, self._spec.num_layers))
         except Exception as exc:
             self._fail(chunk, f"cannot read from producer rank {session.rank}: {exc}")
             return
@@ -280,6 +285,28 @@ class FetchMachine:
             self._post(lambda: self._on_read_settled(chunk, done, pool))
 
         future.add_done_callback(settled)
+
+    def _room_for(self, chunk: Chunk, pool: StagingPool, nbytes: int) -> int | None:
+        """A range of `nbytes` in `pool` for the chunk's read, or None: the chunk then waits in
+        its producer rank's line, and takes room only once every chunk ahead of it did."""
+        line = self._read_lines.setdefault(chunk.pair.src_rank, collections.deque())
+        while line and not _waits_for_room(line[0]):  # failed or asked again meanwhile
+            line.popleft()
+        if line and line[0] is not chunk:
+            if chunk not in line:
+                line.append(chunk)
+            return None
+        slot = pool.try_acquire(nbytes)
+        if slot is None:
+            if not line:
+                line.append(chunk)
+            return None
+        if line:  # it was first in line: the next one may fit too, on the next turn
+            line.popleft()
+            self._stirred.update(self._waiting_for_slot)
+            self._waiting_for_slot.clear()
+            self._post(_nothing)  # a turn now, not at the next event or tick
+        return slot
 
     def _on_read_settled(self, chunk: Chunk, future: Future[None], pool: StagingPool) -> None:
         chunk.read_pending = False
@@ -334,6 +361,8 @@ class FetchMachine:
         may still land in it), and perhaps the end of its fetch."""
         chunk.fetch.errors.append(f"tokens [{chunk.start}, {chunk.end}): {why}")
         self._stirred[chunk.fetch] = None  # its successors are asked next turn
+        if chunk.slot is None:  # perhaps first in a read line: the reads behind it move up
+            self._stirred.update(self._waiting_for_slot)
         if chunk.read_pending:  # the slot stays out of use until the read settles
             self.quarantine.add(chunk)
         else:
@@ -409,3 +438,12 @@ class FetchMachine:
     def _sessions(self) -> ProducerSessions:
         assert self.sessions is not None, "FetchMachine.sessions is set by the consumer"
         return self.sessions
+
+
+def _waits_for_room(chunk: Chunk) -> bool:
+    """Whether a chunk in a read line still waits for staging (ready, no range yet)."""
+    return chunk.state is ChunkState.READY and chunk.slot is None
+
+
+def _nothing() -> None:
+    """Posted to wake the loop for a turn."""
