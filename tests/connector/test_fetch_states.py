@@ -425,6 +425,26 @@ def test_a_read_waiting_for_room_is_not_passed_by_a_later_one():
     assert rig.pool.offset(first.slot) < rig.pool.offset(second.slot)
 
 
+def test_a_read_that_fails_while_first_in_line_lets_the_next_one_in():
+    """The next in line may be another fetch's: the failure moves it on at once, not at the
+    next sweep."""
+    rig = Rig(num_tokens=32)  # one chunk of half a slot
+    other = new_fetch(32)
+    rig.machine.start(other, [fitted(32, 2)])
+    (first,), (second,) = rig.chunks, other.chunks
+    rig.pool.try_acquire()
+    held = rig.pool.try_acquire(SLOT_BYTES // 2)
+    rig.pool.try_acquire(SLOT_BYTES // 4)  # a quarter of a slot free
+    rig.offer(first)
+    rig.offer(second)
+    assert (first.slot, second.slot) == (None, None)  # both wait, the first ahead
+    rig.pool.release(held)  # room for one chunk
+    failed = ChunkFailed("req", first.chunk_id, "the request was already released")
+    rig.machine.answer(rig.sessions.session, failed)
+    rig.machine.tick(time.monotonic(), sweep=False)  # only what the failure stirred
+    assert first.state is S.FAILED and second.state is S.READING
+
+
 def test_a_forgotten_session_asks_again_for_the_chunks_it_had_not_served():
     rig = Rig(num_tokens=96, depth=2)
     reading, ready, queued = rig.chunks

@@ -361,7 +361,9 @@ class FetchMachine:
         may still land in it), and perhaps the end of its fetch."""
         chunk.fetch.errors.append(f"tokens [{chunk.start}, {chunk.end}): {why}")
         self._stirred[chunk.fetch] = None  # its successors are asked next turn
-        if chunk.slot is None:  # perhaps first in a read line: the reads behind it move up
+        line = self._read_lines.get(chunk.pair.src_rank)
+        if chunk.slot is None and line and chunk in line:  # the reads behind it move up
+            line.remove(chunk)
             self._stirred.update(self._waiting_for_slot)
         if chunk.read_pending:  # the slot stays out of use until the read settles
             self.quarantine.add(chunk)
