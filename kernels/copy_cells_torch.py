@@ -24,6 +24,10 @@ from kvxfer.kernels.convert import convert_torch, scale_mode
 from kvxfer.kernels.layout import KVBuffer, StackedLayers, canonical_kv_view, check_cell_copy
 from kvxfer.layout import plane_views
 
+# A CPU gather of more bytes a layer than this runs in torch: its `index_select` gathers 2 MiB
+# layers twice as fast as `np.take` (benchmarks/torch_copy.py: 2,048-token packs 1.9 ms against
+# 4.3 ms) and lets other threads run meanwhile; smaller ones in numpy (`_copy_rows_host`).
+_HOST_GATHER_BYTES = 512 << 10
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
@@ -163,6 +167,10 @@ def copy_cells_torch(
     itemsize = src_side.dtype.itemsize
     word, dtype = _word_for([src_side, dst_side], itemsize, min(grain, head_dim) * itemsize)
     unit_words, src_step_words = unit * itemsize // word, src_step * itemsize // word
+    if device.type == "cpu":
+        _copy_rows_host(src, src_side, dst, dst_side, dtype, (unit_words, src_step_words),
+                        (src_rows, dst_rows))  # fmt: skip
+        return
     reads = _layer_rows(src, src_side, dtype, unit_words, src_step_words)
     writes = _layer_rows(dst, dst_side, dtype, unit_words, unit_words)
     # One pass where one side's rows are consecutive (a dense staging buffer: the wire layout
@@ -175,15 +183,6 @@ def copy_cells_torch(
         for r, w in zip(reads, writes, strict=True):
             torch.index_select(r, 0, src_index, out=w[dst_run : dst_run + n])
         return
-    if device.type == "cpu":
-        # numpy's scatter of rows runs 2-4x faster than index_copy_ (256-byte rows: 20 against
-        # 58 us per 1,024; benchmarks/RESULTS.md), on the same memory
-        for r, w in zip(reads, writes, strict=True):
-            values = (
-                r.numpy()[src_run : src_run + n] if src_run is not None else r.numpy()[src_rows]
-            )
-            w.numpy()[dst_rows] = values
-        return
     dst_index = _on(dst_rows, device)
     if src_run is not None:
         for r, w in zip(reads, writes, strict=True):
@@ -192,6 +191,44 @@ def copy_cells_torch(
     src_index = _on(src_rows, device)
     for r, w in zip(reads, writes, strict=True):
         w.index_copy_(0, dst_index, r.index_select(0, src_index))
+
+
+def _copy_rows_host(
+    src: KVBuffer,
+    src_side: _Side,
+    dst: KVBuffer,
+    dst_side: _Side,
+    word: torch.dtype,
+    shape: tuple[int, int],  # (unit, source step), in words
+    rows: tuple[np.ndarray, np.ndarray],  # (source rows, destination rows)
+) -> None:
+    """A small CPU copy's rows, layer by layer, in numpy alone on the rows' memory.
+
+    Why not torch: every torch call (a view, an `index_select`) gives up Python's lock (the
+    GIL) and takes it back, and the ranks of one process copy at once: a 16-token copy cost 3-4
+    times its own CPU time with four threads copying (benchmarks/RESULTS.md). numpy keeps the
+    lock through a small copy (fewer hand-overs), and scatters rows 2-4 times faster than
+    `index_copy_`.
+    """
+    (unit, src_step), (src_rows, dst_rows) = shape, rows
+    reads = _host_rows(src, src_side, word, unit, src_step)
+    writes = _host_rows(dst, dst_side, word, unit, unit)
+    dst_run, src_run = _first_of_run(dst_rows), _first_of_run(src_rows)
+    n = dst_rows.size
+    if dst_run is not None and n * unit * writes[0].itemsize > _HOST_GATHER_BYTES:
+        index = torch.from_numpy(src_rows)  # a large gather: torch's is faster (see above)
+        for r, w in zip(reads, writes, strict=True):
+            out = torch.from_numpy(w[dst_run : dst_run + n])
+            torch.index_select(torch.from_numpy(r), 0, index, out=out)
+    elif dst_run is not None:  # into dense staging: one gather per layer, straight into place
+        for r, w in zip(reads, writes, strict=True):
+            np.take(r, src_rows, axis=0, out=w[dst_run : dst_run + n])
+    elif src_run is not None:  # from dense staging: one scatter per layer
+        for r, w in zip(reads, writes, strict=True):
+            w[dst_rows] = r[src_run : src_run + n]
+    else:
+        for r, w in zip(reads, writes, strict=True):
+            w[dst_rows] = r[src_rows]
 
 
 def _on(rows: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -301,6 +338,7 @@ class _Side:
     starts: tuple[int, ...]
     spans: tuple[int, ...]
     rows: dict[tuple[torch.dtype, int, int], list[torch.Tensor]] | None = None
+    host_rows: dict[tuple[torch.dtype, int, int], list[np.ndarray]] | None = None
 
 
 def _side(buf: KVBuffer) -> _Side:
@@ -337,7 +375,7 @@ def _cache_side(buf: KVBuffer) -> _Side:
         spans = (_span(view),) * len(layers)
     else:
         spans = tuple(_span(v) for v in buf.canonical_layers())
-    return _Side(tuple(view.shape), view.stride(), view.dtype, starts, spans, {})
+    return _Side(tuple(view.shape), view.stride(), view.dtype, starts, spans, {}, {})
 
 
 class _CacheSides:
@@ -392,6 +430,39 @@ def _layer_rows(
         count = (span // ratio - unit) // step + 1
         offset = words.storage_offset() + (start - base) // ratio
         out.append(words.as_strided((count, unit), (step, 1), offset))
+    return out
+
+
+_NUMPY_WORDS = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16,
+                torch.uint8: np.uint8}  # fmt: skip
+
+
+def _host_rows(
+    buf: KVBuffer, side: _Side, word: torch.dtype, unit: int, step: int
+) -> list[np.ndarray]:
+    """`_layer_rows` as numpy arrays on the same CPU memory: a cache's made once (`_Side.rows`),
+    a staging buffer's from one numpy view of its flat tensor (no torch call per layer)."""
+    layers = buf.layers
+    if side.host_rows is not None:
+        key = (word, unit, step)
+        rows = side.host_rows.get(key)
+        if rows is None:
+            made = _layer_rows(buf, side, word, unit, step)
+            rows = side.host_rows[key] = [r.numpy() for r in made]
+        return rows
+    assert isinstance(layers, StackedLayers)
+    base, itemsize = side.starts[0], side.dtype.itemsize
+    words = _flat_words(layers.flat, word, side.starts[-1] - base + side.spans[-1]).numpy()
+    ratio = words.itemsize // itemsize  # >= 1: a word never splits an element (_word_for)
+    out = []
+    for start, span in zip(side.starts, side.spans, strict=True):
+        count = (span // ratio - unit) // step + 1
+        first = (start - base) // ratio
+        if step == unit:  # rows that tile the layer: a plain reshape
+            out.append(words[first : first + count * unit].reshape(count, unit))
+        else:
+            strides = (step * words.itemsize, words.itemsize)
+            out.append(np.lib.stride_tricks.as_strided(words[first:], (count, unit), strides))
     return out
 
 

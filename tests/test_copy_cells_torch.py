@@ -6,6 +6,7 @@ Each test checks the bytes against `kvxfer.reference` on poisoned memory."""
 from __future__ import annotations
 
 import gc
+import importlib
 
 import numpy as np
 import pytest
@@ -93,3 +94,29 @@ def test_a_copy_keeps_no_cache_alive():
     del caches, paged
     gc.collect()
     assert all(s.expired() for s in storages)
+
+
+@pytest.mark.parametrize("gather_by", ["numpy", "torch"])
+@pytest.mark.parametrize("src_layout,dst_layout", [("NHD", "HND"), ("HND", "NHD")])
+def test_a_pack_then_unpack_lands_every_cell_whichever_library_gathers(
+    monkeypatch, gather_by, src_layout, dst_layout
+):
+    """A pack into the wire (numpy gathers small layers, torch large ones) then an unpack into
+    a poisoned cache of another layout: that cache holds what the reference writes."""
+    limit = 1 << 30 if gather_by == "numpy" else 0
+    module = importlib.import_module("kvxfer.kernels.copy_cells_torch")  # not the function
+    monkeypatch.setattr(module, "_HOST_GATHER_BYTES", limit)
+    src_spec, dst_spec = _spec(src_layout), _spec(dst_layout)
+    src_ids = np.array([5, 0, 2], dtype=np.int64)
+    dst_ids = np.array([3, 4, 1], dtype=np.int64)
+    kv = random_global_kv(src_spec, TOKENS, seed=7)
+    src = _poisoned(src_spec)
+    write_rank_cells(src_spec, src, src_ids, kv, 0, TOKENS)
+    wire = torch.empty((src_spec.num_layers, 2, TOKENS, src_spec.heads_per_rank,
+                        src_spec.head_dim), dtype=torch.bfloat16)  # fmt: skip
+    bits(wire).fill_(POISON_BYTE)
+    paged = KVBuffer(src, src_layout, "kv_first", False, torch.from_numpy(src_ids))
+    gather_kv_torch(paged, wire_kv_buffer(wire, 0), 0, TOKENS, src_spec.heads_per_rank)
+    dst = _poisoned(dst_spec)
+    _scatter(dst_spec, dst, dst_ids, wire)
+    _assert_holds(dst, _expected(dst_spec, dst_ids, kv))
