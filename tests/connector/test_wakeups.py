@@ -126,6 +126,36 @@ def test_fetches_sharing_a_slot_and_a_cancelled_fetch_need_no_tick(slow_ticks: N
         producer.close()
 
 
+def test_a_loop_woken_by_many_threads_at_once_keeps_waking(slow_ticks: None) -> None:
+    """`EventLoop.wake` writes the pipe only while the loop has not been woken already: after
+    bursts of posts from four threads at once, every event has run and a single later post
+    still wakes the loop (a flag left set with the pipe empty would leave it asleep for the
+    minute-long tick)."""
+    ran: list[int] = []
+    loop = EventLoop("test-loop", "test", lambda: [], lambda sock: None, lambda: None)
+    loop.start()
+
+    def burst(n: int) -> None:
+        for i in range(n):
+            loop.post(lambda i=i: ran.append(i))
+
+    try:
+        for round_ in range(100):
+            threads = [threading.Thread(target=burst, args=(50,)) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            all_ran = threading.Event()
+            loop.post(all_ran.set)
+            assert all_ran.wait(WAIT_S), f"round {round_}: the last post did not wake the loop"
+            assert len(ran) == 200 * (round_ + 1)
+    finally:
+        loop.post(loop.stop)
+        loop.join()
+        loop.close()
+
+
 def test_idle_loops_tick_at_the_idle_rate(monkeypatch: pytest.MonkeyPatch) -> None:
     """With nothing in flight, the consumer's loop and a side channel sleep their idle tick
     between turns (an idle engine's threads stay idle). Only upper bounds are asserted: a

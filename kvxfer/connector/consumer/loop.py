@@ -54,6 +54,7 @@ class EventLoop:
         self._busy = busy
         self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
+        self._woken = False  # a byte is in the pipe that the loop has not read yet
         os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -72,10 +73,19 @@ class EventLoop:
         self.wake()
 
     def wake(self) -> None:
-        """(any thread) End the loop's sleep now."""
+        """(any thread) End the loop's sleep now.
+
+        One byte in the pipe until the loop reads it: a loop already woken is not written to
+        again (each write and read is a system call that gives up the GIL, and a busy consumer
+        posted several events per turn). Safe without a lock: the loop clears `_woken` after it
+        read the pipe and before it runs what was posted, so an event whose write was skipped
+        is run by that turn, and `_woken` is set only by a caller about to write."""
         fd = self._wake_w
         if fd < 0:
             return  # closed
+        if self._woken:
+            return
+        self._woken = True
         with contextlib.suppress(BlockingIOError):  # a full pipe wakes the loop anyway
             os.write(fd, b"x")
 
@@ -127,6 +137,7 @@ class EventLoop:
             for sock_or_fd, _ in poller.poll(timeout_ms):
                 if sock_or_fd == self._wake_r:
                     os.read(self._wake_r, 4096)
+                    self._woken = False  # after the read, before the posted run: see `wake`
                 else:
                     self._drain(sock_or_fd)
             self.polled_at = time.monotonic()
