@@ -8,8 +8,13 @@ Two processes, over Mooncake TCP on 127.0.0.1, as a disaggregated deployment run
 prefill process with both ranks of a prefill engine (TP 2, blocks of 16, NHD: two `KVProducer`s,
 each with its own Mooncake transport) and a decode process with the four ranks of a decode
 engine (TP 4, blocks of 32, HND: four `KVConsumer`s); 8 layers, 8 KV heads of 128, bf16. The
-parent process only coordinates them through pipes. Measured, medians of `--repeats` rounds
-after one warm-up round (each round goes through every size, so noise hits all alike):
+parent process only coordinates them through pipes. `--rank-processes` runs each rank in its
+own process instead (two prefill, four decode), as vLLM runs tensor-parallel workers: each
+decode process fetches its rank's share, lined up with the others by a barrier, a request's
+time runs from the first process's `fetch` to the last one's done (`time.monotonic`: one clock
+for every process), and the processes of rank 0 run the floor. Measured, medians of
+`--repeats` rounds after one warm-up round (each round goes through every size, so noise hits
+all alike):
 
 - `kvxfer_ms`: a request of `tokens` tokens, published on both prefill ranks beforehand, is
   fetched on all four decode ranks at once, as a decode engine does (four `fetch` calls, then
@@ -201,7 +206,8 @@ def _on_release(released: list[tuple[int, str]], rank: int) -> Callable[[str], N
 
 
 def prefill_main(config: dict[str, Any], conn: Any) -> None:
-    """The prefill process: both ranks' producers, serving until told to stop."""
+    """A prefill process: the producers of its ranks (`config["ranks"]`), serving until told
+    to stop."""
     from kvxfer.connector import KVProducer
 
     producers: list[Any] = []
@@ -214,7 +220,7 @@ def prefill_main(config: dict[str, Any], conn: Any) -> None:
         published = 0
         tables: list[list[np.ndarray]] = []
         kvs = [global_kv(src.spec(0), r) for r in layout]
-        for rank in range(src.ranks):
+        for rank in config["ranks"]:
             spec = src.spec(rank)
             caches = allocate_kv_caches(spec)
             poison(caches, SOURCE_FILL)  # not the poison: a read from the wrong place shows
@@ -252,12 +258,13 @@ def prefill_main(config: dict[str, Any], conn: Any) -> None:
                 deadline = time.monotonic() + SETTLE_S
                 while time.monotonic() < deadline and any(p.pending_requests for p in producers):
                     time.sleep(0.01)
-                by_rank = [{r for k, r in released if k == rank} for rank in range(src.ranks)]
                 report = {
                     "published": published,
-                    "released": len(set.intersection(*by_rank)),  # by every rank
+                    "released_by_rank": {
+                        rank: sorted({r for k, r in released if k == rank})
+                        for rank in config["ranks"]
+                    },
                     "release_calls": len(released),
-                    "ranks": src.ranks,
                     "pending": sorted({r for p in producers for r in p.pending_requests}),
                 }
                 for p in producers:
@@ -329,18 +336,22 @@ class _FloorClient:
 
 
 class _Decode:
-    """The decode process's state: four consumers, their block tables and expected bytes."""
+    """A decode process's state: the consumers of its ranks (`config["ranks"]`), their block
+    tables and expected bytes; `barrier` lines its fetches up with the other decode processes'
+    (none when it hosts every rank)."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], barrier: Any = None) -> None:
         from kvxfer.connector import KVConsumer
 
         self.layout = [Request(**r) for r in config["layout"]]
         src, dst = Geometry(**config["prefill"]), Geometry(**config["decode"])
+        self.ranks: list[int] = list(config["ranks"])
+        self.barrier = barrier
         self.consumers: list[Any] = []
         self.tables: list[list[np.ndarray]] = []
-        self.expected: list[list[list[torch.Tensor]]] = []  # by rank, slot, layer
+        self.expected: list[list[list[torch.Tensor]]] = []  # by hosted rank, slot, layer
         kvs = [global_kv(src.spec(0), r) for r in self.layout]
-        for rank in range(dst.ranks):
+        for rank in self.ranks:
             spec = dst.spec(rank)
             caches = allocate_kv_caches(spec)
             poison(caches)
@@ -388,15 +399,16 @@ class _Decode:
 
     def _check(self, request_id: str, slot: int, results: list[Any]) -> None:
         """Every rank's result ok and its blocks exactly as `kvxfer.reference` says."""
-        for rank, (consumer, result) in enumerate(zip(self.consumers, results, strict=True)):
+        for i, (consumer, result) in enumerate(zip(self.consumers, results, strict=True)):
+            rank = self.ranks[i]
             self.checks["fetches"] += 1
             self.strategies.add(result.strategy)
             if result.ok:
                 self.checks["fetches_ok"] += 1
             else:
                 self.errors.append(f"{request_id} rank {rank}: {result.errors}")
-            index = torch.as_tensor(self.tables[rank][slot])
-            for layer, want in zip(consumer.caches, self.expected[rank][slot], strict=True):
+            index = torch.as_tensor(self.tables[i][slot])
+            for layer, want in zip(consumer.caches, self.expected[i][slot], strict=True):
                 got = by_block(consumer.spec, layer.view(torch.uint8))[index]
                 self.checks["bytes_checked"] += got.numel()
                 if not torch.equal(got, want):
@@ -404,29 +416,44 @@ class _Decode:
                     self.checks["bad_blocks"] += bad
                     self.errors.append(f"{request_id} rank {rank}: {bad} blocks differ")
 
-    def kvxfer_once(self, request_id: str, slot: int) -> float:
-        """One request fetched on every rank at once; the wall seconds from the first fetch
-        to the last done. Checked afterwards."""
+    def _line_up(self) -> None:
+        """Wait until every decode process got here (no-op in the one decode process)."""
+        if self.barrier is not None:
+            self.barrier.wait(ROUND_TIMEOUT_S)
+
+    @property
+    def hosts_floor(self) -> bool:
+        """Whether this process runs the floor (the one hosting decode rank 0)."""
+        return 0 in self.ranks
+
+    def kvxfer_once(self, request_id: str, slot: int) -> tuple[float, float]:
+        """One request fetched on this process's ranks at once, lined up with the other decode
+        processes: `time.monotonic()` (one clock for every process) at the first fetch and at
+        the last done. Checked afterwards."""
         self._poison(slot)
-        began = time.perf_counter()
+        self._line_up()
+        began = time.monotonic()
         handles = self._start(request_id, slot)
         results = [h.wait(FETCH_TIMEOUT_S) for h in handles]
-        seconds = time.perf_counter() - began
+        ended = time.monotonic()
+        self._line_up()  # every process done before anything else (the floor) runs
         self._check(request_id, slot, results)
-        return seconds
+        return began, ended
 
-    def kvxfer_concurrent(self, requests: list[tuple[str, int]]) -> float:
-        """Requests fetched at once on every rank; the wall seconds from the first fetch to
-        the last done. Checked afterwards."""
+    def kvxfer_concurrent(self, requests: list[tuple[str, int]]) -> tuple[float, float]:
+        """Requests fetched at once on this process's ranks, lined up with the other decode
+        processes; `kvxfer_once`'s stamps. Checked afterwards."""
         for _, slot in requests:
             self._poison(slot)
-        began = time.perf_counter()
+        self._line_up()
+        began = time.monotonic()
         handles = [self._start(request_id, slot) for request_id, slot in requests]
         results = [[h.wait(FETCH_TIMEOUT_S) for h in hs] for hs in handles]
-        seconds = time.perf_counter() - began
+        ended = time.monotonic()
+        self._line_up()
         for (request_id, slot), rs in zip(requests, results, strict=True):
             self._check(request_id, slot, rs)
-        return seconds
+        return began, ended
 
     def floor_once(self, nbytes: int) -> float:
         """One floor of `nbytes`; the first of each size is checked against the source."""
@@ -443,24 +470,32 @@ class _Decode:
                 self.errors.append(f"the floor's read of {nbytes} bytes differs")
         return seconds
 
+    def _floor(self, nbytes: int) -> float | None:
+        """The floor of `nbytes` in the process that hosts it, while the others wait."""
+        seconds = self.floor_once(nbytes) if self.hosts_floor else None
+        self._line_up()
+        return seconds
+
     def round(self, command: dict[str, Any]) -> dict[str, Any]:
         """One round: each size through kvxfer and the floor (in the order given, kvxfer
-        first or second as told), then the concurrent requests and their serial floors."""
-        kvxfer: dict[int, float] = {}
-        floor: dict[int, float] = {}
+        first or second as told), then the concurrent requests and their serial floors. The
+        fetches are `kvxfer_once`'s stamps; floors come from the process that hosts them."""
+        kvxfer: dict[int, tuple[float, float]] = {}
+        floor: dict[int, float | None] = {}
         for request_id, slot in command["sizes"]:
             tokens = self.layout[slot].num_tokens
             if command["floor_first"]:
-                floor[tokens] = self.floor_once(kv_bytes(tokens))
+                floor[tokens] = self._floor(kv_bytes(tokens))
             kvxfer[tokens] = self.kvxfer_once(request_id, slot)
             if not command["floor_first"]:
-                floor[tokens] = self.floor_once(kv_bytes(tokens))
+                floor[tokens] = self._floor(kv_bytes(tokens))
         concurrent = command["concurrent"]
         result: dict[str, Any] = {"kvxfer": kvxfer, "floor": floor}
         if concurrent:
             nbytes = kv_bytes(self.layout[concurrent[0][1]].num_tokens)
             result["concurrent"] = self.kvxfer_concurrent(concurrent)
-            result["floor_serial"] = sum(self.floor_once(nbytes) for _ in concurrent)
+            floors = [self._floor(nbytes) for _ in concurrent]
+            result["floor_serial"] = sum(f for f in floors if f is not None) or None
         return result
 
     def close(self) -> None:
@@ -472,16 +507,16 @@ class _Decode:
         self.consumers = []
 
 
-def decode_main(config: dict[str, Any], conn: Any) -> None:
-    """The decode process: the four ranks' consumers, fetching as told."""
+def decode_main(config: dict[str, Any], conn: Any, barrier: Any = None) -> None:
+    """A decode process: the consumers of its ranks (`config["ranks"]`), fetching as told."""
     decode: _Decode | None = None
     try:
         torch.set_num_threads(config["torch_threads"])
-        decode = _Decode(config)
+        decode = _Decode(config, barrier)
         addresses = _command(conn)["addresses"]
         for consumer in decode.consumers:
             consumer.connect(addresses)
-        first = decode.consumers[0]
+        first = decode.consumers[0]  # decode rank 0 in the process that hosts it
         conn.send({"chunking": {str(r): [c.tokens, c.depth] for r, c in first.chunking().items()}})
         while True:
             command = _command(conn)
@@ -528,9 +563,12 @@ def measure(
     concurrent_tokens: int,
     idle_seconds: float,
     torch_threads: int = 1,
+    rank_processes: bool = False,
 ) -> dict[str, Any]:
-    """Run both processes and measure (see the module docstring); the report's `checks`
+    """Run the processes and measure (see the module docstring); the report's `checks`
     say whether every fetch and floor read was right.
+
+    `rank_processes`: one process per rank (2 prefill, 4 decode) instead of one per engine.
 
     Raises:
         ChildFailed: a process raised (with its traceback), died or did not answer.
@@ -546,82 +584,77 @@ def measure(
     sizes = [*tokens, *([concurrent_tokens] if concurrent else [])]
     floor_bytes = sorted({kv_bytes(n) for n in sizes})
     ctx = context()
-    children: list[Any] = []
     kvxfer: dict[int, list[float]] = {n: [] for n in tokens}
     floor: dict[int, list[float]] = {n: [] for n in tokens}
     together: list[float] = []
     serial: list[float] = []
+    prefills = _hosts(src.ranks, rank_processes)
+    decodes = _hosts(dst.ranks, rank_processes)
+    barrier = ctx.Barrier(len(decodes)) if len(decodes) > 1 else None
+    started: list[_Child] = []
     try:
-        prefill_conn, child = ctx.Pipe()
-        prefill = ctx.Process(target=prefill_main, args=(config, child), daemon=True)
-        prefill.start()
-        children.append(prefill)
-        decode_conn, child = ctx.Pipe()
-        decode = ctx.Process(target=decode_main, args=(config, child), daemon=True)
-        decode.start()
-        children.append(decode)
-
-        def ask(
-            conn: Any, proc: Any, who: str, timeout: float = ROUND_TIMEOUT_S, **command: Any
-        ) -> Any:
-            conn.send(command)
-            return _receive(conn, proc, timeout, who)
-
-        addresses = _receive(prefill_conn, prefill, SETUP_TIMEOUT_S, "prefill")["addresses"]
-        decode_conn.send({"addresses": addresses})
-        chunking = _receive(decode_conn, decode, SETUP_TIMEOUT_S, "decode")["chunking"]
-        info = ask(prefill_conn, prefill, "prefill", op="floor_open", nbytes=max(floor_bytes))
-        ask(
-            decode_conn,
-            decode,
-            "decode",
-            op="floor_open",
-            info=info,
-            nbytes=max(floor_bytes),
-            sizes=floor_bytes,
-        )
+        for ranks in prefills:
+            started.append(_Child.start(ctx, prefill_main, {**config, "ranks": ranks}, "prefill"))
+        for ranks in decodes:
+            child_config = {**config, "ranks": ranks}
+            started.append(_Child.start(ctx, decode_main, child_config, "decode", barrier))
+        prefill, decode = started[: len(prefills)], started[len(prefills) :]
+        addresses = [a for p in prefill for a in p.receive(SETUP_TIMEOUT_S)["addresses"]]
+        for d in decode:
+            d.conn.send({"addresses": addresses})
+        chunkings = [d.receive(SETUP_TIMEOUT_S)["chunking"] for d in decode]
+        chunking = chunkings[0]  # decode rank 0's
+        floor_prefill, floor_decode = prefill[0], decode[0]  # the hosts of rank 0
+        info = floor_prefill.ask(op="floor_open", nbytes=max(floor_bytes))
+        floor_decode.ask(op="floor_open", info=info, nbytes=max(floor_bytes), sizes=floor_bytes)
         slots = {n: i for i, n in enumerate(tokens)}
         for rep in range(repeats + 1):  # round 0 warms up
             order = tokens[rep % len(tokens) :] + tokens[: rep % len(tokens)]
             single = [(f"r{rep}-t{n}", slots[n]) for n in order]
             together_ids = [(f"r{rep}-c{i}", len(tokens) + i) for i in range(concurrent)]
-            ask(prefill_conn, prefill, "prefill", op="publish", requests=single + together_ids)
-            measured = ask(
-                decode_conn,
-                decode,
-                "decode",
-                op="round",
-                sizes=single,
-                concurrent=together_ids,
-                floor_first=rep % 2 == 1,
-            )
+            for p in prefill:
+                p.conn.send({"op": "publish", "requests": single + together_ids})
+            for p in prefill:
+                p.receive(ROUND_TIMEOUT_S)
+            command = {
+                "op": "round",
+                "sizes": single,
+                "concurrent": together_ids,
+                "floor_first": rep % 2 == 1,
+            }
+            for d in decode:
+                d.conn.send(command)
+            rounds = [d.receive(ROUND_TIMEOUT_S) for d in decode]
             if rep == 0:
                 continue
+            hosted = rounds[0]  # the floors' host
             for n in tokens:
-                kvxfer[n].append(measured["kvxfer"][n])
-                floor[n].append(measured["floor"][n])
+                kvxfer[n].append(_span([r["kvxfer"][n] for r in rounds]))
+                floor[n].append(hosted["floor"][n])
             if concurrent:
-                together.append(measured["concurrent"])
-                serial.append(measured["floor_serial"])
-        both = ((prefill_conn, prefill, "prefill"), (decode_conn, decode, "decode"))
-        for conn, _, _ in both:
-            conn.send({"op": "floor_close"})
-        for conn, proc, who in both:
-            _receive(conn, proc, ROUND_TIMEOUT_S, who)
-        for conn in (prefill_conn, decode_conn):
-            conn.send({"op": "idle", "seconds": idle_seconds})
-        idle_prefill = _receive(prefill_conn, prefill, ROUND_TIMEOUT_S, "prefill")
-        idle_decode = _receive(decode_conn, decode, ROUND_TIMEOUT_S, "decode")
+                together.append(_span([r["concurrent"] for r in rounds]))
+                serial.append(hosted["floor_serial"])
+        for child in (floor_prefill, floor_decode):
+            child.ask(op="floor_close")
+        for child in started:
+            child.conn.send({"op": "idle", "seconds": idle_seconds})
+        idle = [child.receive(ROUND_TIMEOUT_S)["cpu_per_s"] for child in started]
         # Consumers first (their last done notices reach the producers), then producers.
-        decode_report = ask(decode_conn, decode, "decode", op="stop")
-        decode.join(30)
-        prefill_report = ask(prefill_conn, prefill, "prefill", op="stop")
-        prefill.join(30)
+        for d in decode:
+            d.conn.send({"op": "stop"})
+        decode_reports = [d.receive(ROUND_TIMEOUT_S) for d in decode]
+        for d in decode:
+            d.proc.join(30)
+        for p in prefill:
+            p.conn.send({"op": "stop"})
+        prefill_reports = [p.receive(ROUND_TIMEOUT_S) for p in prefill]
+        for p in prefill:
+            p.proc.join(30)
     finally:
-        for proc in children:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+        for child in started:
+            if child.proc.is_alive():
+                child.proc.kill()
+                child.proc.join(5)
 
     rows = []
     for n in tokens:
@@ -638,11 +671,16 @@ def measure(
     together_rate = concurrent / statistics.median(together) if concurrent else 0.0
     serial_rate = concurrent / statistics.median(serial) if concurrent else 0.0
     checks = {
-        **decode_report["checks"],
-        "published": prefill_report["published"],
-        "released": prefill_report["released"],
-        "pending_at_stop": len(prefill_report["pending"]),
+        key: sum(r["checks"][key] for r in decode_reports) for key in decode_reports[0]["checks"]
     }
+    released_by_rank = [set(ids) for r in prefill_reports for ids in r["released_by_rank"].values()]
+    published = prefill_reports[0]["published"]
+    checks.update(
+        published=published,
+        released=len(set.intersection(*released_by_rank)),  # by every prefill rank
+        pending_at_stop=len({i for r in prefill_reports for i in r["pending"]}),
+    )
+    release_calls = sum(r["release_calls"] for r in prefill_reports)
     checks["passed"] = (
         checks["fetches"] > 0
         and checks["fetches_ok"] == checks["fetches"]
@@ -650,7 +688,8 @@ def measure(
         and checks["floor_reads_bad"] == 0
         and checks["floor_reads_checked"] == len(floor_bytes)
         and checks["released"] == checks["published"]
-        and prefill_report["release_calls"] == prefill_report["ranks"] * checks["published"]
+        and all(r["published"] == published for r in prefill_reports)
+        and release_calls == src.ranks * published
     )
     return {
         "rows": rows,
@@ -661,12 +700,16 @@ def measure(
             "floor_serial_per_s": serial_rate,
             "ratio": together_rate / serial_rate if serial_rate else 0.0,
         },
-        "idle_cpu": {"prefill": idle_prefill["cpu_per_s"], "decode": idle_decode["cpu_per_s"]},
+        "idle_cpu": {
+            "prefill": sum(idle[: len(prefills)]),
+            "decode": sum(idle[len(prefills) :]),
+        },
         "checks": checks,
-        "errors": decode_report["errors"][:20],
+        "errors": [e for r in decode_reports for e in r["errors"]][:20],
         "config": {
             "prefill": {"tp": PREFILL.tp, "block_size": PREFILL.block_size, "layout": "NHD"},
             "decode": {"tp": DECODE.tp, "block_size": DECODE.block_size, "layout": "HND"},
+            "processes": {"prefill": len(prefills), "decode": len(decodes)},
             "layers": PREFILL.layers,
             "kv_heads": PREFILL.heads,
             "head_dim": PREFILL.head_dim,
@@ -679,12 +722,46 @@ def measure(
             "concurrent_tokens": concurrent_tokens,
             "idle_seconds": idle_seconds,
             "torch_threads": torch_threads,
-            "strategies": decode_report["strategies"],
+            "strategies": sorted({s for r in decode_reports for s in r["strategies"]}),
             "decode_rank0_chunking": {
                 src_rank: {"tokens": t, "depth": d} for src_rank, (t, d) in chunking.items()
             },
         },
     }
+
+
+def _hosts(ranks: int, rank_processes: bool) -> list[list[int]]:
+    """Which ranks each process of an engine hosts: all in one, or one each."""
+    return [[r] for r in range(ranks)] if rank_processes else [list(range(ranks))]
+
+
+def _span(stamps: list[tuple[float, float]]) -> float:
+    """Seconds from the first process's first fetch to the last process's last done."""
+    return max(end for _, end in stamps) - min(began for began, _ in stamps)
+
+
+class _Child:
+    """A child process and the parent's end of its pipe."""
+
+    def __init__(self, proc: Any, conn: Any, who: str) -> None:
+        self.proc, self.conn, self.who = proc, conn, who
+
+    @classmethod
+    def start(cls, ctx: Any, target: Callable[..., None], config: dict[str, Any], who: str,
+              *extra: Any) -> _Child:  # fmt: skip
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(config, child, *extra), daemon=True)
+        proc.start()
+        return cls(proc, parent, f"{who} {config['ranks']}")
+
+    def receive(self, timeout: float) -> Any:
+        """Its next message (`_receive`)."""
+        return _receive(self.conn, self.proc, timeout, self.who)
+
+    def ask(self, timeout: float = ROUND_TIMEOUT_S, **command: Any) -> Any:
+        """Send a command; its answer."""
+        self.conn.send(command)
+        return self.receive(timeout)
 
 
 def format_result(r: dict[str, Any]) -> str:
@@ -695,6 +772,7 @@ def format_result(r: dict[str, Any]) -> str:
         f"{c['prefill']['layout']} -> decode TP {c['decode']['tp']} / "
         f"{c['decode']['block_size']} / {c['decode']['layout']}, {c['layers']} layers, "
         f"{c['kv_heads']} KV heads x {c['head_dim']}, {c['dtype']}, Mooncake TCP; "
+        f"{c['processes']['prefill']} + {c['processes']['decode']} processes; "
         f"median of {c['repeats']} after a warm-up",
         f"{'tokens':>7} {'bytes':>11} {'kvxfer ms':>10} {'floor ms':>9} {'ratio':>6}",
     ]
@@ -748,6 +826,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--torch-threads", type=int, default=1, help="torch threads per process")
     parser.add_argument(
+        "--rank-processes",
+        action="store_true",
+        help="one process per rank (2 prefill, 4 decode), as vLLM runs TP workers",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="tokens 16,128, 2 repeats, 4 at once, 0.5 s idle"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -780,6 +863,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.concurrent_tokens,
                 args.idle_seconds,
                 args.torch_threads,
+                args.rank_processes,
             )
     except ChildFailed as exc:
         print(f"latency: {exc}", file=sys.stderr)

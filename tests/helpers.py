@@ -34,11 +34,11 @@ POISON_BYTE = POISON
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_quick_benchmark(name: str) -> tuple[int, str, str]:
-    """`benchmarks/<name> --quick --json` in a fresh interpreter (Mooncake quiet): its exit
-    status, standard output and standard error."""
+def run_quick_benchmark(name: str, *flags: str) -> tuple[int, str, str]:
+    """`benchmarks/<name> --quick --json [flags]` in a fresh interpreter (Mooncake quiet): its
+    exit status, standard output and standard error."""
     run = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / name), "--quick", "--json"],
+        [sys.executable, str(REPO / "benchmarks" / name), "--quick", "--json", *flags],
         capture_output=True,
         text=True,
         timeout=600,

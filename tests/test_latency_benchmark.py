@@ -1,18 +1,24 @@
 """benchmarks/latency.py runs end to end: `--quick --json` starts the prefill and decode
-processes, fetches every request on all four decode ranks, checks every byte, stops by itself,
-and prints one JSON object of the documented shape. Its speed is never asserted."""
+processes (one per engine, or with `--rank-processes` one per rank), fetches every request on
+all four decode ranks, checks every byte, stops by itself, and prints one JSON object of the
+documented shape. Its speed is never asserted."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from helpers import run_quick_benchmark
 
 QUICK_TOKENS = [16, 128]
 
 
-def test_quick_json_checks_every_fetch():
-    returncode, stdout, stderr = run_quick_benchmark("latency.py")
+@pytest.mark.parametrize(
+    "flags,processes",
+    [((), {"prefill": 1, "decode": 1}), (("--rank-processes",), {"prefill": 2, "decode": 4})],
+)
+def test_quick_json_checks_every_fetch(flags, processes):
+    returncode, stdout, stderr = run_quick_benchmark("latency.py", *flags)
     # 0 only when every fetch was ok, every fetched byte matched kvxfer.reference, every
     # floor read matched and every published request was released.
     assert returncode == 0, stdout[-4000:] + stderr[-4000:]
@@ -44,3 +50,4 @@ def test_quick_json_checks_every_fetch():
     assert report["errors"] == []
     assert report["config"]["prefill"] == {"tp": 2, "block_size": 16, "layout": "NHD"}
     assert report["config"]["decode"] == {"tp": 4, "block_size": 32, "layout": "HND"}
+    assert report["config"]["processes"] == processes
