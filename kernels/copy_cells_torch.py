@@ -202,13 +202,12 @@ def _copy_rows_host(
     shape: tuple[int, int],  # (unit, source step), in words
     rows: tuple[np.ndarray, np.ndarray],  # (source rows, destination rows)
 ) -> None:
-    """A small CPU copy's rows, layer by layer, in numpy alone on the rows' memory.
+    """A CPU copy's rows, layer by layer, in numpy on the rows' memory (torch only for a large
+    gather, `_HOST_GATHER_BYTES`).
 
-    Why not torch: every torch call (a view, an `index_select`) gives up Python's lock (the
-    GIL) and takes it back, and the ranks of one process copy at once: a 16-token copy cost 3-4
-    times its own CPU time with four threads copying (benchmarks/RESULTS.md). numpy keeps the
-    lock through a small copy (fewer hand-overs), and scatters rows 2-4 times faster than
-    `index_copy_`.
+    A short chunk's copy is mostly host work: numpy views made without a torch call per layer
+    and numpy's gather took a 16-token pack from 139 to 123 us, and numpy scatters rows 2-4
+    times faster than `index_copy_` (benchmarks/RESULTS.md).
     """
     (unit, src_step), (src_rows, dst_rows) = shape, rows
     reads = _host_rows(src, src_side, word, unit, src_step)
@@ -433,15 +432,12 @@ def _layer_rows(
     return out
 
 
-_NUMPY_WORDS = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16,
-                torch.uint8: np.uint8}  # fmt: skip
-
-
 def _host_rows(
     buf: KVBuffer, side: _Side, word: torch.dtype, unit: int, step: int
 ) -> list[np.ndarray]:
-    """`_layer_rows` as numpy arrays on the same CPU memory: a cache's made once (`_Side.rows`),
-    a staging buffer's from one numpy view of its flat tensor (no torch call per layer)."""
+    """`_layer_rows` as numpy arrays on the same CPU memory: a cache's made once
+    (`_Side.host_rows`), a staging buffer's from one numpy view of its flat tensor (no torch
+    call per layer)."""
     layers = buf.layers
     if side.host_rows is not None:
         key = (word, unit, step)
