@@ -21,7 +21,14 @@ import numpy as np
 import torch
 
 from kvxfer.kernels.convert import convert_torch, scale_mode
-from kvxfer.kernels.layout import KVBuffer, StackedLayers, canonical_kv_view, check_cell_copy
+from kvxfer.kernels.layout import (
+    KVBuffer,
+    StackedLayers,
+    canonical_kv_view,
+    check_cell_copy,
+    check_copy_pair,
+    check_layers,
+)
 from kvxfer.layout import plane_views
 
 # A CPU gather of more bytes a layer than this runs in torch: its `index_select` gathers 2 MiB
@@ -76,10 +83,19 @@ def _word_for(sides: list[_Side], itemsize: int, granule_bytes: int) -> tuple[in
 
     Copies move bits, and 8-byte words index about 1.8x faster than bf16 elements on CPU.
     """
+    return _word_dividing(
+        tuple((side.starts, side.spans) for side in sides), itemsize, granule_bytes
+    )
+
+
+@functools.lru_cache(maxsize=1024)  # the same few buffers, copy after copy
+def _word_dividing(
+    sides: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], itemsize: int, granule_bytes: int
+) -> tuple[int, torch.dtype]:
     sizes = [granule_bytes]
-    for side in sides:
-        sizes += [start * itemsize for start in side.starts]
-        sizes += [span * itemsize for span in side.spans]
+    for starts, spans in sides:
+        sizes += [start * itemsize for start in starts]
+        sizes += [span * itemsize for span in spans]
     return next((w, t) for w, t in _WORDS if all(n % w == 0 for n in sizes))
 
 
@@ -122,15 +138,18 @@ def copy_cells_torch(
     destination's runs start on whole multiples of them, the moved heads of a token travel as
     one row: 1/num_heads of the index work.
     """
-    check_cell_copy(src, dst, token_start, token_end, num_heads, scales)
     if src.k_transposed or dst.k_transposed:
+        check_cell_copy(src, dst, token_start, token_end, num_heads, scales)
         copy_elements_torch(src, dst, token_start, token_end, num_heads, scales)
         return
-    device = src.layers[0].device
     # The first layer's canonical view stands for every layer where all share its shape and
     # strides (a cache's layers, a staging buffer's): per-layer host work is then one cached
-    # row view per layer (a 16-token chunk of 8 layers: most of its copy was host work).
-    src_side, dst_side = _side(src), _side(dst)
+    # row view per layer (a 16-token chunk of 8 layers: most of its copy was host work). A
+    # cache's layers are checked (`check_layers`) when its side is made, not on every copy.
+    src_side, dst_side = _side(src, "src"), _side(dst, "dst")
+    check_copy_pair(src, dst, src_side.shape, dst_side.shape, token_start, token_end, num_heads,
+                    scales)  # fmt: skip
+    device = src.layers[0].device
     head_dim, planes = src_side.shape[4], src_side.shape[0]
     src_off = _moved_cells(src, src_side, token_start, token_end, num_heads)
     dst_off = _moved_cells(dst, dst_side, token_start, token_end, num_heads)
@@ -340,16 +359,23 @@ class _Side:
     host_rows: dict[tuple[torch.dtype, int, int], list[np.ndarray]] | None = None
 
 
-def _side(buf: KVBuffer) -> _Side:
+def _side(buf: KVBuffer, name: str) -> _Side:
     """`buf`'s `_Side`: a staging buffer's from its geometry; a cache's made once per set of
-    layer tensors (`_CACHE_SIDES`)."""
+    layer tensors (`_CACHE_SIDES`), its layers checked then.
+
+    Raises:
+        ValueError: no layers, or layers of different shapes, dtypes or devices (`name` is
+            the argument at fault).
+    """
     layers = buf.layers
+    if not layers:
+        check_layers(name, buf)  # raises, naming the argument
     if isinstance(layers, StackedLayers):
         shape, strides = _dense_canonical(layers.layer_shape, buf.layout, buf.kv_placement, buf.mla)
         first, size, count = layers.flat.storage_offset(), layers.layer_elements, len(layers)
         starts = tuple(first + i * size for i in range(count))
         return _Side(shape, strides, layers.flat.dtype, starts, (size,) * count)
-    return _CACHE_SIDES.get(buf)
+    return _CACHE_SIDES.get(buf, name)
 
 
 @functools.lru_cache(maxsize=256)
@@ -387,12 +413,13 @@ class _CacheSides:
     def __init__(self) -> None:
         self._entries: dict[tuple[Any, ...], tuple[list[weakref.ref[torch.Tensor]], _Side]] = {}
 
-    def get(self, buf: KVBuffer) -> _Side:
+    def get(self, buf: KVBuffer, name: str) -> _Side:
         layers = buf.layers
         key = (id(layers[0]), len(layers), buf.layout, buf.kv_placement, buf.mla)
         entry = self._entries.get(key)
         if entry is not None and all(r() is t for r, t in zip(entry[0], layers, strict=True)):
             return entry[1]
+        check_layers(name, buf)
         side = _cache_side(buf)
         entries = self._entries  # not self: the callback must not keep this registry alive
         refs = [weakref.ref(layers[0], lambda _: entries.pop(key, None))]

@@ -120,3 +120,21 @@ def test_a_pack_then_unpack_lands_every_cell_whichever_library_gathers(
     dst = _poisoned(dst_spec)
     _scatter(dst_spec, dst, dst_ids, wire)
     _assert_holds(dst, _expected(dst_spec, dst_ids, kv))
+
+
+def test_a_cache_of_mismatched_or_no_layers_is_refused_naming_it():
+    """A cache's layers are checked once per set of layer tensors, not on every copy: a set
+    with a layer of another dtype, or none, is still refused, naming the argument, and nothing
+    is written."""
+    spec = _spec()
+    ids = np.array([1, 2, 3], dtype=np.int64)
+    kv = random_global_kv(spec, TOKENS, seed=5)
+    caches = _poisoned(spec)
+    caches[1] = caches[1].to(torch.float16)
+    before = [bits(t).clone() for t in caches]
+    with pytest.raises(ValueError, match=r"dst\.layers\[1\]: shape, dtype and device"):
+        _scatter(spec, caches, ids, kv.contiguous())
+    assert all(torch.equal(bits(t), b) for t, b in zip(caches, before, strict=True))
+    with pytest.raises(ValueError, match=r"dst\.layers: empty"):
+        empty = KVBuffer([], "HND", "kv_first", False, torch.from_numpy(ids))
+        scatter_kv_torch(wire_kv_buffer(kv.contiguous(), 0), empty, 0, TOKENS, 2)
