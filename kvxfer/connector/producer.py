@@ -88,6 +88,10 @@ _MAX_WAITING_PER_SESSION = 4096  # chunks waiting for their request to be publis
 # handshakes and sessions' silence (10 s): ten times a second is enough.
 _IDLE_TICK_S = 0.1
 _MAX_FINISHED_PER_SESSION = 1024  # recent ids a session said it is done with
+# A CPU pack of at most this many bytes runs on the side-channel thread when staging has room
+# at once (`KVProducer._pack_now`): a 16-token chunk's pack costs less than the two thread
+# hand-overs that a worker costs it (the worker's wake-up, then its answer through the outbox).
+_INLINE_PACK_BYTES = 1 << 20
 
 
 @dataclass
@@ -189,6 +193,9 @@ class KVProducer:
         self._session_timeout_s = session_timeout_s
         self._backend = resolve_backend(backend, caches[0].device)
         self._copy_stream = copy_stream_for(caches[0].device)
+        # Inline packs never wait: on the CPU a torch copy is done when it returns (on CUDA a
+        # pack's wait could queue behind other copies on the side stream).
+        self._packs_inline = caches[0].device.type == "cpu" and self._backend == "torch"
         self._fences: dict[str, Fence] = {}  # CUDA: by published request (see `publish`)
         self._registration = CacheRegistration(self.caches, transport, host, protocol)
         self.transport = self._registration.transport
@@ -590,7 +597,7 @@ class KVProducer:
         )
         if pack is None:  # the consumer reads the cache blocks themselves
             self._send(session, ready)
-        else:
+        elif not self._pack_now(session, ask, ready, pack):
             session.worker.submit(self._pack_chunk, session, ask, ready, pack)
 
     def _on_chunk_read(self, session: _Session, read: ChunkRead) -> None:
@@ -733,41 +740,86 @@ class KVProducer:
             self._copy_stream.launch(compile_pack).wait()  # on the side stream's device
         self._warmed.add(key)
 
+    def _pack_bytes(self, pack: CellCopy) -> int:
+        """The staging bytes a pack fills: between two KV dtypes, the destination's."""
+        layers = pack.num_layers or self.spec.num_layers  # the route's layers
+        return layers * pack.dst.geometry.layer_bytes
+
+    def _pack_now(
+        self, session: _Session, ask: TransferRequest, ready: ChunkReady, pack: CellCopy
+    ) -> bool:
+        """(server thread) Pack a small CPU chunk here and answer it, if its staging bytes are
+        free at once (never waiting: a taker already waiting for room keeps its turn, see
+        `StagingPool.try_acquire`). Returns whether it did; else the session's worker packs.
+
+        Order between chunks does not matter (each is its own range and answer); what the
+        server thread spends is one short copy."""
+        nbytes = self._pack_bytes(pack)
+        if not self._packs_inline or nbytes > _INLINE_PACK_BYTES:
+            return False
+        pool = self._pool_for(session)
+        slot = pool.try_acquire(nbytes)
+        if slot is None:
+            return False
+        try:
+            self._pack_into(session, ask, ready, pack, pool, slot, nbytes)
+        except Exception as exc:
+            self._pack_failed(session, ask, exc)
+        return True
+
     def _pack_chunk(
         self, session: _Session, ask: TransferRequest, ready: ChunkReady, pack: CellCopy
     ) -> None:
+        """(the session's worker) Wait for staging room, then pack the chunk and answer it."""
         try:
             pool = self._pool_for(session)
             remaining = max(0.0, ask.wait_seconds)
-            layers = pack.num_layers or self.spec.num_layers  # the route's layers
-            # In bytes: between two KV dtypes the staging holds the destination's
-            nbytes = layers * pack.dst.geometry.layer_bytes
+            nbytes = self._pack_bytes(pack)
             slot = self._acquire_slot(session, pool, nbytes, max(remaining, 0.1))
-            try:
-                staging = pool.slot_tensor(slot, torch.uint8)
-                info = RegionInfo(
-                    pool.region.region_id, pool.region.address + pool.offset(slot), nbytes
-                )
-                with self._lock:
-                    fence = self._fences.get(ask.request_id)
-                # After the publish's fence; then wait for this pack's own event only: the NIC
-                # reads finished bytes, and nothing waits for the engine's later work.
-                run = functools.partial(run_cell_copy, pack, self.caches, [staging], self._backend)
-                self._copy_stream.launch(run, fence).wait()
-            except BaseException:
-                pool.release(slot)
-                raise
-            with session.lock:
-                if ask.request_id in session.finished:  # done meanwhile: nobody will read
-                    pool.release(slot)
-                    return
-                session.leases[(ask.request_id, ask.chunk_id)] = _Lease(
-                    slot, time.monotonic() + remaining + 1.0
-                )
-            self._send(session, _with_staging(ready, info))
+            self._pack_into(session, ask, ready, pack, pool, slot, nbytes)
         except Exception as exc:
-            log.warning("request %s chunk %d: pack failed: %s", ask.request_id, ask.chunk_id, exc)
-            self._send(session, _failed(ask, f"{type(exc).__name__}: {exc}"))
+            self._pack_failed(session, ask, exc)
+
+    def _pack_failed(self, session: _Session, ask: TransferRequest, exc: Exception) -> None:
+        log.warning("request %s chunk %d: pack failed: %s", ask.request_id, ask.chunk_id, exc)
+        self._send(session, _failed(ask, f"{type(exc).__name__}: {exc}"))
+
+    def _pack_into(
+        self,
+        session: _Session,
+        ask: TransferRequest,
+        ready: ChunkReady,
+        pack: CellCopy,
+        pool: StagingPool,
+        slot: int,
+        nbytes: int,
+    ) -> None:
+        """Pack the chunk into `nbytes` at `slot` of `pool` (taken for it), lease them to the
+        session and answer `ChunkReady`; the range goes back to the pool if the pack fails or
+        the session finished the request meanwhile."""
+        remaining = max(0.0, ask.wait_seconds)
+        try:
+            staging = pool.slot_tensor(slot, torch.uint8)
+            info = RegionInfo(
+                pool.region.region_id, pool.region.address + pool.offset(slot), nbytes
+            )
+            with self._lock:
+                fence = self._fences.get(ask.request_id)
+            # After the publish's fence; then wait for this pack's own event only: the NIC
+            # reads finished bytes, and nothing waits for the engine's later work.
+            run = functools.partial(run_cell_copy, pack, self.caches, [staging], self._backend)
+            self._copy_stream.launch(run, fence).wait()
+        except BaseException:
+            pool.release(slot)
+            raise
+        with session.lock:
+            if ask.request_id in session.finished:  # done meanwhile: nobody will read
+                pool.release(slot)
+                return
+            session.leases[(ask.request_id, ask.chunk_id)] = _Lease(
+                slot, time.monotonic() + remaining + 1.0
+            )
+        self._send(session, _with_staging(ready, info))
 
     def _acquire_slot(
         self, session: _Session, pool: StagingPool, nbytes: int, timeout: float

@@ -1,0 +1,59 @@
+"""Where a producer on CPU caches packs a chunk: a small one (at most `_INLINE_PACK_BYTES`)
+on its side-channel thread when staging has room at once, with no hand-over to a worker and
+back; a larger one on the session's worker, which may wait for room. Every byte lands either
+way, checked against `kvxfer.reference` on poisoned caches, over real Mooncake TCP."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvxfer.connector import KVConsumer, KVProducer
+from kvxfer.connector import producer as producer_mod
+from kvxfer.testing import make_scenario, side_specs
+
+NUM_TOKENS = 512
+TOKEN_BYTES = 2 * 2 * 8 * 128 * 2  # layers x K/V x heads x head_dim x fp16
+
+
+@pytest.mark.parametrize(
+    "chunk_tokens,inline",
+    [(32, True), (256, False)],  # 256 KiB and 2 MiB chunks
+)
+def test_a_small_chunk_is_packed_on_the_side_channel_a_large_one_by_the_worker(
+    monkeypatch, chunk_tokens, inline
+):
+    assert (chunk_tokens * TOKEN_BYTES <= producer_mod._INLINE_PACK_BYTES) == inline
+    packed_on: list[str] = []
+    real = producer_mod.run_cell_copy
+
+    def recording(copy, src, dst, backend):
+        packed_on.append(threading.current_thread().name)
+        real(copy, src, dst, backend)
+
+    monkeypatch.setattr(producer_mod, "run_cell_copy", recording)
+    src = side_specs(1, heads=8, head_dim=128, block_size=16, num_blocks=40)
+    dst = side_specs(1, heads=8, head_dim=128, block_size=32, layout="HND", num_blocks=20)
+    scenario = make_scenario(src, dst, NUM_TOKENS)
+    ((spec, caches, ids),) = scenario.src
+    ((dspec, dcaches, dids),) = scenario.dst
+    pool = {"staging_bytes": 8 << 20, "staging_slots": 2}
+    producer = KVProducer(spec, caches, "prefill", **pool)
+    consumer = KVConsumer(
+        dspec, dcaches, "decode", strategy="pack+unpack", chunk_tokens=chunk_tokens, **pool
+    )
+    try:
+        consumer.connect([producer.address])
+        producer.publish("r", ids, NUM_TOKENS)
+        result = consumer.fetch("r", dids, NUM_TOKENS, timeout=60).wait()
+        assert result.ok, result.errors
+        scenario.assert_exact()
+    finally:
+        consumer.close()
+        producer.close()
+    assert len(packed_on) == NUM_TOKENS // chunk_tokens
+    if inline:
+        assert set(packed_on) == {"kvxfer-producer"}, packed_on  # the side channel's thread
+    else:
+        assert all(name.startswith("kvxfer-producer-peer") for name in packed_on), packed_on
