@@ -446,17 +446,27 @@ def _layer_rows(
                 for t, span in zip(layers, side.spans, strict=True)
             ]
         return rows
+    words, placed = _stacked_words(buf, side, word, unit, step)
+    base = words.storage_offset()
+    return [words.as_strided((count, unit), (step, 1), base + first) for first, count in placed]
+
+
+def _stacked_words(
+    buf: KVBuffer, side: _Side, word: torch.dtype, unit: int, step: int
+) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """A staging buffer's layers as one flat tensor of `word`s (they sit back to back, whole
+    words each: `_word_for`), and where each layer's rows of `unit` words every `step` are:
+    its first word in that tensor and its number of rows."""
+    layers = buf.layers
     assert isinstance(layers, StackedLayers)
     base, itemsize = side.starts[0], side.dtype.itemsize
-    # Layers sit back to back, whole words each (`_word_for`): all of them as words at once
     words = _flat_words(layers.flat, word, side.starts[-1] - base + side.spans[-1])
     ratio = words.element_size() // itemsize  # >= 1: a word never splits an element (_word_for)
-    out = []
-    for start, span in zip(side.starts, side.spans, strict=True):
-        count = (span // ratio - unit) // step + 1
-        offset = words.storage_offset() + (start - base) // ratio
-        out.append(words.as_strided((count, unit), (step, 1), offset))
-    return out
+    placed = [
+        ((start - base) // ratio, (span // ratio - unit) // step + 1)
+        for start, span in zip(side.starts, side.spans, strict=True)
+    ]
+    return words, placed
 
 
 def _host_rows(
@@ -465,7 +475,6 @@ def _host_rows(
     """`_layer_rows` as numpy arrays on the same CPU memory: a cache's made once
     (`_Side.host_rows`), a staging buffer's from one numpy view of its flat tensor (no torch
     call per layer)."""
-    layers = buf.layers
     if side.host_rows is not None:
         key = (word, unit, step)
         rows = side.host_rows.get(key)
@@ -473,14 +482,10 @@ def _host_rows(
             made = _layer_rows(buf, side, word, unit, step)
             rows = side.host_rows[key] = [r.numpy() for r in made]
         return rows
-    assert isinstance(layers, StackedLayers)
-    base, itemsize = side.starts[0], side.dtype.itemsize
-    words = _flat_words(layers.flat, word, side.starts[-1] - base + side.spans[-1]).numpy()
-    ratio = words.itemsize // itemsize  # >= 1: a word never splits an element (_word_for)
+    flat, placed = _stacked_words(buf, side, word, unit, step)
+    words = flat.numpy()
     out = []
-    for start, span in zip(side.starts, side.spans, strict=True):
-        count = (span // ratio - unit) // step + 1
-        first = (start - base) // ratio
+    for first, count in placed:
         if step == unit:  # rows that tile the layer: a plain reshape
             out.append(words[first : first + count * unit].reshape(count, unit))
         else:
