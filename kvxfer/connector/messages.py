@@ -82,15 +82,27 @@ class ChunkReady(_Message, tag="chunk_ready", frozen=True):
     # when `staging` is given (the chunk is read from there, never from my cache).
     src_block_ids: list[int]
     staging: RegionInfo | None  # the packed chunk, for strategies that pack
+    # With `staging`: the range stays the chunk's (untouched) for this long after its ask
+    # arrived here. The consumer times it from before it sent the ask, so its clock ends the
+    # hold no later than mine (docs/connectors.md, "What a request waits for").
+    held_seconds: float = 0.0
 
 
 class ChunkRead(_Message, tag="chunk_read", frozen=True):
-    """Consumer -> producer: I have read the chunk; was its source held all along?"""
+    """Consumer -> producer: I have read the chunk from your cache blocks; was the request
+    held all along?"""
 
     request_id: str
     chunk_id: int
     generation: int
-    staged: bool  # read from the producer's staging slot (else from its cache blocks)
+
+
+class StagingRead(_Message, tag="staging_read", frozen=True):
+    """Consumer -> producer: I have read the chunk from your staging within its hold; the range
+    is yours again. No answer."""
+
+    request_id: str
+    chunk_id: int
 
 
 class ChunkValid(_Message, tag="chunk_valid", frozen=True):
@@ -213,6 +225,7 @@ Message = (
     TransferRequest
     | ChunkReady
     | ChunkRead
+    | StagingRead
     | ChunkValid
     | ChunkFailed
     | RequestDone

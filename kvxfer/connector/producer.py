@@ -3,7 +3,9 @@
 Pull, on request: a consumer rank asks for a chunk of a request (a token range and a
 strategy); once the request is published the producer packs it into its staging if the strategy
 packs, and answers where to read it. The consumer reads the bytes into its own staging with
-Mooncake, asks whether the source was held all along, and only then copies them into its cache.
+Mooncake, makes sure the source was held all along (a packed chunk's staging range is held for
+a time the consumer measures from before its ask; a chunk read from the cache is confirmed by
+one more round trip), and only then copies them into its cache.
 The producer never writes into a consumer's memory: a peer cannot make it touch memory other
 than its own, and no write of it can land late (docs/connectors.md, "No late bytes").
 
@@ -50,6 +52,7 @@ from kvxfer.connector.messages import (
     ProtocolError,
     RegionInfo,
     RequestDone,
+    StagingRead,
     TransferRequest,
     decode,
     decode_terms,
@@ -96,7 +99,8 @@ _INLINE_PACK_BYTES = 1 << 20
 
 @dataclass
 class _Lease:
-    """A staging slot holding a packed chunk until its consumer has read it."""
+    """A staging range holding a packed chunk until its consumer has read it: untouched until
+    `expires` (the hold its `ChunkReady` promised) unless that consumer gives it back first."""
 
     slot: int
     expires: float
@@ -105,6 +109,7 @@ class _Lease:
 @dataclass
 class _Waiting:
     ask: TransferRequest
+    received: float  # when the ask arrived: a packed chunk's hold is counted from here
     deadline: float
 
 
@@ -153,8 +158,9 @@ class KVProducer:
             how far this rank's packs may run ahead of a consumer's reads (1: each chunk is
             packed only once the previous one was read).
         request_timeout_s: default deadline of a published request.
-        session_timeout_s: a consumer session silent this long is dropped (its pack leases
-            end, its pool is reused); consumers ping every `heartbeat_s` (0.5 s by default).
+        session_timeout_s: a consumer session silent this long is dropped (its pool is reused
+            once the holds of the chunks packed for it end: it may be frozen, not dead);
+            consumers ping every `heartbeat_s` (0.5 s by default).
         released_ttl_s: how long a released request id is remembered (refused if published
             again, answered "released" to a late fetch).
         max_sessions: the most consumer sessions at once; more handshakes are refused.
@@ -211,6 +217,7 @@ class KVProducer:
         self._spare_pools: list[StagingPool] = []
         self._warmed: set[tuple[object, ...]] = set()
         self._closed = False
+        self._engine_stopped = threading.Event()  # set by close, once no read can come
         try:
             self._server = SideChannelServer(
                 host,
@@ -411,6 +418,7 @@ class KVProducer:
         for session in sessions:
             session.worker.shutdown(wait=True)
         self._registration.close()  # ends the engine first when it is ours: no read in flight
+        self._engine_stopped.set()  # pools held for ended sessions' leases may go now
         for session in sessions:
             if session.pool is not None:
                 session.pool.close()
@@ -482,6 +490,8 @@ class KVProducer:
             self._on_transfer(session, message)
         elif isinstance(message, ChunkRead):
             self._on_chunk_read(session, message)
+        elif isinstance(message, StagingRead):
+            self._give_back_lease(session, message.request_id, message.chunk_id)
         elif isinstance(message, RequestDone):
             self._forget_request(session, message.request_id)
             # Every rank of the decode engine (pp x tp) reports, fetching here or not.
@@ -503,6 +513,7 @@ class KVProducer:
         self._server.send(link.identity, self._sessions.seal(link, encode(message)))
 
     def _on_transfer(self, session: _Session, ask: TransferRequest) -> None:
+        received = time.monotonic()
         with session.lock:
             session.finished.pop(ask.request_id, None)  # fetched again
         try:
@@ -517,14 +528,14 @@ class KVProducer:
             )
             self._send(session, _failed(ask, reason))
         elif self._servable(self._requests.get(ask.request_id), ask):
-            self._serve_chunk(session, ask)
+            self._serve_chunk(session, ask, received)
         elif self._requests.was_released(ask.request_id):
             self._send(session, _failed(ask, "the request was already released"))
         elif len(session.waiting) >= _MAX_WAITING_PER_SESSION:
             reason = "too many chunks wait for unpublished requests or uncomputed tokens"
             self._send(session, _failed(ask, reason))
         else:
-            session.waiting.append(_Waiting(ask, time.monotonic() + ask.wait_seconds))
+            session.waiting.append(_Waiting(ask, received, received + ask.wait_seconds))
 
     def _servable(self, request: PublishedRequest | None, ask: TransferRequest) -> bool:
         """Whether a chunk can be answered now: its request is published, and its tokens are
@@ -553,7 +564,7 @@ class KVProducer:
             )
         return route.narrowed(ask.layer_start, ask.layer_end)
 
-    def _serve_chunk(self, session: _Session, ask: TransferRequest) -> None:
+    def _serve_chunk(self, session: _Session, ask: TransferRequest, received: float) -> None:
         request = self._requests.get(ask.request_id)
         if request is None:
             self._send(session, _failed(ask, "the request was released before its chunk ran"))
@@ -597,17 +608,12 @@ class KVProducer:
         )
         if pack is None:  # the consumer reads the cache blocks themselves
             self._send(session, ready)
-        elif not self._pack_now(session, ask, ready, pack):
-            session.worker.submit(self._pack_chunk, session, ask, ready, pack)
+        elif not self._pack_now(session, ask, ready, pack, received):
+            session.worker.submit(self._pack_chunk, session, ask, ready, pack, received)
 
     def _on_chunk_read(self, session: _Session, read: ChunkRead) -> None:
-        with session.lock:
-            lease = session.leases.pop((read.request_id, read.chunk_id), None)
-            pool = session.pool
-        if lease is not None:
-            _give_back(pool, [lease.slot])
-        held = self._requests.holds(read.request_id, read.generation)
-        valid = held and (lease is not None or not read.staged)
+        """A chunk read from the cache: were its blocks the request's all along?"""
+        valid = self._requests.holds(read.request_id, read.generation)
         reason = "" if valid else "the source was released before the read was confirmed"
         self._send(
             session,
@@ -644,7 +650,7 @@ class KVProducer:
         for chunk in session.waiting:
             request = self._requests.get(chunk.ask.request_id)
             if self._servable(request, chunk.ask):
-                self._serve_chunk(session, chunk.ask)
+                self._serve_chunk(session, chunk.ask, chunk.received)
             elif self._requests.was_released(chunk.ask.request_id):
                 self._send(session, _failed(chunk.ask, "the request was already released"))
             elif now >= chunk.deadline:
@@ -671,6 +677,11 @@ class KVProducer:
 
     def _recycle_pool(self, session: _Session) -> None:
         session.worker.shutdown(wait=True)
+        # Its consumer may still read (frozen, or alive but silent too long): a range leased to
+        # it stays untouched until its hold ends, or until this producer's engine has stopped.
+        with session.lock:
+            held_until = max((lease.expires for lease in session.leases.values()), default=0.0)
+        self._engine_stopped.wait(max(0.0, held_until - time.monotonic()))
         with session.lock:
             session.leases.clear()
             pool = session.pool
@@ -683,6 +694,14 @@ class KVProducer:
                 pool.close()
             else:
                 self._spare_pools.append(pool)
+
+    def _give_back_lease(self, session: _Session, request_id: str, chunk_id: int) -> None:
+        """The session's consumer read the chunk from staging: its range is free again."""
+        with session.lock:
+            lease = session.leases.pop((request_id, chunk_id), None)
+            pool = session.pool
+        if lease is not None:
+            _give_back(pool, [lease.slot])
 
     def _expire_leases(self, session: _Session, now: float) -> None:
         with session.lock:
@@ -746,7 +765,12 @@ class KVProducer:
         return layers * pack.dst.geometry.layer_bytes
 
     def _pack_now(
-        self, session: _Session, ask: TransferRequest, ready: ChunkReady, pack: CellCopy
+        self,
+        session: _Session,
+        ask: TransferRequest,
+        ready: ChunkReady,
+        pack: CellCopy,
+        received: float,
     ) -> bool:
         """(server thread) Pack a small CPU chunk here and answer it, if its staging bytes are
         free at once (never waiting: a taker already waiting for room keeps its turn, see
@@ -762,13 +786,18 @@ class KVProducer:
         if slot is None:
             return False
         try:
-            self._pack_into(session, ask, ready, pack, pool, slot, nbytes)
+            self._pack_into(session, ask, ready, pack, pool, slot, nbytes, received)
         except Exception as exc:
             self._pack_failed(session, ask, exc)
         return True
 
     def _pack_chunk(
-        self, session: _Session, ask: TransferRequest, ready: ChunkReady, pack: CellCopy
+        self,
+        session: _Session,
+        ask: TransferRequest,
+        ready: ChunkReady,
+        pack: CellCopy,
+        received: float,
     ) -> None:
         """(the session's worker) Wait for staging room, then pack the chunk and answer it."""
         try:
@@ -776,7 +805,7 @@ class KVProducer:
             remaining = max(0.0, ask.wait_seconds)
             nbytes = self._pack_bytes(pack)
             slot = self._acquire_slot(session, pool, nbytes, max(remaining, 0.1))
-            self._pack_into(session, ask, ready, pack, pool, slot, nbytes)
+            self._pack_into(session, ask, ready, pack, pool, slot, nbytes, received)
         except Exception as exc:
             self._pack_failed(session, ask, exc)
 
@@ -793,10 +822,15 @@ class KVProducer:
         pool: StagingPool,
         slot: int,
         nbytes: int,
+        received: float,
     ) -> None:
         """Pack the chunk into `nbytes` at `slot` of `pool` (taken for it), lease them to the
-        session and answer `ChunkReady`; the range goes back to the pool if the pack fails or
-        the session finished the request meanwhile."""
+        session and answer `ChunkReady` with the lease's end as seconds after `received` (when
+        the ask arrived); the range goes back to the pool if the pack fails or the session
+        finished the request meanwhile.
+
+        The lease lasts the fetch's remaining time and a second more, counted from now: it
+        outlives the fetch, so it never ends a read the consumer still wants."""
         remaining = max(0.0, ask.wait_seconds)
         try:
             staging = pool.slot_tensor(slot, torch.uint8)
@@ -812,14 +846,20 @@ class KVProducer:
         except BaseException:
             pool.release(slot)
             raise
+        # The consumer trusts the packed bytes for the hold, without asking again: they must
+        # be the request's. Released or failed before the pack finished, the engine may have
+        # written those blocks for another request during it.
+        if not self._requests.holds(ask.request_id, ready.generation):
+            pool.release(slot)
+            self._send(session, _failed(ask, "the request was released while its chunk was packed"))
+            return
         with session.lock:
             if ask.request_id in session.finished:  # done meanwhile: nobody will read
                 pool.release(slot)
                 return
-            session.leases[(ask.request_id, ask.chunk_id)] = _Lease(
-                slot, time.monotonic() + remaining + 1.0
-            )
-        self._send(session, _with_staging(ready, info))
+            expires = time.monotonic() + remaining + 1.0
+            session.leases[(ask.request_id, ask.chunk_id)] = _Lease(slot, expires)
+        self._send(session, _with_staging(ready, info, expires - received))
 
     def _acquire_slot(
         self, session: _Session, pool: StagingPool, nbytes: int, timeout: float
@@ -853,13 +893,14 @@ def _give_back(pool: StagingPool | None, slots: list[int]) -> None:
             pool.release(slot)
 
 
-def _with_staging(ready: ChunkReady, staging: RegionInfo) -> ChunkReady:
+def _with_staging(ready: ChunkReady, staging: RegionInfo, held_seconds: float) -> ChunkReady:
     return ChunkReady(
         request_id=ready.request_id,
         chunk_id=ready.chunk_id,
         generation=ready.generation,
         src_block_ids=ready.src_block_ids,
         staging=staging,
+        held_seconds=held_seconds,
     )
 
 

@@ -35,7 +35,11 @@ import msgspec
 # frames as `[session, payload, MAC]` (the applications' messages no longer carry the session).
 # 7: `TransferRequest` names its chunk's layers (`layer_start`, `layer_end`): a streamed fetch
 # asks for fewer layers than its pair moves, which a version-6 producer would pack in full.
-PROTOCOL_VERSION = 7
+# 8: a chunk read from the producer's staging is held for `ChunkReady.held_seconds` from its
+# ask and confirmed by that hold (`StagingRead`, no answer, gives the range back early); only a
+# chunk read from the cache is confirmed by `ChunkRead` -> `ChunkValid`. A version-7 consumer
+# would wait for a confirmation that never comes.
+PROTOCOL_VERSION = 8
 MAX_FRAME_BYTES = 8 << 20  # a chunk's block ids, even a 128k-token chunk's, under 1 MiB
 SESSION_FRAMES = 3  # [session id, payload, MAC]
 

@@ -36,6 +36,7 @@ from kvxfer.connector.messages import (
     KVTerms,
     RegionInfo,
     RequestDone,
+    StagingRead,
     TransferRequest,
 )
 from kvxfer.connector.staging import StagingPool
@@ -140,8 +141,8 @@ DST = side_specs(1, heads=4, block_size=32, layout="HND", num_blocks=40)
 SLOT_BYTES = 16 << 10  # 64 tokens of this geometry's wire buffer
 
 
-def fitted(chunk_tokens: int = 32, depth: int = 2) -> FittedPair:
-    (plan,) = plan_pairs(SRC, DST, strategy="pack+unpack", landing=True)
+def fitted(chunk_tokens: int = 32, depth: int = 2, strategy: str = "pack+unpack") -> FittedPair:
+    (plan,) = plan_pairs(SRC, DST, strategy=strategy, landing=True)
     return FittedPair(plan, Chunking(chunk_tokens, depth), SRC[0], DST[0], CostModel(), 64)
 
 
@@ -272,10 +273,14 @@ def live_session() -> ProducerSession:
 
 
 class Rig:
-    """A `FetchMachine` of one pair (1 -> 1, pack+unpack), with every outside part a stand-in,
-    and one fetch of it started."""
+    """A `FetchMachine` of one pair (1 -> 1, pack+unpack: read from the producer's staging; or
+    unpack: read from its cache), with every outside part a stand-in, and one fetch of it
+    started."""
 
-    def __init__(self, num_tokens=64, chunk_tokens=32, depth=2, slots=2, timeout=60.0):
+    def __init__(
+        self, num_tokens=64, chunk_tokens=32, depth=2, slots=2, timeout=60.0, strategy="pack+unpack"
+    ):
+        self.staged = strategy == "pack+unpack"
         self.transport, self.copier = FakeTransport(), FakeCopier()
         self.pool = StagingPool(self.transport, SLOT_BYTES * slots, slots)  # type: ignore[arg-type]
         self.posted: list = []
@@ -290,7 +295,7 @@ class Rig:
         )
         self.machine.sessions = self.sessions  # type: ignore[assignment]
         self.fetch = new_fetch(num_tokens, timeout)
-        self.machine.start(self.fetch, [fitted(chunk_tokens, depth)])
+        self.machine.start(self.fetch, [fitted(chunk_tokens, depth, strategy)])
         self.chunks = self.fetch.chunks
 
     def run_posted(self) -> None:
@@ -298,9 +303,16 @@ class Rig:
         for event in posted:
             event()
 
-    def offer(self, chunk: Chunk, session=None) -> None:
-        staging = RegionInfo(99, 0x900000, SLOT_BYTES)
-        ready = ChunkReady("req", chunk.chunk_id, 1, [], staging)
+    def offer(self, chunk: Chunk, session=None, held_seconds=60.0) -> None:
+        """The producer's `ChunkReady`: its staging, held `held_seconds` from the ask; or its
+        cache blocks of the chunk's tokens."""
+        if self.staged:
+            staging = RegionInfo(99, 0x900000, SLOT_BYTES)
+            ready = ChunkReady("req", chunk.chunk_id, 1, [], staging, held_seconds)
+        else:
+            block = SRC[0].block_size
+            blocks = list(range(chunk.start // block, -(-chunk.end // block)))
+            ready = ChunkReady("req", chunk.chunk_id, 1, blocks, None)
         self.machine.answer(session or self.sessions.session, ready)
 
     def settle(self, future: Future[None], error: Exception | None = None) -> None:
@@ -317,7 +329,8 @@ class Rig:
     def to_copying(self, chunk: Chunk, read: int = 0) -> None:
         self.offer(chunk)
         self.settle(self.transport.reads[read])
-        self.confirm(chunk)
+        if not self.staged:
+            self.confirm(chunk)
         assert chunk.state is S.COPYING
 
     def result(self):
@@ -325,18 +338,37 @@ class Rig:
         return self.fetch.handle.future.result()
 
 
-def test_a_chunk_goes_ask_offer_read_confirm_copy_done():
+def test_a_chunk_read_from_staging_goes_ask_offer_read_copy_done():
+    """Its hold, timed from before the ask, confirms the read: no round trip after it."""
     rig = Rig(num_tokens=32)
     (chunk,) = rig.chunks
     (ask,) = rig.sessions.messages(TransferRequest)
     assert (ask.chunk_id, ask.token_start, ask.token_end) == (chunk.chunk_id, 0, 32)
     assert chunk.state is S.ASKED and rig.pool.free_slots == 2  # no slot before the answer
+    assert 0 < chunk.asked_at <= time.monotonic()
+    rig.offer(chunk)
+    assert chunk.state is S.READING and rig.pool.free_slots == 1
+    rig.settle(rig.transport.reads[0])
+    assert chunk.state is S.COPYING and not rig.fetch.handle.done()
+    # Nothing asked of the producer, and its range is given back by the RequestDone to come
+    assert rig.sessions.messages(ChunkRead) == rig.sessions.messages(StagingRead) == []
+    rig.settle(rig.copier.copies[0])
+    assert chunk.state is S.DONE and rig.pool.free_slots == 2
+    assert rig.result().ok
+    assert rig.sessions.notices == [RequestDone(request_id="req", ok=True)]
+
+
+def test_a_chunk_read_from_the_cache_is_confirmed_before_its_copy():
+    """Only the producer knows whether its engine let the blocks go meanwhile."""
+    rig = Rig(num_tokens=32, strategy="unpack")
+    (chunk,) = rig.chunks
     rig.offer(chunk)
     assert chunk.state is S.READING and rig.pool.free_slots == 1
     rig.settle(rig.transport.reads[0])
     assert chunk.state is S.CONFIRMING
     (read,) = rig.sessions.messages(ChunkRead)
-    assert read.chunk_id == chunk.chunk_id and read.staged and read.generation == 1
+    assert read.chunk_id == chunk.chunk_id and read.generation == 1
+    assert rig.copier.copies == []
     rig.confirm(chunk)
     assert chunk.state is S.COPYING and not rig.fetch.handle.done()
     rig.settle(rig.copier.copies[0])
@@ -388,11 +420,12 @@ def test_a_chunk_given_up_while_reading_keeps_its_slot_until_the_read_settles():
     assert rig.machine.quarantine == {chunk} and rig.pool.free_slots == 1  # it may still land
     rig.settle(rig.transport.reads[0])  # landed late, into the quarantined slot
     assert rig.machine.quarantine == set() and rig.pool.free_slots == 2
-    assert rig.sessions.messages(ChunkRead) == []  # nothing of it is confirmed, or copied
+    assert rig.copier.copies == []  # nothing of it is copied
+    assert rig.sessions.messages(ChunkRead) == rig.sessions.messages(StagingRead) == []
 
 
 def test_a_failed_read_and_a_refused_source_fail_their_chunks():
-    rig = Rig(num_tokens=64)
+    rig = Rig(num_tokens=64, strategy="unpack")
     first, second = rig.chunks
     rig.offer(first)
     rig.settle(rig.transport.reads[0], OSError("link down"))
@@ -405,6 +438,37 @@ def test_a_failed_read_and_a_refused_source_fail_their_chunks():
         "tokens [32, 64): producer rank 0: overwritten",
     ]
     assert rig.pool.free_slots == 2 and rig.copier.copies == []
+
+
+def test_a_staging_read_that_outlasted_its_hold_fails_its_chunk():
+    """The producer may have packed another chunk into the range by then: nothing of the read
+    reaches the cache, and the slot is free again."""
+    rig = Rig(num_tokens=32)
+    (chunk,) = rig.chunks
+    rig.offer(chunk, held_seconds=0.5)
+    chunk.asked_at -= 1.0  # the ask left a second ago: the hold ended half a second ago
+    rig.settle(rig.transport.reads[0])
+    assert chunk.state is S.FAILED and rig.copier.copies == []
+    assert rig.result().errors == [
+        "tokens [0, 32): the read outlasted the producer's hold of its staging (0.5 s from the ask)"
+    ]
+    assert rig.pool.free_slots == 2
+
+
+def test_a_staging_range_read_before_the_last_chunk_is_given_back_at_once():
+    """More chunks to come: the producer may pack one of them into the range now. The last
+    chunk's range goes back with the fetch's RequestDone."""
+    rig = Rig(num_tokens=64)
+    first, second = rig.chunks
+    rig.offer(first)
+    rig.settle(rig.transport.reads[0])
+    assert rig.sessions.messages(StagingRead) == [StagingRead("req", first.chunk_id)]
+    rig.settle(rig.copier.copies[0])
+    rig.offer(second)
+    rig.settle(rig.transport.reads[1])
+    assert rig.sessions.messages(StagingRead) == [StagingRead("req", first.chunk_id)]
+    rig.settle(rig.copier.copies[1])
+    assert rig.result().ok and rig.sessions.notices == [RequestDone(request_id="req", ok=True)]
 
 
 def test_a_read_waiting_for_room_is_not_passed_by_a_later_one():

@@ -69,10 +69,12 @@ def run_instrumented(monkeypatch, slots: int, meet=None):
 
         return copy
 
-    # Every pack on the session's worker, as on CUDA: this measures the worker pipeline (a
-    # small CPU chunk is otherwise packed on the side-channel thread, where a pack that waits
-    # inside would hold the producer's messages; tests/connector/test_inline_pack.py).
+    # Every pack on the session's worker and every unpack on the copy pool, as on CUDA: this
+    # measures those pipelines (a small CPU chunk is otherwise packed on the side-channel
+    # thread and unpacked on the consumer's loop, where a copy that waits inside would hold
+    # their messages; tests/connector/test_inline_pack.py).
     monkeypatch.setattr(producer_mod, "_INLINE_PACK_BYTES", 0)
+    monkeypatch.setattr(copies_mod, "_INLINE_COPY_BYTES", 0)  # every unpack on the copy pool
     monkeypatch.setattr(producer_mod, "run_cell_copy", hooked(producer_mod.run_cell_copy, "pack"))
     monkeypatch.setattr(copies_mod, "run_cell_copy", hooked(copies_mod.run_cell_copy, "unpack"))
     producer = KVProducer(src_spec, src_caches, "prefill", **staging)

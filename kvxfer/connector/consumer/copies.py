@@ -2,7 +2,10 @@
 
 The cache is written by these copies alone, and only once a chunk's read has landed and the
 producer confirmed its source was held throughout. They run on a small pool of threads, off
-the loop; on CUDA each launches its copy on the consumer's side stream after the fetch's fence
+the loop, except a small CPU copy (at most `_INLINE_COPY_BYTES`), which runs on the loop
+itself: a 16-token chunk's unpack costs less than the two thread hand-overs a pool thread
+costs it (the producer packs small CPU chunks on its side-channel thread for the same reason).
+On CUDA each launches its copy on the consumer's side stream after the fetch's fence
 (`kvxfer.connector.streams`) and waits for that copy's own event, so that a chunk counts as done
 (its slot read into again, its blocks reported) only once its bytes are in the cache.
 """
@@ -23,6 +26,9 @@ from kvxfer.plan.fitting import FittedPair
 from kvxfer.plan.program import CellCopy, unpack_copy
 from kvxfer.spec import KVCacheSpec
 
+# A CPU copy of at most this many bytes runs on the calling thread (the consumer's loop).
+_INLINE_COPY_BYTES = 1 << 20
+
 
 class CacheCopier:
     """Copies landed chunks from staging slots into this rank's `caches`.
@@ -38,6 +44,7 @@ class CacheCopier:
         self._backend = backend
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvxfer-copy")
         self._stream = copy_stream_for(caches[0].device)
+        self._copies_inline = caches[0].device.type == "cpu" and backend == "torch"
 
     @property
     def threads(self) -> int:
@@ -50,12 +57,15 @@ class CacheCopier:
 
     def start(self, copy: CellCopy, pool: StagingPool, slot: int, fence: Fence) -> Future[None]:
         """Copy staging slot `slot` of `pool` into the cache by `copy` (after `fence`); the
-        future completes once the copy has finished (on CUDA: its own event)."""
+        future completes once the copy has finished (on CUDA: its own event). A small CPU copy
+        has run by the time this returns (its future is done)."""
         layers = copy.num_layers or len(self._caches)  # the route's layers
         # In bytes: between two KV dtypes the staging holds the source's (run_cell_copy views it)
         nbytes = layers * copy.src.geometry.layer_bytes
         staging = pool.slot_tensor(slot, torch.uint8)[:nbytes]
         run = functools.partial(run_cell_copy, copy, [staging], self._caches, self._backend)
+        if self._copies_inline and nbytes <= _INLINE_COPY_BYTES:
+            return _run_now(run)
         return self._pool.submit(self._copy_into_cache, run, fence)
 
     def warm_up(self, pair: FittedPair, producer: KVCacheSpec, consumer: KVCacheSpec) -> None:
@@ -78,3 +88,15 @@ class CacheCopier:
         """(a copy thread) Run one chunk's copy and return once it has finished: only then is
         its slot read into again and its blocks reported."""
         self._stream.launch(run, fence).wait()  # this copy's own event, on CUDA
+
+
+def _run_now(run: Callable[[], None]) -> Future[None]:
+    """Run a CPU copy on this thread; its outcome as a finished future."""
+    future: Future[None] = Future()
+    try:
+        run()
+    except Exception as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(None)
+    return future

@@ -46,6 +46,7 @@ class Chunk:
     session: ProducerSession | None = None  # the session it was asked on
     slot: int | None = None  # its staging slot, from `read` until it settles
     read_pending: bool = False  # a read into `slot` has not settled
+    asked_at: float = 0.0  # when it was last asked for (a staging hold is timed from here)
     ready: ChunkReady | None = None  # the producer's answer: where to read
     unpack: CellCopy | None = None  # staging -> cache, once read
     nbytes: int = 0

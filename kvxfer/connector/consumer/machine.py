@@ -2,14 +2,18 @@
 
 For every chunk (`kvxfer.connector.consumer.states` has the table of states and events):
 
-    ask -> producer answers ChunkReady -> read into own staging -> ChunkRead -> ChunkValid
+    ask -> producer answers ChunkReady -> read into own staging -> source held throughout?
         -> copy staging into the cache (locally) -> done
 
 The cache is written only by that last local copy, after the read has fully landed and the
-producer confirmed the source was held throughout. A read that a fetch gives up on lands, if
-ever, in a staging slot that stays out of use (quarantined) until the transport says the read
-has settled. Hence the no-late-byte contract: once `wait` returned, or a block was reported
-failed, nothing of the fetch lands in the cache (docs/connectors.md, "No late bytes").
+source is known to have been held throughout: a chunk read from the producer's staging by its
+hold (`ChunkReady.held_seconds`, timed here from before the ask, so it ends on this clock no
+later than on the producer's), a chunk read from the producer's cache by one more round trip
+(`ChunkRead` -> `ChunkValid`: only the producer knows whether its engine let the blocks go).
+A read that a fetch gives up on lands, if ever, in a staging slot that stays out of use
+(quarantined) until the transport says the read has settled. Hence the no-late-byte
+contract: once `wait` returned, or a block was reported failed, nothing of the fetch lands in
+the cache (docs/connectors.md, "No late bytes").
 
 Up to a pair's depth (at most `staging_slots`) chunks per producer rank are in flight at once,
 each in its own slot, so the producer packs chunk i+1 while chunk i is read and chunk i-1 is
@@ -39,6 +43,7 @@ from kvxfer.connector.messages import (
     ChunkValid,
     Message,
     RequestDone,
+    StagingRead,
     TransferRequest,
 )
 from kvxfer.connector.staging import StagingPool
@@ -50,6 +55,10 @@ from kvxfer.spec import KVCacheSpec
 from kvxfer.transport.base import Transport
 
 log = logging.getLogger(__name__)
+
+# How far two hosts' monotonic clocks may run apart, as a share of the time measured: twice
+# the most that NTP slews a clock (500 ppm). A staging hold is trusted that much shorter.
+_CLOCK_DRIFT = 1e-3
 
 
 class FetchMachine:
@@ -229,6 +238,7 @@ class FetchMachine:
     def _ask(self, chunk: Chunk, session: ProducerSession) -> None:
         fetch = chunk.fetch
         chunk.session = session
+        chunk.asked_at = time.monotonic()  # before the ask leaves: a hold ends no later here
         self._advance(chunk, ChunkEvent.ASK)
         ask = TransferRequest(
             request_id=fetch.request_id,
@@ -322,22 +332,33 @@ class FetchMachine:
         if session is None or session.state is not SessionState.LIVE:
             self._fail(chunk, "the producer's session ended before the read was confirmed")
             return
-        assert chunk.ready is not None
+        ready = chunk.ready
+        assert ready is not None
         self._advance(chunk, ChunkEvent.LANDED)
-        read = ChunkRead(
-            request_id=chunk.fetch.request_id,
-            chunk_id=chunk.chunk_id,
-            generation=chunk.ready.generation,
-            staged=chunk.ready.staging is not None,
-        )
-        self._sessions().send(session, read)
+        if ready.staging is None:  # read from the cache: did the engine hold the blocks?
+            read = ChunkRead(ready.request_id, chunk.chunk_id, ready.generation)
+            self._sessions().send(session, read)
+            return
+        # Read from staging: only the producer reuses staging, and it holds the range for
+        # `held_seconds` after the ask arrived, so a read settled within that (timed from
+        # before the ask) read what was packed. No round trip.
+        if time.monotonic() - chunk.asked_at > ready.held_seconds * (1 - _CLOCK_DRIFT):
+            held = f"{ready.held_seconds:.1f} s from the ask"
+            self._fail(chunk, f"the read outlasted the producer's hold of its staging ({held})")
+            return
+        if chunk.fetch.unsettled > 1:  # more chunks to come: the range may take one of them
+            self._sessions().send(session, StagingRead(ready.request_id, chunk.chunk_id))
+        self._start_copy(chunk)
 
     def _start_copy(self, chunk: Chunk) -> None:
         self._advance(chunk, ChunkEvent.CONFIRMED)
         assert chunk.unpack is not None and chunk.slot is not None
         pool = self._pools[chunk.pair.src_rank]
         future = self._copier.start(chunk.unpack, pool, chunk.slot, chunk.fetch.fence)
-        future.add_done_callback(lambda f: self._post(lambda: self._on_copied(chunk, f)))
+        if future.done():  # a small CPU copy ran on this thread: no turn to wait for
+            self._on_copied(chunk, future)
+        else:
+            future.add_done_callback(lambda f: self._post(lambda: self._on_copied(chunk, f)))
 
     def _on_copied(self, chunk: Chunk, future: Future[None]) -> None:
         error = future.exception()

@@ -21,8 +21,11 @@ The states:
 - ready: the producer answered `ChunkReady`; the chunk waits for a staging slot (slots are
   taken only now, so requests that are never published hold none);
 - reading: a read is in flight into the slot;
-- confirming: the read landed; `ChunkRead` went out, asking whether the source was held;
-- copying: the producer said it was (`ChunkValid`); the slot is copied into the cache, locally;
+- confirming: the read landed; whether its source was held throughout is being checked (a
+  chunk read from the producer's staging passes through at once: the hold that `ChunkReady`
+  promised covers the read or not; one read from the producer's cache sent `ChunkRead`);
+- copying: the source was held (the staging hold, or `ChunkValid`); the slot is copied into
+  the cache, locally;
 - done: the chunk is in the cache; failed: it never will be (its blocks are reported failed).
 
 The events:
@@ -30,7 +33,7 @@ The events:
 - offered: its `ChunkReady` came;
 - read: a staging slot was free and the read started;
 - landed: the read settled without error while the session was live;
-- confirmed: `ChunkValid(ok=True)` came;
+- confirmed: the read settled within the staging hold, or `ChunkValid(ok=True)` came;
 - copied, copy_failed: the local copy into the cache finished, or raised;
 - requeue: the producer forgot the session (a restart faster than a heartbeat) before it
   served the chunk: nothing of it was read, so it is asked for again on a new session;

@@ -306,8 +306,8 @@ class KvxferKVManager(CommonKVManager):
     def give_up(self, room: int, reason: str) -> None:
         """Nobody may read the request any more (SGLang's decode gave it up: its abort, a
         failure or its waiting timeout; or the prefill aborted it). Published: its producer
-        fails it, and no read is confirmed once `fail` returns, so SGLang may free the pages at
-        once; not yet: it is never published."""
+        fails it, and once `fail` returns no read of the pages is confirmed and no pack of them
+        offered, so SGLang may free the pages at once; not yet: it is never published."""
         with self._lock:
             self._aborted_rooms[room] = None
             while len(self._aborted_rooms) > _MAX_ABORTED_ROOMS:

@@ -50,7 +50,8 @@ class SchedulerSide:
     advances). vLLM frees a preempted request's blocks without telling its KV connector, but
     lists it in the next `SchedulerOutput.preempted_req_ids`; the step that could first write
     its blocks for another request starts by failing the publication (`SendFailure`), so no
-    chunk read after that is confirmed (docs/vllm.md, "Streaming the prefill"). Anything else
+    read of them is confirmed and no pack of them offered after that (docs/vllm.md,
+    "Streaming the prefill"). Anything else
     is offered when it finishes, as before.
     """
 

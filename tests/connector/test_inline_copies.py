@@ -1,6 +1,7 @@
-"""Where a producer on CPU caches packs a chunk: a small one (at most `_INLINE_PACK_BYTES`)
-on its side-channel thread when staging has room at once, with no hand-over to a worker and
-back; a larger one on the session's worker, which may wait for room. Every byte lands either
+"""Where the copies of a chunk run on CPU caches: a small one (at most 1 MiB) is packed on the
+producer's side-channel thread when staging has room at once, and unpacked on the consumer's
+loop, with no hand-over to a worker and back; a larger one is packed on the session's worker
+(which may wait for room) and unpacked on the consumer's copy pool. Every byte lands either
 way, checked against `kvxfer.reference` on poisoned caches, over real Mooncake TCP."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 
 from kvxfer.connector import KVConsumer, KVProducer
 from kvxfer.connector import producer as producer_mod
+from kvxfer.connector.consumer import copies as copies_mod
 from kvxfer.testing import make_scenario, side_specs
 
 NUM_TOKENS = 512
@@ -21,18 +23,27 @@ TOKEN_BYTES = 2 * 2 * 8 * 128 * 2  # layers x K/V x heads x head_dim x fp16
     "chunk_tokens,inline",
     [(32, True), (256, False)],  # 256 KiB and 2 MiB chunks
 )
-def test_a_small_chunk_is_packed_on_the_side_channel_a_large_one_by_the_worker(
+def test_a_small_chunk_is_copied_on_the_message_threads_a_large_one_by_workers(
     monkeypatch, chunk_tokens, inline
 ):
     assert (chunk_tokens * TOKEN_BYTES <= producer_mod._INLINE_PACK_BYTES) == inline
+    assert (chunk_tokens * TOKEN_BYTES <= copies_mod._INLINE_COPY_BYTES) == inline
     packed_on: list[str] = []
-    real = producer_mod.run_cell_copy
+    unpacked_on: list[str] = []
 
-    def recording(copy, src, dst, backend):
-        packed_on.append(threading.current_thread().name)
-        real(copy, src, dst, backend)
+    def recording(real, threads):
+        def copy(cell_copy, src, dst, backend):
+            threads.append(threading.current_thread().name)
+            real(cell_copy, src, dst, backend)
 
-    monkeypatch.setattr(producer_mod, "run_cell_copy", recording)
+        return copy
+
+    monkeypatch.setattr(
+        producer_mod, "run_cell_copy", recording(producer_mod.run_cell_copy, packed_on)
+    )
+    monkeypatch.setattr(
+        copies_mod, "run_cell_copy", recording(copies_mod.run_cell_copy, unpacked_on)
+    )
     src = side_specs(1, heads=8, head_dim=128, block_size=16, num_blocks=40)
     dst = side_specs(1, heads=8, head_dim=128, block_size=32, layout="HND", num_blocks=20)
     scenario = make_scenario(src, dst, NUM_TOKENS)
@@ -52,8 +63,10 @@ def test_a_small_chunk_is_packed_on_the_side_channel_a_large_one_by_the_worker(
     finally:
         consumer.close()
         producer.close()
-    assert len(packed_on) == NUM_TOKENS // chunk_tokens
+    assert len(packed_on) == len(unpacked_on) == NUM_TOKENS // chunk_tokens
     if inline:
         assert set(packed_on) == {"kvxfer-producer"}, packed_on  # the side channel's thread
+        assert set(unpacked_on) == {"kvxfer-consumer"}, unpacked_on  # the consumer's loop
     else:
         assert all(name.startswith("kvxfer-producer-peer") for name in packed_on), packed_on
+        assert all(name.startswith("kvxfer-copy") for name in unpacked_on), unpacked_on

@@ -1,0 +1,210 @@
+"""A producer's holds on packed chunks, asked by hand on a real session (a raw ZeroMQ socket,
+a real `KVProducer`): a chunk read from staging is confirmed by the hold its `ChunkReady`
+promises (timed by the consumer from before its ask), so the producer must keep the range
+untouched that long unless the consumer gives it back; a chunk read from the cache is still
+confirmed by a round trip, which a failed prefill answers "no"."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from kvxfer.connector import KVProducer
+from kvxfer.connector import producer as producer_mod
+from kvxfer.connector.messages import (
+    KV_SERVICE,
+    ChunkFailed,
+    ChunkRead,
+    ChunkReady,
+    ChunkValid,
+    KVClaim,
+    Message,
+    Ping,
+    Pong,
+    RequestDone,
+    StagingRead,
+    TransferRequest,
+    decode,
+    encode,
+)
+from kvxfer.plan import DEFAULT_STAGING_SLOTS
+from kvxfer.session.protocol import Delivered, Opened, Reply, SessionClient
+from kvxfer.spec import allocate_kv_caches
+from kvxfer.testing import poll
+from kvxfer.testing.geometry import Geometry
+
+SRC = Geometry(tp=1, heads=2, block_size=16, layout="NHD", layers=2, head_dim=64, num_blocks=16)
+DST = Geometry(tp=1, heads=2, block_size=32, layout="HND", layers=2, head_dim=64, num_blocks=16)
+
+
+class HandSession:
+    """A consumer rank's session, opened and driven by hand."""
+
+    def __init__(self, address: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        claim = encode(KVClaim(engine_id="decode", spec=DST.spec(0)))
+        self.client = SessionClient(KV_SERVICE, "", "decode", claim)
+        event = self.client.receive(self._ask(self.client.hello()))
+        assert isinstance(event, Reply)
+        assert isinstance(self.client.receive(self._ask(event.frames)), Opened)
+
+    def send(self, message: Message) -> None:
+        self.sock.send_multipart(self.client.seal(encode(message)))
+
+    def receive(self, timeout: float = 20.0) -> Message:
+        assert self.sock.poll(int(timeout * 1000)), "no answer from the producer"
+        event = self.client.receive(self.sock.recv_multipart())
+        assert isinstance(event, Delivered), event
+        return decode(event.payload)
+
+    def settled(self) -> None:
+        """Return once the producer handled everything sent before (one thread, in order)."""
+        self.send(Ping())
+        assert isinstance(self.receive(), Pong)
+
+    def transfer(self, request_id: str, chunk_id: int, strategy: str, wait: float) -> Message:
+        self.ask(request_id, chunk_id, strategy, wait)
+        return self.receive()
+
+    def ask(self, request_id: str, chunk_id: int, strategy: str, wait: float) -> None:
+        self.send(
+            TransferRequest(
+                request_id=request_id,
+                chunk_id=chunk_id,
+                num_tokens=32,
+                token_start=0,
+                token_end=32,
+                layer_start=0,
+                layer_end=SRC.layers,
+                strategy=strategy,
+                wait_seconds=wait,
+            )
+        )
+
+    def _ask(self, frames: list[bytes]) -> list[bytes]:
+        self.sock.send_multipart(frames)
+        assert self.sock.poll(20_000), "no handshake answer"
+        return self.sock.recv_multipart()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def producer():
+    spec = SRC.spec(0)
+    producer = KVProducer(spec, allocate_kv_caches(spec), "prefill", session_timeout_s=0.5)
+    yield producer
+    producer.close()
+
+
+def _zero(value: object) -> bool:
+    return value == 0
+
+
+def _leases(producer: KVProducer) -> int:
+    leases = producer.stats_snapshot()["leases"]
+    assert isinstance(leases, int)
+    return leases
+
+
+def test_a_packed_chunk_is_held_until_its_consumer_gives_it_back(producer):
+    producer.publish("r", np.array([3, 5]), 32)
+    consumer = HandSession(producer.address)
+    try:
+        asked = time.monotonic()
+        ready = consumer.transfer("r", 1, "pack+unpack", wait=5.0)
+        assert isinstance(ready, ChunkReady) and ready.staging is not None
+        # The fetch's remaining time and a second more, from the ask's arrival
+        assert 6.0 <= ready.held_seconds <= 6.0 + (time.monotonic() - asked)
+        consumer.settled()
+        assert _leases(producer) == 1
+        consumer.send(StagingRead("r", 1))
+        consumer.settled()
+        assert _leases(producer) == 0
+
+        again = consumer.transfer("r", 2, "pack+unpack", wait=5.0)
+        assert isinstance(again, ChunkReady) and again.staging is not None
+        consumer.send(RequestDone(request_id="r", ok=True))  # the last chunk's range goes too
+        consumer.settled()
+        assert _leases(producer) == 0
+    finally:
+        consumer.close()
+
+
+def test_a_chunk_read_from_the_cache_is_confirmed_until_the_prefill_fails(producer):
+    producer.publish("r", np.array([3, 5]), 32, ready_tokens=32)
+    consumer = HandSession(producer.address)
+    try:
+        ready = consumer.transfer("r", 1, "unpack", wait=5.0)
+        assert isinstance(ready, ChunkReady) and ready.staging is None
+        assert ready.src_block_ids == [3, 5] and ready.held_seconds == 0.0
+        assert _leases(producer) == 0  # no staging held
+        consumer.send(ChunkRead("r", 1, ready.generation))
+        assert consumer.receive() == ChunkValid(request_id="r", chunk_id=1, ok=True)
+        producer.fail("r")  # the engine may give the blocks away at once
+        consumer.send(ChunkRead("r", 1, ready.generation))
+        valid = consumer.receive()
+        assert isinstance(valid, ChunkValid) and not valid.ok
+        assert "released before the read was confirmed" in valid.reason
+    finally:
+        consumer.close()
+
+
+def test_an_ended_session_keeps_its_pool_out_of_use_until_its_holds_end(producer):
+    """A consumer that went silent may be frozen mid-read, not dead: the producer ends its
+    session, but reuses its pool (for another consumer's packs) only once every range it had
+    leased to it is past its hold, on the consumer's clock too."""
+    producer.publish("r", np.array([3, 5]), 32)
+    consumer = HandSession(producer.address)
+    try:
+        asked = time.monotonic()
+        ready = consumer.transfer("r", 1, "pack+unpack", wait=1.0)
+        assert isinstance(ready, ChunkReady) and ready.staging is not None
+        held_until = asked + ready.held_seconds
+        # Silent from now on: the session ends after half a second
+        assert poll(lambda: producer.stats_snapshot()["sessions"], _zero, 30.0) == 0
+        spares = poll(lambda: producer.stats_snapshot()["spare_pools"], bool, 30.0)
+        assert spares == 1, "the ended session's pool never came back"
+        assert time.monotonic() >= held_until, "the pool was reused while a hold ran"
+    finally:
+        consumer.close()
+
+
+def test_a_pack_the_prefill_failed_during_is_never_offered(monkeypatch):
+    """The consumer would trust a packed chunk without asking again, so a pack that ran while
+    the engine may have taken its blocks back (`fail` returned) is refused, not offered."""
+    inside, go = threading.Event(), threading.Event()
+    real = producer_mod.run_cell_copy
+
+    def slow_pack(copy, src, dst, backend):
+        inside.set()
+        assert go.wait(20.0)
+        real(copy, src, dst, backend)
+
+    monkeypatch.setattr(producer_mod, "_INLINE_PACK_BYTES", 0)  # on the worker: the test waits
+    monkeypatch.setattr(producer_mod, "run_cell_copy", slow_pack)
+    spec = SRC.spec(0)
+    producer = KVProducer(spec, allocate_kv_caches(spec), "prefill")
+    consumer = HandSession(producer.address)
+    try:
+        producer.publish("r", np.array([3, 5]), 32, ready_tokens=32)
+        consumer.ask("r", 1, "pack+unpack", wait=5.0)
+        assert inside.wait(20.0), "the pack never started"
+        producer.fail("r")  # the engine may now write those blocks for another request
+        go.set()
+        answer = consumer.receive()
+        assert isinstance(answer, ChunkFailed), answer
+        assert answer.reason == "the request was released while its chunk was packed"
+        consumer.settled()
+        assert _leases(producer) == 0
+        assert set(producer.staging_free_slots().values()) == {DEFAULT_STAGING_SLOTS}
+    finally:
+        consumer.close()
+        producer.close()
