@@ -23,6 +23,8 @@ class CacheRegistration:
         host, protocol: where and how the created transport runs.
         rdma_fallback: for the created transport: run TCP (with a warning) when
             protocol="rdma" is unavailable, instead of raising.
+        driven: the created transport has no thread: its owner drives it
+            (`MooncakeTransport.drive`).
 
     Raises:
         ValueError, TransferError: the transport could not be created or a tensor could not
@@ -38,10 +40,11 @@ class CacheRegistration:
         protocol: str,
         *,
         rdma_fallback: bool = False,
+        driven: bool = False,
     ) -> None:
         self._owns_transport = transport is None
         self.transport: Transport = transport or MooncakeTransport(
-            host, protocol, rdma_fallback=rdma_fallback
+            host, protocol, rdma_fallback=rdma_fallback, driven=driven
         )
         self.regions: list[Region] = []
         try:

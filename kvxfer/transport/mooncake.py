@@ -160,6 +160,9 @@ class MooncakeTransport:
         rdma_fallback: with protocol="rdma", run TCP (and log a warning saying so) when this
             machine has no RDMA device or Mooncake cannot start on RDMA; without it, that
             raises. `self.protocol` is the protocol actually in use.
+        driven: no thread of its own: transfers are submitted on the caller's thread, and the
+            owner calls `drive` on that same thread every turn (see
+            `kvxfer.transport.completion`); for a loop that owns the engine alone.
 
     Raises:
         ValueError: a bad host, or a protocol other than "tcp" and "rdma".
@@ -174,6 +177,7 @@ class MooncakeTransport:
         device: str = "",
         *,
         rdma_fallback: bool = False,
+        driven: bool = False,
     ) -> None:
         check_host(host)
         check_protocol(protocol)
@@ -183,8 +187,10 @@ class MooncakeTransport:
         self._regions: dict[int, Region] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        # One thread submits and polls every transfer of this engine (see completion.py).
-        self._pump = CompletionPump(self._engine, "kvxfer-mooncake")
+        # One thread submits and polls every transfer of this engine, or its owner's loop
+        # does (see completion.py).
+        self.driven = driven
+        self._pump = CompletionPump(self._engine, "kvxfer-mooncake", threaded=not driven)
         self._closed = False
 
     @property
@@ -245,6 +251,16 @@ class MooncakeTransport:
     def in_flight(self, endpoint: str | None = None) -> int:
         """Segments submitted to the engine and not settled (for one peer, or all)."""
         return self._pump.in_flight(endpoint)
+
+    def drive(self) -> bool:
+        """(a driven transport's owner, every turn) Move transfers on: submit, and poll at
+        most every 0.2 ms. Returns whether any is still queued or in flight (turn again within
+        0.2 ms then)."""
+        if not self.driven:
+            raise TransferError("drive(): this transport runs its own thread")
+        if self._closed:
+            return False
+        return self._pump.drive()
 
     def write(self, segments: Segments, peer: Peer, timeout: float | None = None) -> None:
         """Write and wait up to `timeout` seconds.

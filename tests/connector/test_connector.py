@@ -330,6 +330,15 @@ def test_a_shared_transport_stays_open_when_a_connector_closes(engines):
         assert len(shared.regions) == 1  # a consumer registers no cache: reads land in staging
         plans = consumer.connect(engines.addresses)
         assert len(shared.regions) == 1 + len(plans)  # a staging pool per producer it reads
+        # A shared transport runs its own completion thread (the loop drives only its own):
+        # rank 0's share moves through it, rank 1's through a consumer's own transport
+        assert not shared.driven and engines.consumers[1].transport.driven
+        engines.publish("shared")
+        handle = consumer.fetch("shared", engines.scenario.dst[0][2], engines.num_tokens)
+        (other,) = engines.fetch("shared", ranks=(1,))
+        result = handle.wait(20.0)
+        assert result.ok and other.ok, (result.errors, other.errors)
+        engines.scenario.assert_exact()
         consumer.close()
         assert list(shared.regions) == [kept.region_id]  # only the consumer's pools went
     finally:

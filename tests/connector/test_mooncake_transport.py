@@ -6,6 +6,8 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -54,6 +56,59 @@ def test_writes_more_segments_than_the_in_flight_cap_exactly(pair):
     for s, d in zip(src_off.tolist(), dst_off.tolist(), strict=True):
         want[d : d + 200] = src[s : s + 200]
     assert torch.equal(dst, want)
+
+
+def test_a_driven_transport_reads_more_than_the_cap_exactly_on_its_owners_thread(pair):
+    """No thread of its own: submits at `read`, settles in `drive`, on the caller's thread."""
+    a, _ = pair
+    b = MooncakeTransport(driven=True)
+    try:
+        src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+        dst = torch.full((1 << 20,), 0xA5, dtype=torch.uint8)
+        ra, rb = a.register(src), b.register(dst)
+        n = 2 * TOTAL_IN_FLIGHT + 17  # more than the engine may have in flight at once
+        src_off = (np.arange(n) * 301)[::-1].copy()
+        dst_off = np.arange(n) * 300
+        settled_on: list[str] = []
+        future = b.read(
+            segs(ra.region_id, src_off, rb.region_id, dst_off, [200] * n),
+            Peer(a.endpoint, a.regions),
+        )
+        future.add_done_callback(lambda _: settled_on.append(threading.current_thread().name))
+        assert b.in_flight() > 0  # submitted by `read` itself
+        deadline = time.monotonic() + 60.0
+        while b.drive():
+            assert time.monotonic() < deadline, "the read never settled"
+            time.sleep(0.0002)
+        assert future.done() and future.exception() is None
+        assert settled_on == [threading.current_thread().name]
+        want = torch.full_like(dst, 0xA5)
+        for s, d in zip(src_off.tolist(), dst_off.tolist(), strict=True):
+            want[d : d + 200] = src[s : s + 200]
+        assert torch.equal(dst, want)
+    finally:
+        b.close()
+
+
+def test_a_driven_read_from_nobody_fails_at_once_and_only_a_driven_transport_drives(pair):
+    a, _ = pair
+    b = MooncakeTransport(driven=True)
+    try:
+        dst = torch.zeros(64, dtype=torch.uint8)
+        rb = b.register(dst)
+        peer = Peer("127.0.0.1:1", {0: type(rb)(0, 4096, 64)})  # nobody listens there
+        future = b.read(segs(0, [0], rb.region_id, [0], [64]), peer)
+        deadline = time.monotonic() + 60.0
+        while b.drive():
+            assert time.monotonic() < deadline, "the read never settled"
+            time.sleep(0.0002)
+        with pytest.raises(TransferError, match=r"Mooncake read from 127\.0\.0\.1:1 failed"):
+            future.result(0)
+        assert int(dst.sum()) == 0
+    finally:
+        b.close()
+    with pytest.raises(TransferError, match="runs its own thread"):
+        a.drive()
 
 
 def test_segment_outside_the_peer_region_is_refused_before_any_write(pair):

@@ -156,6 +156,58 @@ def test_a_loop_woken_by_many_threads_at_once_keeps_waking(slow_ticks: None) -> 
         loop.close()
 
 
+def test_work_the_loop_posts_itself_runs_without_a_wake_up_or_a_tick(slow_ticks: None) -> None:
+    """Posted from the loop's own thread (a driven read's completion, a copy that ran inline),
+    an event writes no pipe: it runs in the same turn, or the next turn starts at once."""
+    ran = threading.Event()
+    posted = threading.Event()
+    loop: EventLoop
+
+    def tick() -> None:  # the last step of a turn: the loop would sleep a minute after it
+        if not posted.is_set():
+            posted.set()
+            loop.post(ran.set)
+
+    loop = EventLoop("test-loop", "test", lambda: [], lambda sock: None, tick)
+    writes: list[bytes] = []
+    real_wake = loop.wake
+    loop.wake = lambda: (writes.append(b"x"), real_wake())  # type: ignore[method-assign]
+    loop.start()
+    try:
+        loop.post(lambda: None)  # one turn, from this thread: its tick posts from the loop's
+        assert ran.wait(WAIT_S), "the loop's own post waited for the tick"
+        assert len(writes) == 1  # this thread's post only
+    finally:
+        loop.post(loop.stop)
+        loop.join()
+        loop.close()
+
+
+def test_a_loop_turns_while_its_driven_reads_are_in_flight(slow_ticks: None) -> None:
+    """Reads the loop drives settle only when it drives them: it turns every 0.2 ms while any
+    is in flight (never the minute-long tick), and sleeps again once none is."""
+    drives: list[float] = []
+    settled = threading.Event()
+
+    def drive() -> bool:
+        drives.append(time.monotonic())
+        if len(drives) == 50:
+            settled.set()
+        return len(drives) < 50  # in flight until the 50th turn
+
+    loop = EventLoop("test-loop", "test", lambda: [], lambda sock: None, lambda: None, drive=drive)
+    loop.start()
+    try:
+        loop.post(lambda: None)
+        assert settled.wait(WAIT_S), "the loop did not turn while reads were in flight"
+        time.sleep(0.05)
+        assert len(drives) == 50  # none in flight: asleep until the next event
+    finally:
+        loop.post(loop.stop)
+        loop.join()
+        loop.close()
+
+
 def test_idle_loops_tick_at_the_idle_rate(monkeypatch: pytest.MonkeyPatch) -> None:
     """With nothing in flight, the consumer's loop and a side channel sleep their idle tick
     between turns (an idle engine's threads stay idle). Only upper bounds are asserted: a

@@ -40,6 +40,7 @@ from kvxfer.plan.cost import Chunking
 from kvxfer.plan.fitting import FittedPair, fit_pair
 from kvxfer.spec import KVCacheSpec
 from kvxfer.transport.base import Transport
+from kvxfer.transport.mooncake import MooncakeTransport
 from kvxfer.validation import (
     check_block_ids,
     check_caches,
@@ -122,7 +123,8 @@ class KVConsumer:
         self._timeout_s = timeout_s
         # Nothing but this rank's staging pools is registered: reads land only there (the
         # caches are written by local copies), so no peer can address the cache at all.
-        self._registration = CacheRegistration([], transport, host, protocol)
+        # A transport of its own is driven by the loop (no thread: reads complete on the loop).
+        self._registration = CacheRegistration([], transport, host, protocol, driven=True)
         self.transport = self._registration.transport
         self.stats = TransferStats()
         self._ctx = zmq.Context()
@@ -132,8 +134,10 @@ class KVConsumer:
         # The loop polls the sessions' sockets and ticks; the sessions tell the fetch machine
         # what happened to them (a `SessionListener`); the machine sends on the sessions.
         self._copier = CacheCopier(caches, backend_name, copy_workers)
+        owned = self.transport
+        drive = owned.drive if isinstance(owned, MooncakeTransport) and owned.driven else None
         self._loop = EventLoop(
-            "kvxfer-consumer", engine_id, self._sockets, self._drain, self._tick, self._busy
+            "kvxfer-consumer", engine_id, self._sockets, self._drain, self._tick, self._busy, drive
         )
         self._machine = FetchMachine(
             spec, self._pools, self.transport, self._copier, self.stats, self._loop.post

@@ -2,10 +2,14 @@
 
 No thread per fetch or per session, so abandoned fetches cannot exhaust anything: other threads
 (the caller's, the transport's completions, the copy workers) `post` callables to it, and a
-pipe wakes it. Each turn it reads every readable socket, runs what was posted, then `tick`s
-(heartbeats, the chunks that the turn's events let move on); it sleeps at most `_TICK_S` between
-turns while its owner is busy (fetches or connects running), `_IDLE_TICK_S` otherwise: an idle
-consumer wakes ten times a second for its heartbeats, not a hundred. Work that grows with what
+pipe wakes it. Each turn it reads every readable socket, drives the transport's reads when it
+owns them (`drive`: their completions come back on this thread, no hand-over), runs what was
+posted, then `tick`s (heartbeats, the chunks that the turn's events let move on); it sleeps at
+most `_TICK_S` between turns while its owner is busy (fetches or connects running),
+`_IDLE_TICK_S` otherwise: an idle consumer wakes ten times a second for its heartbeats, not a
+hundred. While reads it drives are in flight it turns every `_READ_POLL_S` instead (the poll of
+a thread-run transport; ZeroMQ's poll counts whole milliseconds, so it sleeps, then polls
+without waiting). Work that grows with what
 is in flight (every fetch's deadline) runs once per `_TICK_S` (`sweep_due`), not every turn.
 """
 
@@ -27,6 +31,7 @@ _TICK_S = 0.01  # the loop's longest sleep while busy: fetch deadlines are check
 # Idle: heartbeats (every `heartbeat_s`, 0.5 s by default) and peers' silence (2 s) only.
 # Measured with benchmarks/latency.py (four idle consumers in one process): see RESULTS.md.
 _IDLE_TICK_S = 0.1
+_READ_POLL_S = 0.0002  # while driven reads are in flight (kvxfer.transport.completion)
 
 
 class EventLoop:
@@ -39,6 +44,8 @@ class EventLoop:
         drain: reads everything waiting on a readable socket.
         tick: runs once a turn, after the posted events.
         busy: whether the owner has work whose deadlines need the short tick (default: always).
+        drive: moves the owner's reads on, once a turn before the posted events; returns
+            whether any is still in flight (default: none to drive).
     """
 
     def __init__(
@@ -49,9 +56,11 @@ class EventLoop:
         drain: Callable[[zmq.Socket], None],
         tick: Callable[[], None],
         busy: Callable[[], bool] = lambda: True,
+        drive: Callable[[], bool] | None = None,
     ) -> None:
         self._owner, self._sockets, self._drain, self._tick = owner, sockets, drain, tick
-        self._busy = busy
+        self._busy, self._drive = busy, drive
+        self._reading = False  # driven reads were in flight at the end of the last turn
         self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._woken = False  # a byte is in the pipe that the loop has not read yet
@@ -68,9 +77,11 @@ class EventLoop:
         self._thread.start()
 
     def post(self, event: Callable[[], None]) -> None:
-        """(any thread) Run `event` on the loop, soon."""
+        """(any thread) Run `event` on the loop, soon (posted by the loop itself: within this
+        turn or at the start of the next, which does not sleep then)."""
         self._events.put(event)
-        self.wake()
+        if threading.current_thread() is not self._thread:
+            self.wake()
 
     def wake(self) -> None:
         """(any thread) End the loop's sleep now.
@@ -133,7 +144,13 @@ class EventLoop:
             for sock in sockets - registered:
                 poller.register(sock, zmq.POLLIN)
             registered = sockets
-            timeout_ms = int((_TICK_S if self._busy() else _IDLE_TICK_S) * 1000)
+            if not self._events.empty():  # posted by this thread late in the last turn
+                timeout_ms = 0
+            elif self._reading:
+                time.sleep(_READ_POLL_S)
+                timeout_ms = 0
+            else:
+                timeout_ms = int((_TICK_S if self._busy() else _IDLE_TICK_S) * 1000)
             for sock_or_fd, _ in poller.poll(timeout_ms):
                 if sock_or_fd == self._wake_r:
                     os.read(self._wake_r, 4096)
@@ -141,8 +158,14 @@ class EventLoop:
                 else:
                     self._drain(sock_or_fd)
             self.polled_at = time.monotonic()
+            self._guarded(self._drive_reads)
             self._guarded(self.run_posted)
             self._guarded(self._tick)
+
+    def _drive_reads(self) -> None:
+        self._reading = False  # until the drive says otherwise: a failed one must not spin
+        if self._drive is not None:
+            self._reading = self._drive()
 
     def _guarded(self, fn: Callable[[], None]) -> None:
         try:
