@@ -122,11 +122,12 @@ class ChunkFailed(_Message, tag="chunk_failed", frozen=True):
     reason: str
 
 
-class RequestDone(_Message, tag="request_done", frozen=True):
-    """Consumer -> producer: this consumer rank is finished with a request (ok or not)."""
+class RequestsDone(_Message, tag="requests_done", frozen=True):
+    """Consumer -> producer: this consumer rank is finished with these requests (ok or not).
+    Sent in batches, a few milliseconds after the fetches ended (never after a later ask for
+    one of them): the producer frees their blocks once every decode rank reported."""
 
-    request_id: str
-    ok: bool
+    request_ids: list[str]
 
 
 class Abort(_Message, tag="abort", frozen=True):
@@ -228,7 +229,7 @@ Message = (
     | StagingRead
     | ChunkValid
     | ChunkFailed
-    | RequestDone
+    | RequestsDone
     | Abort
     | Ping
     | Pong

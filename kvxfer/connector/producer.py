@@ -51,7 +51,7 @@ from kvxfer.connector.messages import (
     Pong,
     ProtocolError,
     RegionInfo,
-    RequestDone,
+    RequestsDone,
     StagingRead,
     TransferRequest,
     decode,
@@ -492,19 +492,22 @@ class KVProducer:
             self._on_chunk_read(session, message)
         elif isinstance(message, StagingRead):
             self._give_back_lease(session, message.request_id, message.chunk_id)
-        elif isinstance(message, RequestDone):
-            self._forget_request(session, message.request_id)
-            # Every rank of the decode engine (pp x tp) reports, fetching here or not.
-            if self._requests.report_done(
-                message.request_id, session.engine_id, session.rank, session.spec.engine_size
-            ):
-                self._release(message.request_id, "every decode rank is done")
+        elif isinstance(message, RequestsDone):
+            for request_id in message.request_ids:
+                self._on_request_done(session, request_id)
         elif isinstance(message, Abort):
             self._forget_request(session, message.request_id)
             if self._requests.abort(message.request_id, session.engine_id):
                 self._release(message.request_id, f"engine {session.engine_id} aborted it")
         else:
             raise ProtocolError(f"a producer does not accept {type(message).__name__} messages")
+
+    def _on_request_done(self, session: _Session, request_id: str) -> None:
+        self._forget_request(session, request_id)
+        # Every rank of the decode engine (pp x tp) reports, fetching here or not.
+        size = session.spec.engine_size
+        if self._requests.report_done(request_id, session.engine_id, session.rank, size):
+            self._release(request_id, "every decode rank is done")
 
     def _send(self, session: _Session, message: Message) -> None:
         link = self._sessions.get(session.id)

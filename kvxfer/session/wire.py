@@ -38,7 +38,8 @@ import msgspec
 # 8: a chunk read from the producer's staging is held for `ChunkReady.held_seconds` from its
 # ask and confirmed by that hold (`StagingRead`, no answer, gives the range back early); only a
 # chunk read from the cache is confirmed by `ChunkRead` -> `ChunkValid`. A version-7 consumer
-# would wait for a confirmation that never comes.
+# would wait for a confirmation that never comes. `RequestsDone` reports a batch of requests
+# (it replaces `RequestDone`).
 PROTOCOL_VERSION = 8
 MAX_FRAME_BYTES = 8 << 20  # a chunk's block ids, even a 128k-token chunk's, under 1 MiB
 SESSION_FRAMES = 3  # [session id, payload, MAC]

@@ -70,7 +70,7 @@ def producer_main(
         conn.send({p.spec.engine_rank: p.address for p in producers})
         command = conn.recv()  # "stop"
         assert command == "stop"
-        # The consumers are done: wait until their last RequestDone messages landed.
+        # The consumers are done: wait until their last RequestsDone messages landed.
         slots = options.get("staging_slots", DEFAULT_STAGING_SLOTS)
         deadline = time.monotonic() + SETTLE_S
         while time.monotonic() < deadline and not all(

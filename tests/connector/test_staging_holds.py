@@ -25,7 +25,7 @@ from kvxfer.connector.messages import (
     Message,
     Ping,
     Pong,
-    RequestDone,
+    RequestsDone,
     StagingRead,
     TransferRequest,
     decode,
@@ -131,7 +131,7 @@ def test_a_packed_chunk_is_held_until_its_consumer_gives_it_back(producer):
 
         again = consumer.transfer("r", 2, "pack+unpack", wait=5.0)
         assert isinstance(again, ChunkReady) and again.staging is not None
-        consumer.send(RequestDone(request_id="r", ok=True))  # the last chunk's range goes too
+        consumer.send(RequestsDone(request_ids=["r"]))  # the last chunk's range goes too
         consumer.settled()
         assert _leases(producer) == 0
     finally:

@@ -318,8 +318,9 @@ class KVConsumer:
             self._await_sessions(pending, done)
 
     def _busy(self) -> bool:
-        """Fetches or connects in flight: their deadlines need the loop's short tick."""
-        return bool(self._machine.fetches or self._connects)
+        """Fetches or connects in flight, or finished requests to report: their deadlines
+        need the loop's short tick."""
+        return bool(self._machine.fetches or self._connects or self._sessions.reporting)
 
     def _tick(self) -> None:
         now = time.monotonic()

@@ -42,7 +42,6 @@ from kvxfer.connector.messages import (
     ChunkReady,
     ChunkValid,
     Message,
-    RequestDone,
     StagingRead,
     TransferRequest,
 )
@@ -419,7 +418,7 @@ class FetchMachine:
             return
         self.fetches.remove(fetch)
         failed = fetch.chunks_in(ChunkState.FAILED)
-        self._sessions().notify_all(RequestDone(request_id=fetch.request_id, ok=not failed))
+        self._sessions().done(fetch.request_id)
         result = self._result(fetch, failed)
         if not result.ok:
             log.warning(

@@ -41,6 +41,8 @@ from kvxfer.connector.messages import (
     Pong,
     ProtocolError,
     RegionInfo,
+    RequestsDone,
+    TransferRequest,
     decode,
     decode_terms,
     encode,
@@ -58,6 +60,12 @@ log = logging.getLogger(__name__)
 # stall of this whole process (a long call holding the GIL) then never passes for a dead peer.
 _MISSED_PINGS = 3
 _MAX_NOTICES = 4096  # done/abort notices kept per producer rank while it is unreachable
+# Finished requests are reported in batches: at most this long after the first one finished
+# (the loop turns at least every 10 ms while one waits), or once this many wait. Nothing waits
+# for the report but the prefill's blocks: one message per producer rank per batch, not per
+# request, and none in the way of the fetches still running.
+_DONE_BATCH_S = 0.005
+_DONE_BATCH_MAX = 64
 
 
 class SessionState(enum.Enum):
@@ -172,6 +180,8 @@ class ProducerSessions:
         self.by_rank: dict[int, ProducerSession] = {}  # the engine's, once `connect` adopted
         self._open: dict[zmq.Socket, ProducerSession] = {}  # every session not dead
         self._notices: dict[int, list[Message]] = {}  # for producers that are not live
+        self._done: dict[str, None] = {}  # finished request ids not reported yet, in order
+        self._done_since = 0.0  # when the first of them finished
 
     # ---- opening -------------------------------------------------------------------------
 
@@ -253,6 +263,8 @@ class ProducerSessions:
                     session.last_ping = now
                     session.unanswered += 1
                     self.send(session, Ping())
+        if self._done and now - self._done_since >= _DONE_BATCH_S:
+            self.report_done()
 
     # ---- the fetch machine's side --------------------------------------------------------
 
@@ -271,16 +283,43 @@ class ProducerSessions:
         return session if session.state is SessionState.LIVE else None
 
     def send(self, session: ProducerSession, message: Message) -> None:
-        """Send `message` on the live `session` (a failed send ends it)."""
+        """Send `message` on the live `session` (a failed send ends it). An ask for a request
+        reported done in the batch still to go sends the batch first: the producer must see
+        the report before the new ask, or it would drop what it does for the ask."""
+        if isinstance(message, TransferRequest) and message.request_id in self._done:
+            self.report_done()
         try:
             session.sock.send_multipart(session.client.seal(encode(message)), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self.fail(session, f"cannot be sent to: {exc}")
 
     def notify_all(self, message: Message) -> None:
-        """`notify` every producer rank of the engine."""
+        """`notify` every producer rank of the engine (after the done batch: see `send`)."""
+        if self._done:
+            self.report_done()
         for rank in list(self.by_rank):
             self.notify(rank, message)
+
+    def done(self, request_id: str) -> None:
+        """This rank is finished with the request (ok or not): every producer rank is told in
+        the next batch (`_DONE_BATCH_S`)."""
+        if not self._done:
+            self._done_since = time.monotonic()
+        self._done[request_id] = None
+        if len(self._done) >= _DONE_BATCH_MAX:
+            self.report_done()
+
+    @property
+    def reporting(self) -> bool:
+        """Finished requests wait to be reported (the loop must turn within the batch time)."""
+        return bool(self._done)
+
+    def report_done(self) -> None:
+        """Tell every producer rank the finished requests now, in one message each."""
+        ids, self._done = list(self._done), {}
+        if ids:
+            for rank in list(self.by_rank):
+                self.notify(rank, RequestsDone(request_ids=ids))
 
     def notify(self, rank: int, message: Message) -> None:
         """Send a notice (done, abort) to producer `rank` now, or once a session with it is
@@ -312,7 +351,9 @@ class ProducerSessions:
         return live, sum(s.state is SessionState.DEAD for s in sessions)
 
     def close(self) -> None:
-        """Close every socket (the consumer closes: no chunk is left to fail)."""
+        """Report the finished requests, then close every socket (the consumer closes: no
+        chunk is left to fail)."""
+        self.report_done()
         for session in list(self._open.values()):
             session.state = SessionState.DEAD
             session.sock.close(linger=0)
