@@ -94,7 +94,9 @@ _MAX_FINISHED_PER_SESSION = 1024  # recent ids a session said it is done with
 # A CPU pack of at most this many bytes runs on the side-channel thread when staging has room
 # at once (`KVProducer._pack_now`): a 16-token chunk's pack costs less than the two thread
 # hand-overs that a worker costs it (the worker's wake-up, then its answer through the outbox).
-_INLINE_PACK_BYTES = 1 << 20
+# 4 MiB (0.6 ms of packing, 512 tokens of 8 layers and 2 heads of 128) and not 1: sixteen
+# 256-token requests at once went from 91-99 to 108-112 a second (benchmarks/RESULTS.md).
+_INLINE_PACK_BYTES = 4 << 20
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Where the copies of a chunk run on CPU caches: a small one (at most 1 MiB) is packed on the
+"""Where the copies of a chunk run on CPU caches: a small one (at most 4 MiB) is packed on the
 producer's side-channel thread when staging has room at once, and unpacked on the consumer's
 loop, with no hand-over to a worker and back; a larger one is packed on the session's worker
 (which may wait for room) and unpacked on the consumer's copy pool. Every byte lands either
@@ -15,13 +15,13 @@ from kvxfer.connector import producer as producer_mod
 from kvxfer.connector.consumer import copies as copies_mod
 from kvxfer.testing import make_scenario, side_specs
 
-NUM_TOKENS = 512
+NUM_TOKENS = 1024
 TOKEN_BYTES = 2 * 2 * 8 * 128 * 2  # layers x K/V x heads x head_dim x fp16
 
 
 @pytest.mark.parametrize(
     "chunk_tokens,inline",
-    [(32, True), (256, False)],  # 256 KiB and 2 MiB chunks
+    [(32, True), (1024, False)],  # 256 KiB and 8 MiB chunks
 )
 def test_a_small_chunk_is_copied_on_the_message_threads_a_large_one_by_workers(
     monkeypatch, chunk_tokens, inline
@@ -44,12 +44,12 @@ def test_a_small_chunk_is_copied_on_the_message_threads_a_large_one_by_workers(
     monkeypatch.setattr(
         copies_mod, "run_cell_copy", recording(copies_mod.run_cell_copy, unpacked_on)
     )
-    src = side_specs(1, heads=8, head_dim=128, block_size=16, num_blocks=40)
-    dst = side_specs(1, heads=8, head_dim=128, block_size=32, layout="HND", num_blocks=20)
+    src = side_specs(1, heads=8, head_dim=128, block_size=16, num_blocks=80)
+    dst = side_specs(1, heads=8, head_dim=128, block_size=32, layout="HND", num_blocks=40)
     scenario = make_scenario(src, dst, NUM_TOKENS)
     ((spec, caches, ids),) = scenario.src
     ((dspec, dcaches, dids),) = scenario.dst
-    pool = {"staging_bytes": 8 << 20, "staging_slots": 2}
+    pool = {"staging_bytes": 16 << 20, "staging_slots": 2}
     producer = KVProducer(spec, caches, "prefill", **pool)
     consumer = KVConsumer(
         dspec, dcaches, "decode", strategy="pack+unpack", chunk_tokens=chunk_tokens, **pool
