@@ -55,11 +55,12 @@ class CostModel:
     # CPU's torch copies, whose mirror side takes a temporary while a dense wire buffer takes
     # one pass (benchmarks/cell_copy_passes.py: 37.1 ms against 8.6 ms, 65k rows of 768 B).
     mirror_copy_passes: int = 1
-    # Fixed cost of one chunk of a connector's fetch besides its operations and launches: two
-    # side-channel round trips (ask -> ready, read -> valid) and the host work of both sides
-    # (planning, messages, thread hand-offs). Estimated for a server CPU and a data-center
-    # network (no RDMA NIC here to measure it): a fifth of the 2.6 ms measured on 2 cores
-    # over loopback, which `tcp_loopback()` has.
+    # Fixed cost of one chunk of a connector's fetch besides its operations and launches: its
+    # side-channel round trips (ask -> ready; read -> valid too for a chunk read from the
+    # cache) and the host work of both sides (planning, messages, thread hand-offs).
+    # Estimated for a server CPU and a data-center network (no RDMA NIC here to measure it):
+    # a fifth of the 2.6 ms measured on 2 cores over loopback, which `tcp_loopback()` has
+    # (measured with two round trips per chunk; one for a packed chunk since protocol 8).
     seconds_per_chunk: float = 500e-6
     # `choose_chunking` takes the smallest chunk whose fixed costs are at most this fraction
     # of its byte time (so they add at most about 10% to a fetch that cannot overlap them).
