@@ -138,3 +138,41 @@ def test_a_cache_of_mismatched_or_no_layers_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"dst\.layers: empty"):
         empty = KVBuffer([], "HND", "kv_first", False, torch.from_numpy(ids))
         scatter_kv_torch(wire_kv_buffer(kv.contiguous(), 0), empty, 0, TOKENS, 2)
+
+
+@pytest.mark.parametrize("merge", [True, False], ids=["runs-merged", "row-by-row"])
+def test_a_blocks_consecutive_rows_move_as_one_row_bit_exact(monkeypatch, merge):
+    """Between a dense wire and a cache whose blocks hold consecutive rows (NHD, whole blocks),
+    a large copy moves each aligned run of rows as one row: the cache then holds what the
+    reference writes, the poison elsewhere, whether runs are merged or not."""
+    module = importlib.import_module("kvxfer.kernels.copy_cells_torch")  # not the function
+    monkeypatch.setattr(module, "_COARSE_BYTES", 0 if merge else 1 << 60)
+    merged: list[bool] = []
+    real = module._coarse
+
+    def recording(reads, writes, grain):
+        out = real(reads, writes, grain)
+        merged.append(out is not None and grain > 1)
+        return out
+
+    monkeypatch.setattr(module, "_coarse", recording)
+    tokens = 12  # three whole blocks of 4
+    spec = _spec("NHD")
+    src_ids = np.array([5, 0, 2], dtype=np.int64)
+    dst_ids = np.array([3, 4, 1], dtype=np.int64)
+    kv = random_global_kv(spec, tokens, seed=11)
+    src = _poisoned(spec)
+    write_rank_cells(spec, src, src_ids, kv, 0, tokens)
+    wire = torch.empty((spec.num_layers, 2, tokens, spec.heads_per_rank, spec.head_dim),
+                       dtype=torch.bfloat16)  # fmt: skip
+    bits(wire).fill_(POISON_BYTE)
+    heads = spec.heads_per_rank
+    paged = KVBuffer(src, "NHD", "kv_first", False, torch.from_numpy(src_ids))
+    gather_kv_torch(paged, wire_kv_buffer(wire, 0), 0, tokens, heads)
+    dst = _poisoned(spec)
+    into = KVBuffer(dst, "NHD", "kv_first", False, torch.from_numpy(dst_ids), 0, 0)
+    scatter_kv_torch(wire_kv_buffer(wire, 0), into, 0, tokens, heads)
+    want = _poisoned(spec)
+    write_rank_cells(spec, want, dst_ids, kv, 0, tokens)
+    _assert_holds(dst, want)
+    assert merged == ([True, True] if merge else [])  # the pack and the unpack
