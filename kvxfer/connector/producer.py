@@ -115,6 +115,17 @@ class _Waiting:
     deadline: float
 
 
+@dataclass(frozen=True)
+class _PackJob:
+    """A chunk to pack into staging and offer: its ask, the answer made for it (without its
+    staging range yet), the pack, and when the ask arrived (the hold is counted from there)."""
+
+    ask: TransferRequest
+    ready: ChunkReady
+    pack: CellCopy
+    received: float
+
+
 @dataclass(eq=False)  # identity: compared and hashed as objects
 class _Session:
     """What this producer keeps of a consumer rank that completed the handshake (its key,
@@ -613,8 +624,10 @@ class KVProducer:
         )
         if pack is None:  # the consumer reads the cache blocks themselves
             self._send(session, ready)
-        elif not self._pack_now(session, ask, ready, pack, received):
-            session.worker.submit(self._pack_chunk, session, ask, ready, pack, received)
+        else:
+            job = _PackJob(ask, ready, pack, received)
+            if not self._pack_now(session, job):
+                session.worker.submit(self._pack_chunk, session, job)
 
     def _on_chunk_read(self, session: _Session, read: ChunkRead) -> None:
         """A chunk read from the cache: were its blocks the request's all along?"""
@@ -769,21 +782,14 @@ class KVProducer:
         layers = pack.num_layers or self.spec.num_layers  # the route's layers
         return layers * pack.dst.geometry.layer_bytes
 
-    def _pack_now(
-        self,
-        session: _Session,
-        ask: TransferRequest,
-        ready: ChunkReady,
-        pack: CellCopy,
-        received: float,
-    ) -> bool:
+    def _pack_now(self, session: _Session, job: _PackJob) -> bool:
         """(server thread) Pack a small CPU chunk here and answer it, if its staging bytes are
         free at once (never waiting: a taker already waiting for room keeps its turn, see
         `StagingPool.try_acquire`). Returns whether it did; else the session's worker packs.
 
         Order between chunks does not matter (each is its own range and answer); what the
         server thread spends is one short copy."""
-        nbytes = self._pack_bytes(pack)
+        nbytes = self._pack_bytes(job.pack)
         if not self._packs_inline or nbytes > _INLINE_PACK_BYTES:
             return False
         pool = self._pool_for(session)
@@ -791,51 +797,37 @@ class KVProducer:
         if slot is None:
             return False
         try:
-            self._pack_into(session, ask, ready, pack, pool, slot, nbytes, received)
+            self._pack_into(session, job, pool, slot, nbytes)
         except Exception as exc:
-            self._pack_failed(session, ask, exc)
+            self._pack_failed(session, job.ask, exc)
         return True
 
-    def _pack_chunk(
-        self,
-        session: _Session,
-        ask: TransferRequest,
-        ready: ChunkReady,
-        pack: CellCopy,
-        received: float,
-    ) -> None:
+    def _pack_chunk(self, session: _Session, job: _PackJob) -> None:
         """(the session's worker) Wait for staging room, then pack the chunk and answer it."""
         try:
             pool = self._pool_for(session)
-            remaining = max(0.0, ask.wait_seconds)
-            nbytes = self._pack_bytes(pack)
+            remaining = max(0.0, job.ask.wait_seconds)
+            nbytes = self._pack_bytes(job.pack)
             slot = self._acquire_slot(session, pool, nbytes, max(remaining, 0.1))
-            self._pack_into(session, ask, ready, pack, pool, slot, nbytes, received)
+            self._pack_into(session, job, pool, slot, nbytes)
         except Exception as exc:
-            self._pack_failed(session, ask, exc)
+            self._pack_failed(session, job.ask, exc)
 
     def _pack_failed(self, session: _Session, ask: TransferRequest, exc: Exception) -> None:
         log.warning("request %s chunk %d: pack failed: %s", ask.request_id, ask.chunk_id, exc)
         self._send(session, _failed(ask, f"{type(exc).__name__}: {exc}"))
 
     def _pack_into(
-        self,
-        session: _Session,
-        ask: TransferRequest,
-        ready: ChunkReady,
-        pack: CellCopy,
-        pool: StagingPool,
-        slot: int,
-        nbytes: int,
-        received: float,
+        self, session: _Session, job: _PackJob, pool: StagingPool, slot: int, nbytes: int
     ) -> None:
         """Pack the chunk into `nbytes` at `slot` of `pool` (taken for it), lease them to the
-        session and answer `ChunkReady` with the lease's end as seconds after `received` (when
-        the ask arrived); the range goes back to the pool if the pack fails or the session
-        finished the request meanwhile.
+        session and answer `ChunkReady` with the lease's end as seconds after the ask arrived;
+        the range goes back to the pool if the pack fails or the session finished the request
+        meanwhile.
 
         The lease lasts the fetch's remaining time and a second more, counted from now: it
         outlives the fetch, so it never ends a read the consumer still wants."""
+        ask, ready = job.ask, job.ready
         remaining = max(0.0, ask.wait_seconds)
         try:
             staging = pool.slot_tensor(slot, torch.uint8)
@@ -846,7 +838,7 @@ class KVProducer:
                 fence = self._fences.get(ask.request_id)
             # After the publish's fence; then wait for this pack's own event only: the NIC
             # reads finished bytes, and nothing waits for the engine's later work.
-            run = functools.partial(run_cell_copy, pack, self.caches, [staging], self._backend)
+            run = functools.partial(run_cell_copy, job.pack, self.caches, [staging], self._backend)
             self._copy_stream.launch(run, fence).wait()
         except BaseException:
             pool.release(slot)
@@ -864,7 +856,7 @@ class KVProducer:
                 return
             expires = time.monotonic() + remaining + 1.0
             session.leases[(ask.request_id, ask.chunk_id)] = _Lease(slot, expires)
-        self._send(session, _with_staging(ready, info, expires - received))
+        self._send(session, _with_staging(ready, info, expires - job.received))
 
     def _acquire_slot(
         self, session: _Session, pool: StagingPool, nbytes: int, timeout: float

@@ -114,13 +114,20 @@ def _leases(producer: KVProducer) -> int:
     return leases
 
 
-def test_a_packed_chunk_is_held_until_its_consumer_gives_it_back(producer):
+def _offered(producer: KVProducer, wait: float) -> tuple[HandSession, float, ChunkReady]:
+    """A consumer session that asked for chunk 1 of a published request "r", packed: the
+    session, when it asked, the producer's answer."""
     producer.publish("r", np.array([3, 5]), 32)
     consumer = HandSession(producer.address)
+    asked = time.monotonic()
+    ready = consumer.transfer("r", 1, "pack+unpack", wait=wait)
+    assert isinstance(ready, ChunkReady) and ready.staging is not None
+    return consumer, asked, ready
+
+
+def test_a_packed_chunk_is_held_until_its_consumer_gives_it_back(producer):
+    consumer, asked, ready = _offered(producer, wait=5.0)
     try:
-        asked = time.monotonic()
-        ready = consumer.transfer("r", 1, "pack+unpack", wait=5.0)
-        assert isinstance(ready, ChunkReady) and ready.staging is not None
         # The fetch's remaining time and a second more, from the ask's arrival
         assert 6.0 <= ready.held_seconds <= 6.0 + (time.monotonic() - asked)
         consumer.settled()
@@ -161,12 +168,8 @@ def test_an_ended_session_keeps_its_pool_out_of_use_until_its_holds_end(producer
     """A consumer that went silent may be frozen mid-read, not dead: the producer ends its
     session, but reuses its pool (for another consumer's packs) only once every range it had
     leased to it is past its hold, on the consumer's clock too."""
-    producer.publish("r", np.array([3, 5]), 32)
-    consumer = HandSession(producer.address)
+    consumer, asked, ready = _offered(producer, wait=1.0)
     try:
-        asked = time.monotonic()
-        ready = consumer.transfer("r", 1, "pack+unpack", wait=1.0)
-        assert isinstance(ready, ChunkReady) and ready.staging is not None
         held_until = asked + ready.held_seconds
         # Silent from now on: the session ends after half a second
         assert poll(lambda: producer.stats_snapshot()["sessions"], _zero, 30.0) == 0
