@@ -235,10 +235,10 @@ def _copy_rows_host(
     reads = _host_rows(src, src_side, word, unit, src_step)
     writes = _host_rows(dst, dst_side, word, unit, unit)
     dst_run, src_run = _first_of_run(dst_rows), _first_of_run(src_rows)
-    dense = dst_run if src_run is None else src_run  # the staging side's first row
+    # The first row of the one dense side (staging), if exactly one side is dense
+    dense = dst_run if src_run is None else (src_run if dst_run is None else None)
     if (
-        (dst_run is None) != (src_run is None)
-        and dense is not None
+        dense is not None
         and src_step == unit
         and dst_rows.size * unit * writes[0].itemsize >= _COARSE_BYTES
     ):

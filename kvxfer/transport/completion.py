@@ -135,7 +135,7 @@ class CompletionPump:
             self._polled = now
             self._poll()
         with self._cond:
-            return bool(self._in_flight) or any(self._queues.values())
+            return self._has_work()
 
     def in_flight(self, endpoint: str | None = None) -> int:
         """Descriptors submitted and not settled (for one peer, or all)."""
@@ -164,12 +164,16 @@ class CompletionPump:
             with self._cond:
                 if self._stopped:
                     return
-                if not self._in_flight and not any(self._queues.values()):
+                if not self._has_work():
                     self._cond.wait(IDLE_SECONDS)
                     continue
             self._submit_what_fits()
             self._poll()
             time.sleep(POLL_SECONDS)
+
+    def _has_work(self) -> bool:
+        """Descriptors queued or in flight (called under the lock)."""
+        return bool(self._in_flight) or any(self._queues.values())
 
     def _submit_what_fits(self) -> None:
         with self._cond:

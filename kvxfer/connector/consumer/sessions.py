@@ -295,10 +295,8 @@ class ProducerSessions:
 
     def notify_all(self, message: Message) -> None:
         """`notify` every producer rank of the engine (after the done batch: see `send`)."""
-        if self._done:
-            self.report_done()
-        for rank in list(self.by_rank):
-            self.notify(rank, message)
+        self.report_done()
+        self._notify_ranks(message)
 
     def done(self, request_id: str) -> None:
         """This rank is finished with the request (ok or not): every producer rank is told in
@@ -318,8 +316,11 @@ class ProducerSessions:
         """Tell every producer rank the finished requests now, in one message each."""
         ids, self._done = list(self._done), {}
         if ids:
-            for rank in list(self.by_rank):
-                self.notify(rank, RequestsDone(request_ids=ids))
+            self._notify_ranks(RequestsDone(request_ids=ids))
+
+    def _notify_ranks(self, message: Message) -> None:
+        for rank in list(self.by_rank):
+            self.notify(rank, message)
 
     def notify(self, rank: int, message: Message) -> None:
         """Send a notice (done, abort) to producer `rank` now, or once a session with it is
