@@ -153,14 +153,15 @@ def test_the_concurrent_flow_sends_both_engines_the_request_at_once():
     request has arrived: a sequential proxy would wait forever)."""
     from kvxfer.integrations.bootstrap import BootstrapClient, BootstrapServer, new_worker_info
 
-    decode_arrived = threading.Event()
+    decode_arrived = {f"p{i}": threading.Event() for i in range(2)}  # by prompt
 
     def prefill_answer(body):
-        assert decode_arrived.wait(10), "the decode request waited for the prefill's answer"
+        waited = decode_arrived[body["prompt"]].wait(10)
+        assert waited, "the decode request waited for the prefill's answer"
         return _prefill_answer(body)
 
     def decode_answer(body):
-        decode_arrived.set()
+        decode_arrived[body["prompt"]].set()
         return _decode_answer(body)
 
     prefill, prefill_seen = _engine(prefill_answer)
@@ -186,7 +187,11 @@ def test_the_concurrent_flow_sends_both_engines_the_request_at_once():
                 server.server_close()
     assert [a[0] for a in answers] == [200, 200]
     transfer_ids = []
-    for body, sent_prefill, sent_decode in zip(bodies, prefill_seen, decode_seen, strict=True):
+    # The prefill requests run on the proxy's threads, so they may reach the engine in any order.
+    prefill_by_prompt = {sent["prompt"]: sent for sent in prefill_seen}
+    assert len(prefill_by_prompt) == 2
+    for body, sent_decode in zip(bodies, decode_seen, strict=True):
+        sent_prefill = prefill_by_prompt[body["prompt"]]
         transfer_id = sent_decode["kv_transfer_params"]["transfer_id"]
         transfer_ids.append(transfer_id)
         assert sent_decode == {
