@@ -117,6 +117,46 @@ def _engine_class() -> type:
     return TransferEngine
 
 
+PORT_ATTEMPTS = 5
+"""Engines started, one after another, before a lost race for a port is reported."""
+
+
+def _lost_port_race(exc: RuntimeError) -> bool:
+    """Whether Mooncake failed to start only because another process took the port it chose.
+
+    In P2P-handshake mode Mooncake picks two random ports (its RPC port and its TCP
+    transport's listener) after checking that each is free, then binds them: two engines
+    starting at the same moment in different processes (a TP group's ranks) can pick the same
+    port between the check and the bind. The bind's error then surfaces from its native code
+    as a RuntimeError "bind: Address already in use"; a fresh engine picks other ports."""
+    return "Address already in use" in str(exc)
+
+
+def _initialized(host: str, protocol: str, device: str) -> tuple[Any, int]:
+    """A new engine and the code its `initialize` returned, started again (with new random
+    ports) while it loses a race for a port, at most `PORT_ATTEMPTS` times.
+
+    Raises:
+        TransferError: every attempt lost its port, or Mooncake raised anything else.
+    """
+    for _ in range(PORT_ATTEMPTS):
+        engine = _engine_class()()
+        try:
+            return engine, engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+        except RuntimeError as exc:
+            if not _lost_port_race(exc):
+                raise TransferError(
+                    f"Mooncake initialize({host!r}, protocol={protocol!r}) failed: {exc}"
+                ) from exc
+            lost = exc
+            log.info("Mooncake lost a port to another process (%s); starting again", exc)
+    raise TransferError(
+        f"Mooncake initialize({host!r}, protocol={protocol!r}): {lost} on each of "
+        f"{PORT_ATTEMPTS} attempts with random ports; free the ports Mooncake picks from "
+        "(15000-17000 with the wheel kvxfer was measured with) or stop what holds them"
+    ) from lost
+
+
 def _new_engine(
     host: str, protocol: str, device: str, rdma_fallback: bool = False
 ) -> tuple[Any, str, str]:
@@ -133,8 +173,7 @@ def _new_engine(
                 raise _rdma_unavailable(problem)
             _warn_fallback(problem)
             protocol = "tcp"
-    engine = _engine_class()()
-    code = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+    engine, code = _initialized(host, protocol, device)
     if code != 0 and protocol == "rdma":
         engine = None  # drop the failed engine now (see MooncakeTransport.close)
         problem = f"Mooncake initialize({host!r}, protocol='rdma') returned {code}"

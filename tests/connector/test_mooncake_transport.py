@@ -213,6 +213,52 @@ def test_rdma_fallback_runs_tcp_and_says_so(no_rdma, caplog):
         a.close()
 
 
+def _losing_ports(monkeypatch, losses, error="bind: Address already in use"):
+    """Mooncake's own engine class, whose first `losses` starts fail with `error` the way
+    its native bind does when another process took the port between Mooncake's check and its
+    bind (a race that cannot be provoked on demand); every later start is the real one."""
+    real = mooncake_mod._engine_class()
+    started = []
+
+    class LosesPorts(real):
+        def initialize(self, *args):
+            started.append(self)
+            if len(started) <= losses:
+                raise RuntimeError(error)
+            return super().initialize(*args)
+
+    monkeypatch.setattr(mooncake_mod, "_engine_class", lambda: LosesPorts)
+    return started
+
+
+def test_an_engine_that_lost_a_port_to_another_process_starts_again(monkeypatch, caplog):
+    started = _losing_ports(monkeypatch, losses=mooncake_mod.PORT_ATTEMPTS - 1)
+    with caplog.at_level(logging.INFO, logger="kvxfer.transport.mooncake"):
+        a = MooncakeTransport()
+    try:
+        assert len(started) == mooncake_mod.PORT_ATTEMPTS
+        assert a.endpoint == f"127.0.0.1:{started[-1].get_rpc_port()}"
+        assert caplog.text.count("lost a port to another process") == mooncake_mod.PORT_ATTEMPTS - 1
+        with MooncakeTransport() as b:
+            roundtrip(a, b)
+    finally:
+        a.close()
+
+
+def test_an_engine_that_keeps_losing_its_ports_is_refused_with_the_fix(monkeypatch):
+    started = _losing_ports(monkeypatch, losses=mooncake_mod.PORT_ATTEMPTS)
+    with pytest.raises(TransferError, match=r"Address already in use on each of 5 attempts"):
+        MooncakeTransport()
+    assert len(started) == mooncake_mod.PORT_ATTEMPTS
+
+
+def test_any_other_failure_to_start_is_reported_at_once(monkeypatch):
+    started = _losing_ports(monkeypatch, losses=1, error="open: Permission denied")
+    with pytest.raises(TransferError, match=r"protocol='tcp'\) failed: open: Permission"):
+        MooncakeTransport()
+    assert len(started) == 1
+
+
 def test_a_bad_host_is_refused_before_mooncake_starts():
     with pytest.raises(ValueError, match=r"host: 256\.1\.1\.1 is not a valid IPv4 address"):
         MooncakeTransport("256.1.1.1")
