@@ -240,6 +240,7 @@ class KVProducer:
                 name="kvxfer-producer",
                 idle_tick_s=_IDLE_TICK_S,
                 busy=self._busy,
+                owner=f"producer {engine_id} {spec.rank_name} side channel",
             )
         except Exception:
             self._registration.close()

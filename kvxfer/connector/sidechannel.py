@@ -19,6 +19,8 @@ from typing import cast
 
 import zmq
 
+from kvxfer.connector.turns import TurnClock
+
 log = logging.getLogger(__name__)
 
 HARD_FRAME_LIMIT = 64 << 20  # ZeroMQ drops peers that send more; smaller frames get a reply
@@ -48,6 +50,8 @@ class SideChannelServer:
         tick_s: the longest wait between two `on_tick` calls.
         idle_tick_s: the same while not busy (default: `tick_s`).
         busy: whether the service has work that needs the short tick (default: always).
+        owner: the service's name in warnings about turns that kept the thread from its
+            socket for long (`kvxfer.connector.turns`; default: the thread's name).
     """
 
     def __init__(
@@ -60,8 +64,10 @@ class SideChannelServer:
         tick_s: float = 0.01,
         idle_tick_s: float | None = None,
         busy: Callable[[], bool] | None = None,
+        owner: str | None = None,
     ) -> None:
         self._on_frames, self._on_tick, self._busy = on_frames, on_tick, busy
+        self._clock = TurnClock(log, owner or name)
         self._tick_ms = max(1, int(tick_s * 1000))
         self._idle_tick_ms = max(1, int((tick_s if idle_tick_s is None else idle_tick_s) * 1000))
         self._ctx = zmq.Context()
@@ -146,29 +152,39 @@ class SideChannelServer:
             idle = self._busy is not None and not self._busy()
             period_ms = self._idle_tick_ms if idle else self._tick_ms
             wait_ms = max(0, int((ticked - time.monotonic()) * 1000) + period_ms)
+            began = time.monotonic()
             events = dict(poller.poll(wait_ms))
+            self._clock.polled(began, wait_ms / 1000)
+            messages = 0
             if self._router in events:
-                self._drain(self._router, self._dispatch)
+                messages = self._drain(self._router, self._dispatch)
             if self._outbox in events:
                 self._drain(self._outbox, self._forward)
-            self._run_posted()
+            posted = self._run_posted()
             # The tick is periodic work (deadlines, expiry), not a message's: once per period,
             # not after every message (it was a tenth of a busy server's time).
             now = time.monotonic()
-            if self._on_tick is not None and (now - ticked) * 1000 >= period_ms:
+            tick = (now - ticked) * 1000 >= period_ms
+            if tick:
                 ticked = now
-                self._guarded(self._on_tick)
+                if self._on_tick is not None:
+                    self._guarded(self._on_tick)
+            if self._clock.turn_was_long():
+                self._clock.report_turn(f"{messages} messages, {posted} posted tasks, tick: {tick}")
 
     def _dispatch(self, frames: list[bytes]) -> None:
         self._guarded(self._on_frames, frames[0], frames[1:])
 
-    def _run_posted(self) -> None:
+    def _run_posted(self) -> int:
+        """Run what was posted; returns how many."""
+        ran = 0
         while True:
             try:
                 work = self._posted.get_nowait()
             except queue.Empty:
-                return
+                return ran
             self._guarded(work)
+            ran += 1
 
     def _forward(self, frames: list[bytes]) -> None:
         if frames == [_POSTED]:
@@ -179,11 +195,13 @@ class SideChannelServer:
             log.debug("side channel: reply dropped: %s", exc)
 
     @staticmethod
-    def _drain(sock: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:
-        for _ in range(1000):  # then let the other socket and the tick have a turn
+    def _drain(sock: zmq.Socket, handle: Callable[[list[bytes]], None]) -> int:
+        """Handle the messages waiting on `sock`, at most 1,000; returns how many."""
+        for handled in range(1000):  # then let the other socket and the tick have a turn
             if not has_message(sock):
-                return
+                return handled
             handle(sock.recv_multipart(zmq.NOBLOCK))
+        return 1000
 
     @staticmethod
     def _guarded(fn: Callable[..., None], *args: object) -> None:

@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 import zmq
 
+from kvxfer.connector.turns import TurnClock
+
 log = logging.getLogger(__name__)
 
 _TICK_S = 0.01  # the loop's longest sleep while busy: fetch deadlines are checked this often
@@ -60,6 +62,7 @@ class EventLoop:
     ) -> None:
         self._owner, self._sockets, self._drain, self._tick = owner, sockets, drain, tick
         self._busy, self._drive = busy, drive
+        self._clock = TurnClock(log, f"consumer {owner} loop")
         self._reading = False  # driven reads were in flight at the end of the last turn
         self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -144,14 +147,17 @@ class EventLoop:
             for sock in sockets - registered:
                 poller.register(sock, zmq.POLLIN)
             registered = sockets
+            began, slept = time.monotonic(), 0.0
             if not self._events.empty():  # posted by this thread late in the last turn
                 timeout_ms = 0
             elif self._reading:
                 time.sleep(_READ_POLL_S)
-                timeout_ms = 0
+                timeout_ms, slept = 0, _READ_POLL_S
             else:
                 timeout_ms = int((_TICK_S if self._busy() else _IDLE_TICK_S) * 1000)
-            for sock_or_fd, _ in poller.poll(timeout_ms):
+            readable = poller.poll(timeout_ms)
+            self._clock.polled(began, slept + timeout_ms / 1000)
+            for sock_or_fd, _ in readable:
                 if sock_or_fd == self._wake_r:
                     os.read(self._wake_r, 4096)
                     self._woken = False  # after the read, before the posted run: see `wake`
@@ -161,6 +167,8 @@ class EventLoop:
             self._guarded(self._drive_reads)
             self._guarded(self.run_posted)
             self._guarded(self._tick)
+            if self._clock.turn_was_long():
+                self._clock.report_turn(f"{len(readable)} readable sockets, posted events, tick")
 
     def _drive_reads(self) -> None:
         self._reading = False  # until the drive says otherwise: a failed one must not spin

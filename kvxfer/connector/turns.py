@@ -1,0 +1,72 @@
+"""`TurnClock`: a warning when an event loop's thread stayed away from its sockets for long.
+
+A producer's side channel and a consumer's loop each answer their peers from one thread: a
+turn that keeps that thread from its sockets for seconds makes a live peer look dead on the
+other side (after `peer_timeout_s` without an answer to its pings). Two such stalls show:
+
+- a late wake: the thread came back from its poll long after the poll's timeout (it was not
+  run: the machine's CPUs or the GIL were held elsewhere);
+- a long turn: handling what the poll returned took long, reported with the thread's own CPU
+  in it (CPU close to the wall time: work done on the thread, such as a copy; far below it: the
+  thread waited, for a lock, the GIL or a CPU).
+
+Either is logged once it ends, so that a peer's "presumed dead" can be matched with its cause
+in the other side's log. The cost is four clock reads a turn (one of them the thread's CPU
+clock), nothing while the thread sleeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+SLOW_TURN_S = 1.0
+"""A turn, or a wake past its poll's timeout, longer than this is logged (a tenth of the
+shortest `peer_timeout_s` the tests run with over loaded machines, ten times a busy turn)."""
+
+
+class TurnClock:
+    """Times the turns of one event loop's thread (call every method from that thread).
+
+    Args:
+        log: where the warnings go.
+        owner: the loop's name in them ("producer prefill-0 side channel").
+        slow_s: the threshold.
+    """
+
+    def __init__(self, log: logging.Logger, owner: str, slow_s: float = SLOW_TURN_S) -> None:
+        self._log, self._owner, self._slow_s = log, owner, slow_s
+        self._turn_began = 0.0
+        self._turn_cpu = 0.0
+
+    def polled(self, began: float, timeout_s: float) -> None:
+        """The poll begun at `began` (monotonic) with `timeout_s` returned now: warn if it
+        returned `slow_s` past its timeout; the turn begins now."""
+        now = time.monotonic()
+        late = now - began - timeout_s
+        if late > self._slow_s:
+            self._log.warning(
+                "%s: woke %.1f s after its %.0f ms poll ended: its thread was not run "
+                "meanwhile (the machine's CPUs or the GIL held elsewhere); peers got no "
+                "answer for that long",
+                self._owner,
+                late,
+                timeout_s * 1e3,
+            )
+        self._turn_began, self._turn_cpu = now, time.thread_time()
+
+    def turn_was_long(self) -> bool:
+        """Whether the turn begun at the last `polled` has taken `slow_s` so far (then
+        `report_turn` says what it did)."""
+        return time.monotonic() - self._turn_began > self._slow_s
+
+    def report_turn(self, what: str) -> None:
+        """Warn that the turn begun at the last `polled`, which did `what`, took long."""
+        self._log.warning(
+            "%s: one turn (%s) took %.1f s, %.1f s of it on this thread's CPU; peers got no "
+            "answer for that long",
+            self._owner,
+            what,
+            time.monotonic() - self._turn_began,
+            time.thread_time() - self._turn_cpu,
+        )
