@@ -152,9 +152,9 @@ class SideChannelServer:
             idle = self._busy is not None and not self._busy()
             period_ms = self._idle_tick_ms if idle else self._tick_ms
             wait_ms = max(0, int((ticked - time.monotonic()) * 1000) + period_ms)
-            began = time.monotonic()
+            self._clock.waiting()
             events = dict(poller.poll(wait_ms))
-            self._clock.polled(began, wait_ms / 1000)
+            self._clock.polled(wait_ms / 1000)
             messages = 0
             if self._router in events:
                 messages = self._drain(self._router, self._dispatch)

@@ -10,15 +10,19 @@ other side (after `peer_timeout_s` without an answer to its pings). Two such sta
   in it (CPU close to the wall time: work done on the thread, such as a copy; far below it: the
   thread waited, for a lock, the GIL or a CPU).
 
-Either is logged once it ends, so that a peer's "presumed dead" can be matched with its cause
-in the other side's log. The cost is four clock reads a turn (one of them the thread's CPU
-clock), nothing while the thread sleeps.
+Either is logged once it ends, with where the process's other threads are then, so that a
+peer's "presumed dead" can be matched with its cause in the other side's log. The cost is five
+clock reads a turn (two of them CPU clocks), nothing while the thread sleeps.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
 import time
+import traceback
 
 SLOW_TURN_S = 1.0
 """A turn, or a wake past its poll's timeout, longer than this is logged (a tenth of the
@@ -36,22 +40,30 @@ class TurnClock:
 
     def __init__(self, log: logging.Logger, owner: str, slow_s: float = SLOW_TURN_S) -> None:
         self._log, self._owner, self._slow_s = log, owner, slow_s
-        self._turn_began = 0.0
-        self._turn_cpu = 0.0
+        self._wait_began = self._wait_cpu = 0.0
+        self._turn_began = self._turn_cpu = 0.0
 
-    def polled(self, began: float, timeout_s: float) -> None:
-        """The poll begun at `began` (monotonic) with `timeout_s` returned now: warn if it
-        returned `slow_s` past its timeout; the turn begins now."""
+    def waiting(self) -> None:
+        """The thread is about to poll (or sleep, then poll)."""
+        self._wait_began, self._wait_cpu = time.monotonic(), time.process_time()
+
+    def polled(self, timeout_s: float) -> None:
+        """The poll, whose timeout (with any sleep before it) was `timeout_s`, returned now:
+        warn if it returned `slow_s` past that, with the process's CPU meanwhile (the thread's
+        own process busy: the GIL or the CPUs held by its other threads; idle: the machine's
+        CPUs held by other processes) and where the other threads are now; the turn begins."""
         now = time.monotonic()
-        late = now - began - timeout_s
+        late = now - self._wait_began - timeout_s
         if late > self._slow_s:
             self._log.warning(
                 "%s: woke %.1f s after its %.0f ms poll ended: its thread was not run "
-                "meanwhile (the machine's CPUs or the GIL held elsewhere); peers got no "
-                "answer for that long",
+                "meanwhile, while this process used %.1f s of CPU; peers got no answer for "
+                "that long. The other threads now: %s",
                 self._owner,
                 late,
                 timeout_s * 1e3,
+                time.process_time() - self._wait_cpu,
+                other_threads(),
             )
         self._turn_began, self._turn_cpu = now, time.thread_time()
 
@@ -64,9 +76,26 @@ class TurnClock:
         """Warn that the turn begun at the last `polled`, which did `what`, took long."""
         self._log.warning(
             "%s: one turn (%s) took %.1f s, %.1f s of it on this thread's CPU; peers got no "
-            "answer for that long",
+            "answer for that long. The other threads now: %s",
             self._owner,
             what,
             time.monotonic() - self._turn_began,
             time.thread_time() - self._turn_cpu,
+            other_threads(),
         )
+
+
+def other_threads(frames: int = 3) -> str:
+    """Where every other Python thread of this process is now: its name and its innermost
+    `frames` calls (the thread that held the GIL or the CPUs is likely still there)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    me = threading.get_ident()
+    where = []
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue
+        calls = []
+        for summary in traceback.extract_stack(frame)[-frames:]:
+            calls.append(f"{os.path.basename(summary.filename)}:{summary.lineno} {summary.name}")
+        where.append(f"{names.get(ident, ident)} [{' < '.join(reversed(calls))}]")
+    return "; ".join(where)

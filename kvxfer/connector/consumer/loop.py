@@ -147,7 +147,8 @@ class EventLoop:
             for sock in sockets - registered:
                 poller.register(sock, zmq.POLLIN)
             registered = sockets
-            began, slept = time.monotonic(), 0.0
+            self._clock.waiting()
+            slept = 0.0
             if not self._events.empty():  # posted by this thread late in the last turn
                 timeout_ms = 0
             elif self._reading:
@@ -156,7 +157,7 @@ class EventLoop:
             else:
                 timeout_ms = int((_TICK_S if self._busy() else _IDLE_TICK_S) * 1000)
             readable = poller.poll(timeout_ms)
-            self._clock.polled(began, slept + timeout_ms / 1000)
+            self._clock.polled(slept + timeout_ms / 1000)
             for sock_or_fd, _ in readable:
                 if sock_or_fd == self._wake_r:
                     os.read(self._wake_r, 4096)
