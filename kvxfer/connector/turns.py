@@ -24,9 +24,11 @@ import threading
 import time
 import traceback
 
-SLOW_TURN_S = 1.0
-"""A turn, or a wake past its poll's timeout, longer than this is logged (a tenth of the
-shortest `peer_timeout_s` the tests run with over loaded machines, ten times a busy turn)."""
+SLOW_TURN_S = 2.0
+"""A turn, or a wake past its poll's timeout, longer than this is logged: a consumer's default
+`peer_timeout_s`, the silence after which it takes a producer for dead. Shorter stalls happen
+on a loaded machine (a whole process not run for 1.9 s while a test suite ran beside it) and
+matter to nobody with the defaults."""
 
 
 class TurnClock:

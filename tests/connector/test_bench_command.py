@@ -160,7 +160,10 @@ def test_no_progress_and_no_noise_when_not_a_terminal():
         env=quiet,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stderr == ""
+    # A loop held from its sockets for seconds on a loaded machine says so (a warning that
+    # explains slow numbers, not noise): any other line is noise.
+    stalls = "peers got no answer for that long"
+    assert [line for line in done.stderr.splitlines() if stalls not in line] == []
     (row,) = done.stdout.splitlines()
     assert row.split()[0] == "2->4"
 
