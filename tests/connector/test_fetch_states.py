@@ -269,7 +269,7 @@ def live_session() -> ProducerSession:
         RegionInfo(layer, 0x10000 * (layer + 1), spec.layer_extent_bytes)
         for layer in range(spec.num_layers)
     ]
-    session = ProducerSession("tcp://producer", None, None, 0.0)  # type: ignore[arg-type]
+    session = ProducerSession("tcp://producer", None, None, None, 0.0)  # type: ignore[arg-type]
     session.take_terms(KVTerms("prefill", spec, "127.0.0.1:1", regions, SLOT_BYTES))
     session.state = SessionState.LIVE
     return session

@@ -84,11 +84,11 @@ def decode_config(engine_id: str, secret: str) -> dict[str, Any]:
     """A decode engine's kv-transfer-config: blocks whose KV does not arrive are recomputed
     (vLLM 0.32's `kv_load_failure_policy` "recompute"); the tests check kvxfer's failure
     counter, so a failed transfer cannot pass for a working one. Timeouts for 2 shared
-    cores: a prefill rank is presumed dead after 45 s of silence, not 2 (a prefill engine that
-    steps while it holds requests for decoders answered pings late: "silent for 2.0 s: presumed
-    dead"; at load 5-6 one stepping through a 4000-token prompt was silent for 10 s; in a
-    clean-clone run a TP 1 prefill streaming a 209-token request to vllm-router's concurrent
-    flow was silent for 20 s: its OpenMP threads starve kvxfer's on 2 cores, issue 23), and
+    cores: a prefill rank is presumed dead after 120 s of silence, not 2 (whole engine
+    processes go unscheduled for seconds here: prefill side channels logged "woke 12.4 s" and
+    "26.1 s after its poll ended ... this process used 0.0 s of CPU", and one clean-clone run
+    found a prefill silent for 45 s; a killed prefill is found by its closed connection
+    at once, so the long value costs the fault test nothing), and
     handshakes may take 30 s, not 10 (one did not answer within 5 s with the machine's load
     at 9)."""
     return driver.kv_transfer_config(
@@ -96,7 +96,7 @@ def decode_config(engine_id: str, secret: str) -> dict[str, Any]:
         engine_id,
         side_channel_port=0,
         secret=secret,
-        extra={"handshake_timeout_s": 30, "peer_timeout_s": 45},
+        extra={"handshake_timeout_s": 30, "peer_timeout_s": 120},
         load_failure_policy="recompute",
     )
 

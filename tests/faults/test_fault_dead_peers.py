@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from kvxfer.testing import (
     DECODE,
     PREFILL,
@@ -19,12 +21,15 @@ from kvxfer.testing import (
 )
 
 SLOW = {"strategy": "pack+unpack", **SLOW_STAGING}  # a 4 MiB request in hundreds of chunks
-DEAD_PEER_BOUND_S = 3.5  # the design detects a dead peer in about 2 s
+DEAD_PEER_BOUND_S = 3.5  # a killed peer is found by its closed connection, within a second
 
 
-def test_killed_producer_fails_the_fetch_within_seconds(rig):
+@pytest.mark.parametrize("peer_timeout_s", [2.0, 60.0], ids=["default", "long-silence-timeout"])
+def test_killed_producer_fails_the_fetch_within_seconds(rig, peer_timeout_s):
+    """Found by its closed connection, not by its silence: as fast with a `peer_timeout_s`
+    far beyond the bound (one long enough for a loaded machine's unscheduled seconds)."""
     producer = rig.producer(PREFILL, options=SLOW_STAGING)
-    consumer = rig.consumer(DECODE, options=SLOW)
+    consumer = rig.consumer(DECODE, options={**SLOW, "peer_timeout_s": peer_timeout_s})
     consumer.connect([producer.address])
     big = Request("big", 4096, seed=1)
     producer.publish(big, BlockPool(PREFILL.num_blocks, 1).take(PREFILL.blocks_for(4096)))

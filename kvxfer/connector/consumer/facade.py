@@ -11,8 +11,9 @@ loop thread (`loop.EventLoop`), which runs the sessions (`sessions.ProducerSessi
 fetches' chunks (`machine.FetchMachine`, the states in `states`); reads complete on the
 transport's completion thread, copies into the cache on a small pool (`copies.CacheCopier`).
 
-A producer silent for `peer_timeout_s` is declared dead: its chunks fail at once with their
-blocks, and the next fetch shakes hands with it again.
+A producer whose connection closed (its process ended), or one silent for `peer_timeout_s`
+(frozen or hung), is declared dead: its chunks fail at once with their blocks, and the next
+fetch shakes hands with it again.
 """
 
 from __future__ import annotations

@@ -10,8 +10,13 @@ staging slot size); every later message travels sealed (`[session, payload, MAC]
 This module keeps the sessions alive; what their messages mean for chunks is the fetch
 machine's, which it tells through a `SessionListener`. The rules:
 - a handshake not finished in its `timeout` fails the session;
+- a producer whose connection closed is dead at once (its process ended, or it closed its
+  side channel: the kernel closes the socket of a killed process), whatever `peer_timeout_s`;
 - a live producer is pinged every `heartbeat_s`; one silent for `peer_timeout_s` with
-  `_MISSED_PINGS` pings unanswered is dead (its chunks fail at once, with their blocks);
+  `_MISSED_PINGS` pings unanswered is dead (a frozen or hung process; its chunks fail at once,
+  with their blocks). A process of a loaded machine may go unscheduled for seconds (measured:
+  12-18 s on 2 shared cores): a long `peer_timeout_s` then keeps live producers alive, and the
+  closed connection still finds a dead one at once;
 - a producer that answers that it forgot the session (it restarted within a heartbeat) is
   told to the listener first: chunks it had not served yet ask again on a new session;
 - done and abort notices for a producer that is not live wait (at most `_MAX_NOTICES`) until
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvxfer.connector.messages import (
     KV_SERVICE,
@@ -82,6 +88,7 @@ class ProducerSession:
 
     address: str
     sock: zmq.Socket
+    monitor: zmq.Socket  # `sock`'s connection events: a closed connection is a dead producer
     client: SessionClient
     deadline: float  # of the handshake
     expect: KVCacheSpec | None = None  # a reconnect must find the same producer geometry
@@ -179,6 +186,7 @@ class ProducerSessions:
         self._listener = listener
         self.by_rank: dict[int, ProducerSession] = {}  # the engine's, once `connect` adopted
         self._open: dict[zmq.Socket, ProducerSession] = {}  # every session not dead
+        self._monitors: dict[zmq.Socket, ProducerSession] = {}  # their connection events
         self._notices: dict[int, list[Message]] = {}  # for producers that are not live
         self._done: dict[str, None] = {}  # finished request ids not reported yet, in order
         self._done_since = 0.0  # when the first of them finished
@@ -192,12 +200,15 @@ class ProducerSessions:
         else the session fails)."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(address)
         claim = encode(KVClaim(engine_id=self._engine_id, spec=self._spec))
         client = SessionClient(KV_SERVICE, self._secret, self._engine_id, claim)
-        session = ProducerSession(address, sock, client, time.monotonic() + timeout, expect)
+        deadline = time.monotonic() + timeout
+        session = ProducerSession(address, sock, monitor, client, deadline, expect)
         sock.send_multipart(client.hello())
         self._open[sock] = session
+        self._monitors[monitor] = session
         return session
 
     @staticmethod
@@ -230,11 +241,15 @@ class ProducerSessions:
     # ---- the loop's side -----------------------------------------------------------------
 
     def sockets(self) -> list[zmq.Socket]:
-        """The sockets to poll: every session's that is not dead."""
-        return list(self._open)
+        """The sockets to poll: every session's that is not dead, and its monitor."""
+        return [*self._open, *self._monitors]
 
     def drain(self, sock: zmq.Socket) -> None:
         """Handle every message waiting on `sock`."""
+        watched = self._monitors.get(sock)
+        if watched is not None:
+            self._on_connection_events(watched)
+            return
         session = self._open.get(sock)
         while session is not None and session.state is not SessionState.DEAD:
             if not has_message(sock):
@@ -343,7 +358,7 @@ class ProducerSessions:
         self._open.pop(session.sock, None)
         log.warning("consumer %s: producer %s %s", self._engine_id, session.address, why)
         self._listener.session_ended(session, why)
-        session.sock.close(linger=0)
+        self._close_sockets(session)
 
     def counts(self) -> tuple[int, int]:
         """The engine's live and dead sessions."""
@@ -357,8 +372,26 @@ class ProducerSessions:
         self.report_done()
         for session in list(self._open.values()):
             session.state = SessionState.DEAD
-            session.sock.close(linger=0)
+            self._close_sockets(session)
         self._open.clear()
+
+    def _close_sockets(self, session: ProducerSession) -> None:
+        """Close the session's socket and its monitor (no event of it matters any more)."""
+        self._monitors.pop(session.monitor, None)
+        session.sock.disable_monitor()
+        session.monitor.close(linger=0)
+        session.sock.close(linger=0)
+
+    def _on_connection_events(self, session: ProducerSession) -> None:
+        """The session's connection closed: the producer's process ended (the kernel closed
+        its socket) or it closed its side channel. Dead at once, not after `peer_timeout_s`
+        of silence."""
+        closed = False
+        while session.state is not SessionState.DEAD and has_message(session.monitor):
+            event = recv_monitor_message(session.monitor, zmq.NOBLOCK)
+            closed = closed or event["event"] == zmq.EVENT_DISCONNECTED
+        if closed:
+            self.fail(session, "closed the connection: its process ended or it closed")
 
     # ---- one session's frames ------------------------------------------------------------
 
