@@ -15,7 +15,7 @@ machine's, which it tells through a `SessionListener`. The rules:
 - a live producer is pinged every `heartbeat_s`; one silent for `peer_timeout_s` with
   `_MISSED_PINGS` pings unanswered is dead (a frozen or hung process; its chunks fail at once,
   with their blocks). A process of a loaded machine may go unscheduled for seconds (measured:
-  12-18 s on 2 shared cores): a long `peer_timeout_s` then keeps live producers alive, and the
+  12-26 s on 2 shared cores): a long `peer_timeout_s` then keeps live producers alive, and the
   closed connection still finds a dead one at once;
 - a producer that answers that it forgot the session (it restarted within a heartbeat) is
   told to the listener first: chunks it had not served yet ask again on a new session;
