@@ -39,11 +39,20 @@ def test_a_side_channel_turn_that_held_its_thread_is_reported(caplog) -> None:
         _posted_and_run(server.post, caplog)
     finally:
         server.close()
-    [warning] = [r.getMessage() for r in caplog.records if "one turn" in r.getMessage()]
-    assert warning.startswith("producer p rank 0 side channel: one turn (0 messages, ")
+    # The held turn's warning (a loaded machine may add warnings of its own stalls).
+    warnings = [r.getMessage() for r in caplog.records if "one turn" in r.getMessage()]
+    assert any(
+        _held_turn(w, "producer p rank 0 side channel: one turn (0 messages, ") for w in warnings
+    ), warnings
+
+
+def _held_turn(warning: str, start: str) -> bool:
+    """Whether `warning` reports the held turn: `start`, at least `HELD_S`, waited not worked."""
+    if not warning.startswith(start):
+        return False
     assert "of it on this thread's CPU; peers got no answer for that long" in warning
     wall, cpu = (float(w.split(" s")[0]) for w in warning.split("took ")[1].split(", "))
-    assert wall >= HELD_S - 0.05 and cpu < wall / 2  # waited, not worked
+    return wall >= HELD_S - 0.05 and cpu < wall / 2
 
 
 def test_a_consumer_loop_turn_that_held_its_thread_is_reported(caplog) -> None:
@@ -55,8 +64,8 @@ def test_a_consumer_loop_turn_that_held_its_thread_is_reported(caplog) -> None:
         loop.post(loop.stop)
         loop.join()
         loop.close()
-    [warning] = [r.getMessage() for r in caplog.records if "one turn" in r.getMessage()]
-    assert warning.startswith("consumer decode-0 loop: one turn (")
+    warnings = [r.getMessage() for r in caplog.records if "one turn" in r.getMessage()]
+    assert any(_held_turn(w, "consumer decode-0 loop: one turn (") for w in warnings), warnings
 
 
 def test_a_thread_the_gil_kept_from_running_after_its_poll_is_reported(caplog) -> None:
@@ -83,9 +92,12 @@ def test_a_thread_the_gil_kept_from_running_after_its_poll_is_reported(caplog) -
     messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith("side")]
     # Its poll had returned (the usual case: then "woke ... late"), or, if the loop caught it
     # in the middle of a turn, that turn was the long one.
-    [stall] = [m for m in messages if "poll ended: its thread was not run" in m or "turn (" in m]
-    # Where the thread that held the GIL was: this test's loop, on the main thread.
-    assert "The other threads now: " in stall and "MainThread [test_turns.py:" in stall
+    stalls = [m for m in messages if "poll ended: its thread was not run" in m or "turn (" in m]
+    # Where the thread that held the GIL was: this test's loop, on the main thread (a loaded
+    # machine may add warnings of its own stalls).
+    assert any(
+        "The other threads now: " in m and "MainThread [test_turns.py:" in m for m in stalls
+    ), stalls
 
 
 @pytest.mark.parametrize("late_s", [0.0, SLOW_TURN_S - 0.1])
