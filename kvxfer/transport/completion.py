@@ -2,10 +2,11 @@
 without spinning, on one thread per engine, or on its owner's thread (a driven pump).
 
 A driven pump has no thread: its owner, a loop that already wakes for its own events, submits
-at `add` and calls `drive` every turn, coming back within `POLL_SECONDS` while anything is in
-flight. A consumer drives the engine it owns from its loop: a short read then costs no thread
-hand-over at all (two before: the loop's submit to the pump, the pump's completion back to the
-loop; each a wake-up of another thread, 0.1 ms apiece on a busy 2-core machine).
+at `add` and calls `drive` every turn, coming back when `drive` says the next poll is due while
+anything is in flight. A consumer drives the engine it owns from its loop: a short read then
+costs no thread hand-over at all (two before: the loop's submit to the pump, the pump's
+completion back to the loop; each a wake-up of another thread, 0.1 ms apiece on a busy 2-core
+machine).
 
 Why one descriptor per Mooncake batch: a batch's status turns failed (-1) as soon as one of its
 descriptors fails while the others may still be running, and they still land afterwards
@@ -21,6 +22,14 @@ be polled: asking the status of batch 0 crashes the process.
 Why polling: `get_batch_transfer_status` blocks and spins (0.8 of a core while a peer is frozen);
 `transfer_check_status` answers at once (0 running, 1 done, -1 failed) and frees the batch once
 it has answered a final status, so each batch is asked until then and never again.
+
+How often: a young read is polled every `POLL_SECONDS` (0.2 ms), an older one every eighth of
+the time since the last submit (`POLL_FRACTION`), at most `MAX_POLL_SECONDS` apart. A short
+read (a small request's, under 1.6 ms) is found as soon as before; a long one waits at most an
+eighth of its age, 2 ms at most, and is polled several times less often (a 20 ms read about 30
+times instead of 100). Each poll of a driven pump is a turn of its consumer's loop, CPU that
+the copies need on a small machine: with `kvxfer bench` 2 -> 4 on the project's 2-core machine
+the consumers' loops went from 0.14-0.20 to 0.10-0.12 CPU s/GB (benchmarks/RESULTS.md).
 
 Caps: more than about 2,048 descriptors in flight make an engine fail every later transfer
 (module docstring of `kvxfer.transport.mooncake`), so at most `TOTAL_IN_FLIGHT` are in flight
@@ -46,7 +55,9 @@ log = logging.getLogger(__name__)
 
 TOTAL_IN_FLIGHT = 1024
 PEER_IN_FLIGHT = 256
-POLL_SECONDS = 0.0002  # while descriptors are in flight (issue 16's measurement: 0.2 ms)
+POLL_SECONDS = 0.0002  # the shortest wait between polls (issue 16's measurement: 0.2 ms)
+POLL_FRACTION = 0.125  # of the time since the last submit: the wait between polls after that
+MAX_POLL_SECONDS = 0.002  # the longest wait between polls while anything is in flight
 IDLE_SECONDS = 0.05  # nothing in flight: wake at least this often to notice close()
 
 Direction = Literal["read", "write"]
@@ -71,6 +82,12 @@ class _Op:
         return self.next_index >= len(self.lengths)
 
 
+def poll_interval(since_submit: float) -> float:
+    """The wait between two polls, `since_submit` seconds after the last submit:
+    `POLL_FRACTION` of that, between `POLL_SECONDS` and `MAX_POLL_SECONDS` (module docstring)."""
+    return min(MAX_POLL_SECONDS, max(POLL_SECONDS, since_submit * POLL_FRACTION))
+
+
 class CompletionPump:
     """Moves descriptors through one engine: queued per peer, submitted within the caps,
     polled until each settles. An op's future completes once every descriptor of it has
@@ -91,6 +108,7 @@ class CompletionPump:
         self._per_peer: dict[str, int] = {}
         self._stopped = False
         self._polled = 0.0  # when a driven pump last polled
+        self._submitted = 0.0  # when a descriptor was last submitted
         self._thread: threading.Thread | None = None
         if threaded:
             self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -125,17 +143,24 @@ class CompletionPump:
             self._submit_what_fits()
         return future
 
-    def drive(self) -> bool:
+    def drive(self) -> float | None:
         """(a driven pump's owner, every turn) Submit what fits the caps; poll what is in
-        flight if `POLL_SECONDS` passed since the last poll. Returns whether anything is
-        queued or in flight: the owner turns again within `POLL_SECONDS` then."""
+        flight if its poll is due (`poll_interval` since the last one).
+
+        Returns:
+            The seconds until the next poll is due (the owner turns again by then), or None
+            when nothing is queued or in flight.
+        """
         self._submit_what_fits()
         now = time.monotonic()
-        if now - self._polled >= POLL_SECONDS:
+        if now - self._polled >= poll_interval(now - self._submitted):
             self._polled = now
             self._poll()
         with self._cond:
-            return self._has_work()
+            if not self._has_work():
+                return None
+        now = time.monotonic()
+        return max(0.0, self._polled + poll_interval(now - self._submitted) - now)
 
     def in_flight(self, endpoint: str | None = None) -> int:
         """Descriptors submitted and not settled (for one peer, or all)."""
@@ -169,7 +194,7 @@ class CompletionPump:
                     continue
             self._submit_what_fits()
             self._poll()
-            time.sleep(POLL_SECONDS)
+            time.sleep(poll_interval(time.monotonic() - self._submitted))
 
     def _has_work(self) -> bool:
         """Descriptors queued or in flight (called under the lock)."""
@@ -180,6 +205,8 @@ class CompletionPump:
             if self._stopped:
                 return
             batch = self._take_submittable()
+        if batch:
+            self._submitted = time.monotonic()
         for endpoint, op, index in batch:
             self._submit(endpoint, op, index)
 

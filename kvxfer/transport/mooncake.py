@@ -291,14 +291,15 @@ class MooncakeTransport:
         """Segments submitted to the engine and not settled (for one peer, or all)."""
         return self._pump.in_flight(endpoint)
 
-    def drive(self) -> bool:
-        """(a driven transport's owner, every turn) Move transfers on: submit, and poll at
-        most every 0.2 ms. Returns whether any is still queued or in flight (turn again within
-        0.2 ms then)."""
+    def drive(self) -> float | None:
+        """(a driven transport's owner, every turn) Move transfers on: submit, and poll when a
+        poll is due (`kvxfer.transport.completion`: every 0.2 ms for a young read, less often
+        for an older one). Returns the seconds until the next poll is due (turn again by then),
+        or None when nothing is queued or in flight."""
         if not self.driven:
             raise TransferError("drive(): this transport runs its own thread")
         if self._closed:
-            return False
+            return None
         return self._pump.drive()
 
     def write(self, segments: Segments, peer: Peer, timeout: float | None = None) -> None:

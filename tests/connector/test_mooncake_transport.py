@@ -18,7 +18,12 @@ import kvxfer.transport.mooncake as mooncake_mod
 from kvxfer.connector.registration import CacheRegistration
 from kvxfer.plan import Segments
 from kvxfer.transport import Peer, TransferError
-from kvxfer.transport.completion import TOTAL_IN_FLIGHT
+from kvxfer.transport.completion import (
+    MAX_POLL_SECONDS,
+    POLL_SECONDS,
+    TOTAL_IN_FLIGHT,
+    poll_interval,
+)
 from kvxfer.transport.mooncake import MooncakeTransport, rdma_devices
 
 
@@ -77,9 +82,10 @@ def test_a_driven_transport_reads_more_than_the_cap_exactly_on_its_owners_thread
         future.add_done_callback(lambda _: settled_on.append(threading.current_thread().name))
         assert b.in_flight() > 0  # submitted by `read` itself
         deadline = time.monotonic() + 60.0
-        while b.drive():
+        while (due_in := b.drive()) is not None:
+            assert 0.0 <= due_in <= MAX_POLL_SECONDS  # the next poll, never further away
             assert time.monotonic() < deadline, "the read never settled"
-            time.sleep(0.0002)
+            time.sleep(due_in)
         assert future.done() and future.exception() is None
         assert settled_on == [threading.current_thread().name]
         want = torch.full_like(dst, 0xA5)
@@ -99,9 +105,9 @@ def test_a_driven_read_from_nobody_fails_at_once_and_only_a_driven_transport_dri
         peer = Peer("127.0.0.1:1", {0: type(rb)(0, 4096, 64)})  # nobody listens there
         future = b.read(segs(0, [0], rb.region_id, [0], [64]), peer)
         deadline = time.monotonic() + 60.0
-        while b.drive():
+        while (due_in := b.drive()) is not None:
             assert time.monotonic() < deadline, "the read never settled"
-            time.sleep(0.0002)
+            time.sleep(due_in)
         with pytest.raises(TransferError, match=r"Mooncake read from 127\.0\.0\.1:1 failed"):
             future.result(0)
         assert int(dst.sum()) == 0
@@ -109,6 +115,22 @@ def test_a_driven_read_from_nobody_fails_at_once_and_only_a_driven_transport_dri
         b.close()
     with pytest.raises(TransferError, match="runs its own thread"):
         a.drive()
+
+
+@pytest.mark.parametrize(
+    ("since_submit", "wait"),
+    [
+        (0.0, POLL_SECONDS),
+        (0.001, POLL_SECONDS),
+        (0.008, 0.001),
+        (0.016, MAX_POLL_SECONDS),
+        (9.0, MAX_POLL_SECONDS),
+    ],
+)
+def test_a_young_read_is_polled_every_0_2_ms_an_old_one_less_often(since_submit, wait):
+    """An eighth of the time since the last submit, between 0.2 and 2 ms: a small read is found
+    at once, a long one is not polled a hundred times."""
+    assert poll_interval(since_submit) == pytest.approx(wait)
 
 
 def test_segment_outside_the_peer_region_is_refused_before_any_write(pair):

@@ -10,6 +10,7 @@ between turns unless an event wakes it.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -184,16 +185,17 @@ def test_work_the_loop_posts_itself_runs_without_a_wake_up_or_a_tick(slow_ticks:
 
 
 def test_a_loop_turns_while_its_driven_reads_are_in_flight(slow_ticks: None) -> None:
-    """Reads the loop drives settle only when it drives them: it turns every 0.2 ms while any
-    is in flight (never the minute-long tick), and sleeps again once none is."""
+    """Reads the loop drives settle only when it drives them: it turns when their next poll is
+    due (what `drive` returns: here 0.2 ms, never the minute-long tick), and sleeps again once
+    none is in flight."""
     drives: list[float] = []
     settled = threading.Event()
 
-    def drive() -> bool:
+    def drive() -> float | None:
         drives.append(time.monotonic())
         if len(drives) == 50:
             settled.set()
-        return len(drives) < 50  # in flight until the 50th turn
+        return 0.0002 if len(drives) < 50 else None  # in flight until the 50th turn
 
     loop = EventLoop("test-loop", "test", lambda: [], lambda sock: None, lambda: None, drive=drive)
     loop.start()
@@ -202,6 +204,35 @@ def test_a_loop_turns_while_its_driven_reads_are_in_flight(slow_ticks: None) -> 
         assert settled.wait(WAIT_S), "the loop did not turn while reads were in flight"
         time.sleep(0.05)
         assert len(drives) == 50  # none in flight: asleep until the next event
+    finally:
+        loop.post(loop.stop)
+        loop.join()
+        loop.close()
+
+
+@pytest.mark.parametrize("due_in", [0.0008, 0.03])  # a sleep, and a ZeroMQ poll of 30 ms
+def test_a_loop_waits_for_its_reads_next_poll_not_less(slow_ticks: None, due_in: float) -> None:
+    """Between polls of an old read the loop sleeps until the next poll is due (what `drive`
+    returned), not a fixed 0.2 ms: no turns that poll nothing. Only lower bounds are asserted
+    (a loaded machine turns later, never sooner)."""
+    drives: list[float] = []
+    done = threading.Event()
+
+    def drive() -> float | None:
+        drives.append(time.monotonic())
+        if len(drives) == 6:
+            done.set()
+        return due_in if len(drives) < 6 else None
+
+    loop = EventLoop("test-loop", "test", lambda: [], lambda sock: None, lambda: None, drive=drive)
+    loop.start()
+    try:
+        loop.post(lambda: None)
+        assert done.wait(WAIT_S), "the loop did not turn for its reads"
+        gaps = [b - a for a, b in itertools.pairwise(drives)]
+        # ZeroMQ's poll waits whole milliseconds, rounded down
+        floor = due_in if due_in < 0.001 else int(due_in * 1000) / 1000
+        assert min(gaps) >= floor * 0.95, gaps
     finally:
         loop.post(loop.stop)
         loop.join()

@@ -2,14 +2,15 @@
 
 No thread per fetch or per session, so abandoned fetches cannot exhaust anything: other threads
 (the caller's, the transport's completions, the copy workers) `post` callables to it, and a
-pipe wakes it. Each turn it reads every readable socket, drives the transport's reads when it
-owns them (`drive`: their completions come back on this thread, no hand-over), runs what was
-posted, then `tick`s (heartbeats, the chunks that the turn's events let move on); it sleeps at
-most `_TICK_S` between turns while its owner is busy (fetches or connects running),
+pipe wakes it. Each turn it reads every readable socket, runs what was posted, `tick`s
+(heartbeats, the chunks that the turn's events let move on), then drives the transport's reads
+when it owns them (`drive`, last, so that it sees the reads the turn started; their completions
+come back on this thread, no hand-over, and are run at the start of the next turn). It sleeps
+at most `_TICK_S` between turns while its owner is busy (fetches or connects running),
 `_IDLE_TICK_S` otherwise: an idle consumer wakes ten times a second for its heartbeats, not a
-hundred. While reads it drives are in flight it turns every `_READ_POLL_S` instead (the poll of
-a thread-run transport; ZeroMQ's poll counts whole milliseconds, so it sleeps, then polls
-without waiting). Work that grows with what
+hundred. While reads it drives are in flight it turns again when their next poll is due (what
+`drive` returns: 0.2-2 ms, `kvxfer.transport.completion`); ZeroMQ's poll counts whole
+milliseconds, so under one it sleeps, then polls without waiting. Work that grows with what
 is in flight (every fetch's deadline) runs once per `_TICK_S` (`sweep_due`), not every turn.
 """
 
@@ -33,7 +34,7 @@ _TICK_S = 0.01  # the loop's longest sleep while busy: fetch deadlines are check
 # Idle: heartbeats (every `heartbeat_s`, 0.5 s by default) and peers' silence (2 s) only.
 # Measured with benchmarks/latency.py (four idle consumers in one process): see RESULTS.md.
 _IDLE_TICK_S = 0.1
-_READ_POLL_S = 0.0002  # while driven reads are in flight (kvxfer.transport.completion)
+_SLEEP_UNDER_S = 0.001  # a wait for reads shorter than this sleeps (ZeroMQ's poll counts ms)
 
 
 class EventLoop:
@@ -46,8 +47,9 @@ class EventLoop:
         drain: reads everything waiting on a readable socket.
         tick: runs once a turn, after the posted events.
         busy: whether the owner has work whose deadlines need the short tick (default: always).
-        drive: moves the owner's reads on, once a turn before the posted events; returns
-            whether any is still in flight (default: none to drive).
+        drive: moves the owner's reads on, once a turn after the tick; returns the seconds
+            until it wants the next turn, or None when no read is in flight (default: none to
+            drive).
     """
 
     def __init__(
@@ -58,12 +60,12 @@ class EventLoop:
         drain: Callable[[zmq.Socket], None],
         tick: Callable[[], None],
         busy: Callable[[], bool] = lambda: True,
-        drive: Callable[[], bool] | None = None,
+        drive: Callable[[], float | None] | None = None,
     ) -> None:
         self._owner, self._sockets, self._drain, self._tick = owner, sockets, drain, tick
         self._busy, self._drive = busy, drive
         self._clock = TurnClock(log, f"consumer {owner} loop")
-        self._reading = False  # driven reads were in flight at the end of the last turn
+        self._reads_due_in: float | None = None  # what the last turn's `drive` returned
         self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._woken = False  # a byte is in the pipe that the loop has not read yet
@@ -148,14 +150,17 @@ class EventLoop:
                 poller.register(sock, zmq.POLLIN)
             registered = sockets
             self._clock.waiting()
-            slept = 0.0
+            slept, reads_due_in = 0.0, self._reads_due_in
             if not self._events.empty():  # posted by this thread late in the last turn
                 timeout_ms = 0
-            elif self._reading:
-                time.sleep(_READ_POLL_S)
-                timeout_ms, slept = 0, _READ_POLL_S
+            elif reads_due_in is not None and reads_due_in < _SLEEP_UNDER_S:
+                time.sleep(reads_due_in)
+                timeout_ms, slept = 0, reads_due_in
             else:
-                timeout_ms = int((_TICK_S if self._busy() else _IDLE_TICK_S) * 1000)
+                wait = _TICK_S if self._busy() else _IDLE_TICK_S
+                if reads_due_in is not None:
+                    wait = min(wait, reads_due_in)
+                timeout_ms = int(wait * 1000)
             readable = poller.poll(timeout_ms)
             self._clock.polled(slept + timeout_ms / 1000)
             for sock_or_fd, _ in readable:
@@ -165,16 +170,16 @@ class EventLoop:
                 else:
                     self._drain(sock_or_fd)
             self.polled_at = time.monotonic()
-            self._guarded(self._drive_reads)
             self._guarded(self.run_posted)
             self._guarded(self._tick)
+            self._guarded(self._drive_reads)
             if self._clock.turn_was_long():
                 self._clock.report_turn(f"{len(readable)} readable sockets, posted events, tick")
 
     def _drive_reads(self) -> None:
-        self._reading = False  # until the drive says otherwise: a failed one must not spin
+        self._reads_due_in = None  # until the drive says otherwise: a failed one must not spin
         if self._drive is not None:
-            self._reading = self._drive()
+            self._reads_due_in = self._drive()
 
     def _guarded(self, fn: Callable[[], None]) -> None:
         try:
