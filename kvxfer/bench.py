@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -102,66 +100,6 @@ def _median_seconds(
     return statistics.median(times), statistics.median(cpu)
 
 
-# Which part of a transfer a thread of this process does, by its name's prefix (longest first).
-# Threads without a Python name are Mooncake's own: its TCP or RDMA engine, the wire's CPU.
-THREAD_ROLES = (
-    ("kvxfer-producer-peer", "producer_packs"),  # a pack too large for the side channel
-    ("kvxfer-producer", "producer_side_channel"),  # its messages, and the small packs
-    ("kvxfer-consumer", "consumer_loop"),  # messages, reads' polls, and the small unpacks
-    ("kvxfer-copy", "consumer_copies"),  # the unpacks too large for the loop
-    ("kvxfer-mooncake", "completion_pumps"),  # a producer transport's polls (the baselines')
-)
-NATIVE_ROLE = "mooncake_native"
-OTHER_ROLE = "other"
-
-
-def thread_cpu_seconds() -> dict[int, tuple[str, float]]:
-    """Every live thread of this process: its id -> (role, CPU seconds used so far, user and
-    system). Roles by name (`THREAD_ROLES`; `NATIVE_ROLE` for a thread Python did not start,
-    `OTHER_ROLE`); empty where `/proc` has no thread times (not Linux)."""
-    tasks = f"/proc/{os.getpid()}/task"
-    try:
-        tids = os.listdir(tasks)
-    except OSError:
-        return {}
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    ticks = os.sysconf("SC_CLK_TCK")
-    threads: dict[int, tuple[str, float]] = {}
-    for tid in map(int, tids):
-        try:
-            with open(f"{tasks}/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended meanwhile
-        used = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14, 15)
-        threads[tid] = (_role(names.get(tid)), used)
-    return threads
-
-
-def _role(name: str | None) -> str:
-    if name is None:
-        return NATIVE_ROLE
-    return next((role for prefix, role in THREAD_ROLES if name.startswith(prefix)), OTHER_ROLE)
-
-
-def cpu_by_role(
-    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
-) -> dict[str, float]:
-    """CPU seconds each role's threads used between two `thread_cpu_seconds` snapshots (a
-    thread's own difference: one started meanwhile counts whole, one ended meanwhile not at
-    all)."""
-    used: dict[str, float] = {}
-    for tid, (role, seconds) in after.items():
-        was_role, was = before.get(tid, (role, 0.0))
-        since = seconds - was if was_role == role else seconds  # an id reused meanwhile
-        used[role] = used.get(role, 0.0) + since
-    return used
-
-
-def _per_gb(used: dict[str, float], gb: float) -> dict[str, float]:
-    return {role: round(seconds / gb, 4) for role, seconds in sorted(used.items())}
-
-
 def bench_row(cfg: BenchConfig, progress: Progress | None = None) -> dict[str, Any]:
     """Measure kvxfer, contiguous and naive writes for one configuration.
 
@@ -223,15 +161,11 @@ def bench_row(cfg: BenchConfig, progress: Progress | None = None) -> dict[str, A
 
         kvxfer_once()  # warm-up: connections, staging pools, page faults
         progress("kvxfer", 1)
-        threads_before = thread_cpu_seconds()
         kvxfer_s, kvxfer_cpu_s = _median_seconds(kvxfer_once, cfg.repeat, progress, "kvxfer")
-        kvxfer_threads = _per_gb(
-            cpu_by_role(threads_before, thread_cpu_seconds()), cfg.repeat * nbytes / 1e9
-        )
         strategies = sorted({p.strategy for ps in plans for p in ps})
         chunking = [c for consumer in consumers for c in consumer.chunking().values()]
-        (contiguous_s, contiguous_cpu_s), contiguous_threads, naive_s, naive_ops, source_bytes = (
-            _baselines(cfg, producers, consumers, src_specs, dst_specs, progress)
+        (contiguous_s, contiguous_cpu_s), naive_s, naive_ops, source_bytes = _baselines(
+            cfg, producers, consumers, src_specs, dst_specs, progress
         )
     finally:
         progress("closing", 0)  # about a second per engine
@@ -260,8 +194,6 @@ def bench_row(cfg: BenchConfig, progress: Progress | None = None) -> dict[str, A
         "naive_ops": naive_ops,
         "kvxfer_cpu_s_per_gb": kvxfer_cpu_s / (nbytes / 1e9),
         "contiguous_cpu_s_per_gb": contiguous_cpu_s / (source_bytes / 1e9),
-        "kvxfer_cpu_s_per_gb_by_thread": kvxfer_threads,
-        "contiguous_cpu_s_per_gb_by_thread": contiguous_threads,
         "ratio_to_contiguous": contiguous_s / kvxfer_s,
         "speedup_over_naive": naive_s / kvxfer_s,
     }
@@ -274,11 +206,11 @@ def _baselines(
     src_specs: Sequence[KVCacheSpec],
     dst_specs: Sequence[KVCacheSpec],
     progress: Progress = _no_progress,
-) -> tuple[tuple[float, float], dict[str, float], float, int, int]:
-    """((contiguous seconds, its CPU seconds), its CPU seconds per GB by thread role, naive
-    seconds, naive ops, bytes), through the connectors' own engines, writing every pair's bytes
-    in the prefill's dtype. The contiguous writes of every pair are in flight at once and
-    complete by polling, as kvxfer's transfers do (a fair baseline)."""
+) -> tuple[tuple[float, float], float, int, int]:
+    """((contiguous seconds, its CPU seconds), naive seconds, naive ops, bytes), through the
+    connectors' own engines, writing every pair's bytes in the prefill's dtype. The contiguous
+    writes of every pair are in flight at once and complete by polling, as kvxfer's transfers
+    do (a fair baseline)."""
     routes = route_heads(cfg.kv_heads, cfg.src_tp, cfg.dst_tp)
     row = lambda spec, n: spec.head_dim * spec.itemsize * n  # noqa: E731 (bytes of n heads)
     pair_bytes = [cfg.layers * 2 * cfg.tokens * row(src_specs[0], r.num_heads) for r in routes]
@@ -349,18 +281,14 @@ def _baselines(
         return go
 
     try:
-        before = thread_cpu_seconds()
         contiguous_timing = _median_seconds(run(contiguous), cfg.repeat, progress, "contiguous")
-        used = cpu_by_role(before, thread_cpu_seconds())
-        threads = _per_gb(used, cfg.repeat * sum(pair_bytes) / 1e9)
         naive_s, _ = _median_seconds(run(naive), 1, progress, "naive")  # slow: once is enough
     finally:
         for r, reg in src_reg.items():
             producers[r].transport.unregister(reg)
         for r, reg in dst_reg.items():
             consumers[r].transport.unregister(reg)
-    naive_ops = sum(len(segs) for _, _, segs in naive)
-    return contiguous_timing, threads, naive_s, naive_ops, sum(pair_bytes)
+    return contiguous_timing, naive_s, sum(len(segs) for _, _, segs in naive), sum(pair_bytes)
 
 
 def row_steps(cfg: BenchConfig) -> int:
