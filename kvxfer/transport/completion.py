@@ -28,8 +28,8 @@ the time since the last submit (`POLL_FRACTION`), at most `MAX_POLL_SECONDS` apa
 read (a small request's, under 1.6 ms) is found as soon as before; a long one waits at most an
 eighth of its age, 2 ms at most, and is polled several times less often (a 20 ms read about 30
 times instead of 100). Each poll of a driven pump is a turn of its consumer's loop, CPU that
-the copies need on a small machine: with `kvxfer bench` 2 -> 4 on the project's 2-core machine
-the consumers' loops went from 0.14-0.20 to 0.10-0.12 CPU s/GB (benchmarks/RESULTS.md).
+the copies need on a small machine: in `kvxfer bench` on the project's 2-core machine the
+consumers' loops went from 13-16 to 7-13 ms of CPU per 100.7 MB run (benchmarks/RESULTS.md).
 
 Caps: more than about 2,048 descriptors in flight make an engine fail every later transfer
 (module docstring of `kvxfer.transport.mooncake`), so at most `TOTAL_IN_FLIGHT` are in flight
