@@ -123,6 +123,35 @@ def test_frozen_and_missing_producers_are_skipped_and_the_others_serve(processes
         assert address_a not in consumer.producers_down
 
 
+def test_a_producer_killed_while_a_load_waits_fails_it_at_once_not_at_its_timeout(processes):
+    """Producer A holds the item and is frozen, so a load's query to it waits (query timeout
+    30 s). Once the query's connection is up (the kernel accepts it for the frozen process), A
+    is SIGKILLed: the kernel closes its sockets, and the load fails at once, naming the closed
+    connection, with A skipped from then on. Without the watch it waited out the 30 s."""
+    proc_a, address_a = _producer(processes, picks=range(0, 6))
+    item = HASHES[0]
+    port = int(address_a.rsplit(":", 1)[1])
+    with _consumer([address_a], **{**PATIENT, "retry_after_s": 60.0}) as consumer:
+        assert same_bits(consumer.load(item), ITEMS[item])  # a session with A, all live
+        freeze(proc_a.pid)
+        before = _connections_to(port)
+        loading = consumer.start_load([item])
+        _until(lambda: _connections_to(port) > before, 30)  # the query's own connection
+        os.kill(proc_a.pid, signal.SIGKILL)
+        proc_a.join(30)
+        (got, failed), seconds = _timed(loading.results, 60)
+        assert not got and "closed the connection" in failed[item], failed
+        assert seconds < 10.0, seconds  # far below the 30 s the query would have waited
+        assert address_a in consumer.producers_down
+
+
+def _connections_to(port: int) -> int:
+    """Established TCP connections (of any process here) whose far end is 127.0.0.1:`port`."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return sum(r[2].endswith(f":{port:04X}") and r[3] == "01" for r in rows)
+
+
 def test_a_sigstopped_producer_answers_until_every_thread_has_stopped(processes, tmp_path):
     """The cause of issue 22's flake (`has(a_item)` True in 7 ms with A "SIGSTOPped"), made
     deterministic. `os.kill` only queues SIGSTOP: the kernel hands it to one thread (in

@@ -38,7 +38,7 @@ from kvxfer.connector.messages import (
 )
 from kvxfer.ec.base import ECLoadError
 from kvxfer.ec.mooncake.config import ConsumerSettings
-from kvxfer.ec.mooncake.conversations import Conversations, Link, Talk
+from kvxfer.ec.mooncake.conversations import Conversations, Link, PeerClosed, Talk
 from kvxfer.ec.mooncake.pool import ByteRanges
 from kvxfer.ec.mooncake.receive import ReceiveBuffer, check_transport
 
@@ -230,6 +230,8 @@ class ECConsumer:
             self._mark_down(address, "did not answer in time")
             raise ECLoadError(f"producer {address} did not answer in time")
         result = results[address]
+        if isinstance(result, PeerClosed):
+            self._mark_down(address, "closed the connection")
         if isinstance(result, Exception):
             raise result
         return result
@@ -250,6 +252,8 @@ class ECConsumer:
         timeout_s = self.settings.query_timeout_s
         results = self.conversations.drive(talks, time.monotonic() + timeout_s, found)
         for address, result in results.items():
+            if isinstance(result, PeerClosed):
+                self._mark_down(address, "closed the connection")
             if isinstance(result, Exception):
                 self._warn_once(address, f"encoder cache: {result}")
                 if problems is not None:

@@ -10,7 +10,11 @@ on it and checks the answer's MAC and that it echoes the question's `ref`, shaki
 once if the producer lost the session.
 
 Every conversation has a socket of its own, made for it and closed after it: an answer meant
-for another conversation, or one queued before a producer froze, can never reach it.
+for another conversation, or one queued before a producer froze, can never reach it. Each
+socket's connection is watched too (ZeroMQ's disconnect event): a producer whose connection
+closed mid-conversation (its process ended: the kernel closed its sockets) ends the
+conversation at once with `PeerClosed`, not at the deadline (the KV consumer's sessions do the
+same, `kvxfer.connector.consumer.sessions`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvxfer.connector.messages import (
     EC_SERVICE,
@@ -33,6 +38,7 @@ from kvxfer.connector.messages import (
     decode_terms,
     encode,
 )
+from kvxfer.connector.sidechannel import has_message
 from kvxfer.ec.base import ECLoadError
 from kvxfer.session.protocol import (
     ClientState,
@@ -52,6 +58,10 @@ returns its result."""
 # ZeroMQ drops peers that send frames larger than this; side-channel messages are tiny.
 FRAME_LIMIT = 1 << 20
 POLL_SLICE_S = 0.1  # waits are sliced so that close() is never held up
+
+
+class PeerClosed(ECLoadError):
+    """The producer closed the connection mid-conversation: its process ended (or it closed)."""
 
 
 @dataclass(frozen=True)
@@ -205,7 +215,8 @@ class Conversations:
             time are missing.
         """
         results: dict[str, T | Exception] = {}
-        socks: dict[zmq.Socket[bytes], tuple[str, Talk[T]]] = {}
+        socks: dict[zmq.Socket[bytes], tuple[str, Talk[T], zmq.Socket[bytes]]] = {}
+        monitors: dict[zmq.Socket[bytes], zmq.Socket[bytes]] = {}  # the sockets, by monitor
         poller = zmq.Poller()
 
         def advance(address: str, talk: Talk[T], answer: list[bytes] | None) -> list[bytes] | None:
@@ -220,9 +231,11 @@ class Conversations:
             return None
 
         def finish(sock: zmq.Socket[bytes]) -> None:
+            monitor = socks.pop(sock)[2]
+            del monitors[monitor]
             poller.unregister(sock)
-            del socks[sock]
-            sock.close(linger=0)
+            poller.unregister(monitor)
+            _close(sock, monitor)
 
         def send(sock: zmq.Socket[bytes], address: str, frames: list[bytes]) -> None:
             try:
@@ -231,53 +244,93 @@ class Conversations:
                 results[address] = ECLoadError(f"producer {address} cannot be reached: {exc}")
                 finish(sock)
 
+        def answered(sock: zmq.Socket[bytes]) -> T | Exception | None:
+            """The conversation's result if it ended with this answer (None: it goes on)."""
+            address, talk, _ = socks[sock]
+            try:
+                answer = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return None
+            self._heard(address)
+            frames = advance(address, talk, answer)
+            if frames is not None:
+                send(sock, address, frames)
+                return None
+            finish(sock)
+            return results[address]
+
+        def watched(monitor: zmq.Socket[bytes]) -> None:
+            sock = monitors[monitor]
+            if not _closed_connection(monitor):
+                return
+            address, talk, _ = socks[sock]
+            talk.close()
+            results[address] = PeerClosed(
+                f"producer {address} closed the connection: its process ended or it closed"
+            )
+            finish(sock)
+
         try:
             for address, talk in talks.items():
                 frames = advance(address, talk, None)
                 if frames is None:
                     continue
                 try:
-                    sock = self._dealer(address)
+                    sock, monitor = self._watched_dealer(address)
                 except zmq.ZMQError as exc:
                     results[address] = ECLoadError(f"producer {address} cannot be reached: {exc}")
                     continue
-                socks[sock] = (address, talk)
+                socks[sock], monitors[monitor] = (address, talk, monitor), sock
                 poller.register(sock, zmq.POLLIN)
+                poller.register(monitor, zmq.POLLIN)
                 send(sock, address, frames)
             while socks and not self._closed.is_set():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                for sock, _ in poller.poll(max(1, int(1000 * min(left, POLL_SLICE_S)))):
-                    address, talk = socks[sock]
-                    try:
-                        answer = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.ZMQError:
+                for ready, _ in poller.poll(max(1, int(1000 * min(left, POLL_SLICE_S)))):
+                    if ready in monitors:
+                        watched(ready)
                         continue
-                    self._heard(address)
-                    frames = advance(address, talk, answer)
-                    if frames is not None:
-                        send(sock, address, frames)
+                    if ready not in socks:
+                        continue  # its conversation ended this turn (closed)
+                    result = answered(ready)
+                    if result is None or isinstance(result, Exception) or enough is None:
                         continue
-                    finish(sock)
-                    result = results[address]
-                    if enough is not None and not isinstance(result, Exception) and enough(result):
+                    if enough(result):
                         return results
             return results
         finally:
-            for sock, (_, talk) in socks.items():
-                sock.close(linger=0)
+            for sock, (_, talk, monitor) in socks.items():
+                _close(sock, monitor)
                 talk.close()
 
     def _dealer(self, address: str) -> zmq.Socket[bytes]:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, FRAME_LIMIT)
+        """A socket connected to `address` (for hints: nobody waits on its connection)."""
+        sock = self._new_dealer()
         try:
             sock.connect(address)
         except zmq.ZMQError:
             sock.close()
             raise
+        return sock
+
+    def _watched_dealer(self, address: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        """A conversation's socket, connected to `address`, and the monitor of its connection
+        (made before the connect, so that no event is missed)."""
+        sock = self._new_dealer()
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            sock.connect(address)
+        except zmq.ZMQError:
+            _close(sock, monitor)
+            raise
+        return sock, monitor
+
+    def _new_dealer(self) -> zmq.Socket[bytes]:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, FRAME_LIMIT)
         return sock
 
     def close(self) -> None:
@@ -287,3 +340,19 @@ class Conversations:
                 sock.close(linger=0)
             self._hint_socks.clear()
         self._ctx.term()
+
+
+def _closed_connection(monitor: zmq.Socket[bytes]) -> bool:
+    """Whether the monitored socket's connection closed (reads every event waiting)."""
+    closed = False
+    while has_message(monitor):
+        event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        closed = closed or event["event"] == zmq.EVENT_DISCONNECTED
+    return closed
+
+
+def _close(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
+    """Close a conversation's socket and its monitor."""
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=0)
