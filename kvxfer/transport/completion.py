@@ -194,7 +194,9 @@ class CompletionPump:
                     continue
             self._submit_what_fits()
             self._poll()
-            time.sleep(poll_interval(time.monotonic() - self._submitted))
+            with self._cond:  # until the next poll is due, or an `add` brings more to submit
+                if not self._stopped:
+                    self._cond.wait(poll_interval(time.monotonic() - self._submitted))
 
     def _has_work(self) -> bool:
         """Descriptors queued or in flight (called under the lock)."""
