@@ -62,7 +62,7 @@ from kvxfer.connector.registration import CacheRegistration
 from kvxfer.connector.requests import PublishedRequest, RequestTable
 from kvxfer.connector.sidechannel import SideChannelServer
 from kvxfer.connector.staging import StagingPool
-from kvxfer.connector.streams import Fence, copy_stream_for
+from kvxfer.connector.streams import Fence, copies_inline, copy_stream_for
 from kvxfer.execute import resolve_backend, run_cell_copy, warm_up
 from kvxfer.plan import DEFAULT_STAGING_SLOTS, HeadRoute, check_pairable, route_pair
 from kvxfer.plan.program import (
@@ -91,12 +91,6 @@ _MAX_WAITING_PER_SESSION = 4096  # chunks waiting for their request to be publis
 # handshakes and sessions' silence (10 s): ten times a second is enough.
 _IDLE_TICK_S = 0.1
 _MAX_FINISHED_PER_SESSION = 1024  # recent ids a session said it is done with
-# A CPU pack of at most this many bytes runs on the side-channel thread when staging has room
-# at once (`KVProducer._pack_now`): a 16-token chunk's pack costs less than the two thread
-# hand-overs that a worker costs it (the worker's wake-up, then its answer through the outbox).
-# 4 MiB (0.6 ms of packing, 512 tokens of 8 layers and 2 heads of 128) and not 1: sixteen
-# 256-token requests at once went from 91-99 to 108-112 a second (benchmarks/RESULTS.md).
-_INLINE_PACK_BYTES = 4 << 20
 
 
 @dataclass
@@ -212,9 +206,6 @@ class KVProducer:
         self._session_timeout_s = session_timeout_s
         self._backend = resolve_backend(backend, caches[0].device)
         self._copy_stream = copy_stream_for(caches[0].device)
-        # Inline packs never wait: on the CPU a torch copy is done when it returns (on CUDA a
-        # pack's wait could queue behind other copies on the side stream).
-        self._packs_inline = caches[0].device.type == "cpu" and self._backend == "torch"
         self._fences: dict[str, Fence] = {}  # CUDA: by published request (see `publish`)
         self._registration = CacheRegistration(self.caches, transport, host, protocol)
         self.transport = self._registration.transport
@@ -791,7 +782,7 @@ class KVProducer:
         Order between chunks does not matter (each is its own range and answer); what the
         server thread spends is one short copy."""
         nbytes = self._pack_bytes(job.pack)
-        if not self._packs_inline or nbytes > _INLINE_PACK_BYTES:
+        if not copies_inline(self.caches[0].device, self._backend, nbytes):
             return False
         pool = self._pool_for(session)
         slot = pool.try_acquire(nbytes)

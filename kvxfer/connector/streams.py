@@ -136,6 +136,22 @@ class CudaCopyStream:
         return event
 
 
+# A CPU copy of at most this many bytes runs on the loop that asked for it: a producer's pack on
+# its side-channel thread (`KVProducer._pack_now`), a consumer's unpack on its loop
+# (`CacheCopier.start`). A 16-token chunk's copy costs less than the two thread hand-overs a
+# worker costs it (the worker's wake-up, then its answer back to the loop). 4 MiB (0.6 ms of
+# copying, 512 tokens of 8 layers and 2 heads of 128) and not 1: sixteen 256-token requests at
+# once went from 91-99 to 108-112 a second (benchmarks/RESULTS.md).
+INLINE_COPY_BYTES = 4 << 20
+
+
+def copies_inline(device: torch.device, backend: str, nbytes: int) -> bool:
+    """Whether a copy of `nbytes` runs on the calling loop's thread rather than a worker: a
+    small one with the torch backend on the CPU, done when it returns (a CUDA copy waits for
+    its event, which could queue behind other copies on the side stream)."""
+    return device.type == "cpu" and backend == "torch" and nbytes <= INLINE_COPY_BYTES
+
+
 def copy_stream_for(device: torch.device) -> CopyStream:
     """A side stream on CUDA devices; inline copies elsewhere."""
     if device.type == "cuda":

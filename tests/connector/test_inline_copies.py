@@ -12,6 +12,7 @@ import pytest
 
 from kvxfer.connector import KVConsumer, KVProducer
 from kvxfer.connector import producer as producer_mod
+from kvxfer.connector import streams as streams_mod
 from kvxfer.connector.consumer import copies as copies_mod
 from kvxfer.testing import make_scenario, side_specs
 
@@ -26,8 +27,7 @@ TOKEN_BYTES = 2 * 2 * 8 * 128 * 2  # layers x K/V x heads x head_dim x fp16
 def test_a_small_chunk_is_copied_on_the_message_threads_a_large_one_by_workers(
     monkeypatch, chunk_tokens, inline
 ):
-    assert (chunk_tokens * TOKEN_BYTES <= producer_mod._INLINE_PACK_BYTES) == inline
-    assert (chunk_tokens * TOKEN_BYTES <= copies_mod._INLINE_COPY_BYTES) == inline
+    assert (chunk_tokens * TOKEN_BYTES <= streams_mod.INLINE_COPY_BYTES) == inline
     packed_on: list[str] = []
     unpacked_on: list[str] = []
 

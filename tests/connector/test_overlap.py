@@ -73,8 +73,7 @@ def run_instrumented(monkeypatch, slots: int, meet=None):
     # measures those pipelines (a small CPU chunk is otherwise packed on the side-channel
     # thread and unpacked on the consumer's loop, where a copy that waits inside would hold
     # their messages; tests/connector/test_inline_copies.py).
-    monkeypatch.setattr(producer_mod, "_INLINE_PACK_BYTES", 0)
-    monkeypatch.setattr(copies_mod, "_INLINE_COPY_BYTES", 0)  # every unpack on the copy pool
+    monkeypatch.setattr(streams_mod, "INLINE_COPY_BYTES", 0)
     monkeypatch.setattr(producer_mod, "run_cell_copy", hooked(producer_mod.run_cell_copy, "pack"))
     monkeypatch.setattr(copies_mod, "run_cell_copy", hooked(copies_mod.run_cell_copy, "unpack"))
     producer = KVProducer(src_spec, src_caches, "prefill", **staging)

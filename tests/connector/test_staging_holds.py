@@ -15,6 +15,7 @@ import zmq
 
 from kvxfer.connector import KVProducer
 from kvxfer.connector import producer as producer_mod
+from kvxfer.connector import streams as streams_mod
 from kvxfer.connector.messages import (
     KV_SERVICE,
     ChunkFailed,
@@ -191,7 +192,7 @@ def test_a_pack_the_prefill_failed_during_is_never_offered(monkeypatch):
         assert go.wait(20.0)
         real(copy, src, dst, backend)
 
-    monkeypatch.setattr(producer_mod, "_INLINE_PACK_BYTES", 0)  # on the worker: the test waits
+    monkeypatch.setattr(streams_mod, "INLINE_COPY_BYTES", 0)  # on the worker: the test waits
     monkeypatch.setattr(producer_mod, "run_cell_copy", slow_pack)
     spec = SRC.spec(0)
     producer = KVProducer(spec, allocate_kv_caches(spec), "prefill")

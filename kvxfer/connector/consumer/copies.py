@@ -2,9 +2,9 @@
 
 The cache is written by these copies alone, and only once a chunk's read has landed and the
 producer confirmed its source was held throughout. They run on a small pool of threads, off
-the loop, except a small CPU copy (at most `_INLINE_COPY_BYTES`), which runs on the loop
-itself: a 16-token chunk's unpack costs less than the two thread hand-overs a pool thread
-costs it (the producer packs small CPU chunks on its side-channel thread for the same reason).
+the loop, except a small CPU copy (`kvxfer.connector.streams.copies_inline`), which runs on the
+loop itself: a 16-token chunk's unpack costs less than the two thread hand-overs a pool thread
+costs it (the producer packs small CPU chunks on its side-channel thread by the same rule).
 On CUDA each launches its copy on the consumer's side stream after the fetch's fence
 (`kvxfer.connector.streams`) and waits for that copy's own event, so that a chunk counts as done
 (its slot read into again, its blocks reported) only once its bytes are in the cache.
@@ -20,15 +20,11 @@ import numpy as np
 import torch
 
 from kvxfer.connector.staging import StagingPool
-from kvxfer.connector.streams import Fence, copy_stream_for
+from kvxfer.connector.streams import Fence, copies_inline, copy_stream_for
 from kvxfer.execute import Backend, run_cell_copy, warm_up
 from kvxfer.plan.fitting import FittedPair
 from kvxfer.plan.program import CellCopy, unpack_copy
 from kvxfer.spec import KVCacheSpec
-
-# A CPU copy of at most this many bytes runs on the calling thread (the consumer's loop): 4 MiB
-# unpack in about 0.5 ms (the producer's inline packs have the same bound, and the reason).
-_INLINE_COPY_BYTES = 4 << 20
 
 
 class CacheCopier:
@@ -45,7 +41,6 @@ class CacheCopier:
         self._backend = backend
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvxfer-copy")
         self._stream = copy_stream_for(caches[0].device)
-        self._copies_inline = caches[0].device.type == "cpu" and backend == "torch"
 
     @property
     def threads(self) -> int:
@@ -65,7 +60,7 @@ class CacheCopier:
         nbytes = layers * copy.src.geometry.layer_bytes
         staging = pool.slot_tensor(slot, torch.uint8)[:nbytes]
         run = functools.partial(run_cell_copy, copy, [staging], self._caches, self._backend)
-        if self._copies_inline and nbytes <= _INLINE_COPY_BYTES:
+        if copies_inline(self._caches[0].device, self._backend, nbytes):
             return _run_now(run)
         return self._pool.submit(self._copy_into_cache, run, fence)
 
