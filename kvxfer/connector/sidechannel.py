@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import cast
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvxfer.connector.turns import TurnClock
 
@@ -34,6 +35,24 @@ def has_message(sock: zmq.Socket) -> bool:
     Asked, not tried: an empty socket's `zmq.Again` costs more than a small message's work.
     """
     return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)
+
+
+def connection_closed(monitor: zmq.Socket) -> bool:
+    """Whether the socket `monitor` watches (`get_monitor_socket(zmq.EVENT_DISCONNECTED)`) lost
+    its connection: its peer's process ended (the kernel closed its sockets) or it closed.
+    Reads every event waiting."""
+    closed = False
+    while has_message(monitor):
+        event = recv_monitor_message(monitor, zmq.NOBLOCK)
+        closed = closed or event["event"] == zmq.EVENT_DISCONNECTED
+    return closed
+
+
+def close_watched(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    """Close a socket and the monitor of its connection (no event of it matters any more)."""
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=0)
 
 
 class SideChannelServer:

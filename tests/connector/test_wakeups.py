@@ -10,9 +10,11 @@ between turns unless an event wakes it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -184,30 +186,39 @@ def test_work_the_loop_posts_itself_runs_without_a_wake_up_or_a_tick(slow_ticks:
         loop.close()
 
 
-def test_a_loop_turns_while_its_driven_reads_are_in_flight(slow_ticks: None) -> None:
-    """Reads the loop drives settle only when it drives them: it turns when their next poll is
-    due (what `drive` returns: here 0.2 ms, never the minute-long tick), and sleeps again once
-    none is in flight."""
+@contextlib.contextmanager
+def _driven_loop(due_in: float, turns: int) -> Iterator[list[float]]:
+    """A loop whose reads are in flight until its `turns`-th drive, each drive saying the next
+    poll is due in `due_in` s: yields the drives' times once `turns` drives happened (the loop
+    still running), stops it after."""
     drives: list[float] = []
-    settled = threading.Event()
+    done = threading.Event()
 
     def drive() -> float | None:
         drives.append(time.monotonic())
-        if len(drives) == 50:
-            settled.set()
-        return 0.0002 if len(drives) < 50 else None  # in flight until the 50th turn
+        if len(drives) == turns:
+            done.set()
+        return due_in if len(drives) < turns else None
 
     loop = EventLoop("test-loop", "test", lambda: [], lambda sock: None, lambda: None, drive=drive)
     loop.start()
     try:
         loop.post(lambda: None)
-        assert settled.wait(WAIT_S), "the loop did not turn while reads were in flight"
-        time.sleep(0.05)
-        assert len(drives) == 50  # none in flight: asleep until the next event
+        assert done.wait(WAIT_S), "the loop did not turn while reads were in flight"
+        yield drives
     finally:
         loop.post(loop.stop)
         loop.join()
         loop.close()
+
+
+def test_a_loop_turns_while_its_driven_reads_are_in_flight(slow_ticks: None) -> None:
+    """Reads the loop drives settle only when it drives them: it turns when their next poll is
+    due (what `drive` returns: here 0.2 ms, never the minute-long tick), and sleeps again once
+    none is in flight."""
+    with _driven_loop(0.0002, 50) as drives:
+        time.sleep(0.05)
+        assert len(drives) == 50  # none in flight: asleep until the next event
 
 
 @pytest.mark.parametrize("due_in", [0.0008, 0.03])  # a sleep, and a ZeroMQ poll of 30 ms
@@ -215,28 +226,11 @@ def test_a_loop_waits_for_its_reads_next_poll_not_less(slow_ticks: None, due_in:
     """Between polls of an old read the loop sleeps until the next poll is due (what `drive`
     returned), not a fixed 0.2 ms: no turns that poll nothing. Only lower bounds are asserted
     (a loaded machine turns later, never sooner)."""
-    drives: list[float] = []
-    done = threading.Event()
-
-    def drive() -> float | None:
-        drives.append(time.monotonic())
-        if len(drives) == 6:
-            done.set()
-        return due_in if len(drives) < 6 else None
-
-    loop = EventLoop("test-loop", "test", lambda: [], lambda sock: None, lambda: None, drive=drive)
-    loop.start()
-    try:
-        loop.post(lambda: None)
-        assert done.wait(WAIT_S), "the loop did not turn for its reads"
+    with _driven_loop(due_in, 6) as drives:
         gaps = [b - a for a, b in itertools.pairwise(drives)]
-        # ZeroMQ's poll waits whole milliseconds, rounded down
-        floor = due_in if due_in < 0.001 else int(due_in * 1000) / 1000
-        assert min(gaps) >= floor * 0.95, gaps
-    finally:
-        loop.post(loop.stop)
-        loop.join()
-        loop.close()
+    # ZeroMQ's poll waits whole milliseconds, rounded down
+    floor = due_in if due_in < 0.001 else int(due_in * 1000) / 1000
+    assert min(gaps) >= floor * 0.95, gaps
 
 
 def test_idle_loops_tick_at_the_idle_rate(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -125,23 +125,27 @@ def test_frozen_and_missing_producers_are_skipped_and_the_others_serve(processes
 
 def test_a_producer_killed_while_a_load_waits_fails_it_at_once_not_at_its_timeout(processes):
     """Producer A holds the item and is frozen, so a load's query to it waits (query timeout
-    30 s). Once the query's connection is up (the kernel accepts it for the frozen process), A
-    is SIGKILLed: the kernel closes its sockets, and the load fails at once, naming the closed
-    connection, with A skipped from then on. Without the watch it waited out the 30 s."""
+    300 s). Once the query's connection is up (the kernel accepts it for the frozen process), A
+    is SIGKILLed: the kernel closes its sockets, and the load fails well before the query's
+    timeout, naming the closed connection, with A skipped from then on. Without the watch it
+    waited out the timeout. The bound is half the timeout: a loaded machine stalls whole
+    processes for tens of seconds (benchmarks/RESULTS.md), never for minutes."""
+    query_timeout_s = 300.0
     proc_a, address_a = _producer(processes, picks=range(0, 6))
     item = HASHES[0]
     port = int(address_a.rsplit(":", 1)[1])
-    with _consumer([address_a], **{**PATIENT, "retry_after_s": 60.0}) as consumer:
+    config = {**PATIENT, "query_timeout_s": query_timeout_s, "retry_after_s": 600.0}
+    with _consumer([address_a], **config) as consumer:
         assert same_bits(consumer.load(item), ITEMS[item])  # a session with A, all live
         freeze(proc_a.pid)
         before = _connections_to(port)
         loading = consumer.start_load([item])
-        _until(lambda: _connections_to(port) > before, 30)  # the query's own connection
+        _until(lambda: _connections_to(port) > before, 120)  # the query's own connection
         os.kill(proc_a.pid, signal.SIGKILL)
-        proc_a.join(30)
-        (got, failed), seconds = _timed(loading.results, 60)
+        proc_a.join(120)
+        (got, failed), seconds = _timed(loading.results, 2 * query_timeout_s)
         assert not got and "closed the connection" in failed[item], failed
-        assert seconds < 10.0, seconds  # far below the 30 s the query would have waited
+        assert seconds < query_timeout_s / 2, seconds
         assert address_a in consumer.producers_down
 
 

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from kvxfer.connector.messages import (
     KV_SERVICE,
@@ -53,7 +52,7 @@ from kvxfer.connector.messages import (
     decode_terms,
     encode,
 )
-from kvxfer.connector.sidechannel import has_message
+from kvxfer.connector.sidechannel import close_watched, connection_closed, has_message
 from kvxfer.plan.layout import STAGING_REGION
 from kvxfer.session.protocol import Delivered, Opened, Rejected, Reply, SessionClient
 from kvxfer.spec import KVCacheSpec
@@ -378,19 +377,13 @@ class ProducerSessions:
     def _close_sockets(self, session: ProducerSession) -> None:
         """Close the session's socket and its monitor (no event of it matters any more)."""
         self._monitors.pop(session.monitor, None)
-        session.sock.disable_monitor()
-        session.monitor.close(linger=0)
-        session.sock.close(linger=0)
+        close_watched(session.sock, session.monitor)
 
     def _on_connection_events(self, session: ProducerSession) -> None:
         """The session's connection closed: the producer's process ended (the kernel closed
         its socket) or it closed its side channel. Dead at once, not after `peer_timeout_s`
         of silence."""
-        closed = False
-        while session.state is not SessionState.DEAD and has_message(session.monitor):
-            event = recv_monitor_message(session.monitor, zmq.NOBLOCK)
-            closed = closed or event["event"] == zmq.EVENT_DISCONNECTED
-        if closed:
+        if connection_closed(session.monitor):  # a dead session's monitor is closed already
             self.fail(session, "closed the connection: its process ended or it closed")
 
     # ---- one session's frames ------------------------------------------------------------

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from kvxfer.connector.messages import (
     EC_SERVICE,
@@ -38,7 +37,7 @@ from kvxfer.connector.messages import (
     decode_terms,
     encode,
 )
-from kvxfer.connector.sidechannel import has_message
+from kvxfer.connector.sidechannel import close_watched, connection_closed
 from kvxfer.ec.base import ECLoadError
 from kvxfer.session.protocol import (
     ClientState,
@@ -235,7 +234,7 @@ class Conversations:
             del monitors[monitor]
             poller.unregister(sock)
             poller.unregister(monitor)
-            _close(sock, monitor)
+            close_watched(sock, monitor)
 
         def send(sock: zmq.Socket[bytes], address: str, frames: list[bytes]) -> None:
             try:
@@ -261,7 +260,7 @@ class Conversations:
 
         def watched(monitor: zmq.Socket[bytes]) -> None:
             sock = monitors[monitor]
-            if not _closed_connection(monitor):
+            if not connection_closed(monitor):
                 return
             address, talk, _ = socks[sock]
             talk.close()
@@ -302,7 +301,7 @@ class Conversations:
             return results
         finally:
             for sock, (_, talk, monitor) in socks.items():
-                _close(sock, monitor)
+                close_watched(sock, monitor)
                 talk.close()
 
     def _dealer(self, address: str) -> zmq.Socket[bytes]:
@@ -323,7 +322,7 @@ class Conversations:
         try:
             sock.connect(address)
         except zmq.ZMQError:
-            _close(sock, monitor)
+            close_watched(sock, monitor)
             raise
         return sock, monitor
 
@@ -340,19 +339,3 @@ class Conversations:
                 sock.close(linger=0)
             self._hint_socks.clear()
         self._ctx.term()
-
-
-def _closed_connection(monitor: zmq.Socket[bytes]) -> bool:
-    """Whether the monitored socket's connection closed (reads every event waiting)."""
-    closed = False
-    while has_message(monitor):
-        event = recv_monitor_message(monitor, zmq.NOBLOCK)
-        closed = closed or event["event"] == zmq.EVENT_DISCONNECTED
-    return closed
-
-
-def _close(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
-    """Close a conversation's socket and its monitor."""
-    sock.disable_monitor()
-    monitor.close(linger=0)
-    sock.close(linger=0)
