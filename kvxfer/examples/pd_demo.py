@@ -239,7 +239,9 @@ def decode_rank(options: dict, rank: int, port: int, addresses: list[str], first
                 report.update(
                     tokens=tokens, logits=logits.numpy(), decode_s=time.perf_counter() - began
                 )
-            conn.send(report)
+        # Sent once the consumer has closed: the prefill ranks stop on it, and a producer that
+        # closes first would be logged as a dead peer on a consumer still closing.
+        conn.send(report)
     except Exception:
         conn.send({"error": traceback.format_exc()})
 
