@@ -806,6 +806,7 @@ class Engine:
                 target=worker_main, args=(child, model_dir, spec, rank, hold), daemon=True
             )
             proc.start()
+            child.close()  # the worker's end lives in the worker only: its exit is our EOF
             self.conns.append(parent)
             self.procs.append(proc)
         self.finished_recving: set[str] = set()
@@ -882,12 +883,23 @@ class Engine:
         for proc in self.procs:
             os.kill(proc.pid, signal.SIGCONT)
 
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        """Wait until every worker registered its caches (vLLM import and connector start)."""
-        for conn in self.conns:
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        """Wait until every worker registered its caches (vLLM import and connector start).
+
+        Waits on each worker's message or its exit (the pipe's EOF), so a worker that died is
+        reported at once; `timeout` only guards against a hang (a loaded machine has taken
+        over 180 s to import vLLM in several spawned workers)."""
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs, strict=True)):
             if not conn.poll(timeout):
-                raise TimeoutError(f"{self.spec.name}: a worker did not start in {timeout} s")
-            conn.recv()
+                raise TimeoutError(f"{self.spec.name}: worker {rank} did not start in {timeout} s")
+            try:
+                conn.recv()
+            except EOFError:
+                proc.join(10)
+                raise RuntimeError(
+                    f"{self.spec.name}: worker {rank} exited (code {proc.exitcode}) before it "
+                    "started; its traceback is on stderr above"
+                ) from None
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, params: dict | None):
         """Submit a request, as the API server would."""
