@@ -186,6 +186,31 @@ def test_lru_eviction_under_pressure_spares_outputs_being_fetched():
         producer.close()
 
 
+def test_a_save_that_pinned_items_leave_no_room_for_fails_and_evicts_nothing():
+    producer = ECConnectorFactory.create("MooncakeECConnector", "producer", {"pool_bytes": 8192})
+    try:
+        t = torch.arange(1024, dtype=torch.int16)  # 2 KiB each: four fit, one after another
+        for i in range(4):
+            producer.save(f"item-{i}", t + i)
+        pool = producer.producer.pool
+        pins = [pool.pin("item-1"), pool.pin("item-3")]  # being read: 2 KiB free runs between
+        stored = producer.stored
+        wide = torch.arange(2048, dtype=torch.int16)  # 4 KiB: room in total, in no single run
+        with pytest.raises(RuntimeError, match="full of outputs being read"):
+            producer.save("wide", wide)
+        assert producer.stored == stored  # item-0 and item-2 were not evicted for nothing
+        config = {"producer_addresses": [producer.address], "recv_bytes": 1 << 20}
+        with ECConnectorFactory.create("MooncakeECConnector", "consumer", config) as consumer:
+            assert all(same_bits(consumer.load(f"item-{i}"), t + i) for i in (0, 2))
+        for entry in pins:
+            assert entry is not None
+            pool.unpin(entry)
+        producer.save("wide", wide)  # now evicting makes room, so it evicts
+        assert "wide" in producer.stored and len(producer.stored) < len(stored)
+    finally:
+        producer.close()
+
+
 def test_roles_and_hashes_are_checked(tmp_path):
     consumer = ECConnectorFactory.create(
         "SharedStorageECConnector", "consumer", {"path": str(tmp_path)}

@@ -5,7 +5,8 @@ receive buffer both use it). `ItemPool` keeps the producer's items, least recent
 in one uint8 tensor registered with the producer's Mooncake engine, so that a consumer can read
 an item's bytes where they lie. An item's bytes never change while it is in the pool: a range
 is written only when it is allocated, and an item's range is not free until the item is
-evicted. Eviction takes the least recently used item that no read pins; a pinned item stays.
+evicted. Eviction takes the least recently used item that no read pins; a pinned item stays,
+and a save that the pinned items leave no room for fails without evicting anything.
 """
 
 from __future__ import annotations
@@ -51,21 +52,29 @@ class ByteRanges:
 
     def free(self, offset: int, nbytes: int) -> None:
         """Give a range back, merging it with free neighbours."""
-        size = self.rounded(nbytes)
-        self._free.append((offset, size))
-        self._free.sort()
-        merged: list[tuple[int, int]] = []
-        for start, length in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], merged[-1][1] + length)
-            else:
-                merged.append((start, length))
-        self._free = merged
+        self._free = _merged([*self._free, (offset, self.rounded(nbytes))])
+
+    def would_fit(self, nbytes: int, freed: list[tuple[int, int]]) -> bool:
+        """Whether `nbytes` would fit once the ranges `freed` ((offset, nbytes) each, all
+        allocated now) were given back."""
+        spans = _merged([*self._free, *((o, self.rounded(n)) for o, n in freed)])
+        return any(size >= self.rounded(nbytes) for _, size in spans)
 
     @property
     def free_bytes(self) -> int:
         """Bytes not allocated."""
         return sum(size for _, size in self._free)
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset, size) spans sorted, with touching ones joined."""
+    merged: list[tuple[int, int]] = []
+    for start, length in sorted(spans):
+        if merged and merged[-1][0] + merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], merged[-1][1] + length)
+        else:
+            merged.append((start, length))
+    return merged
 
 
 @dataclass(eq=False)  # identity: "the same entry" means the same bytes, never rewritten
@@ -144,20 +153,25 @@ class ItemPool:
 
     def _room_for(self, nbytes: int) -> int:
         """An offset for `nbytes`, evicting the least recently used unpinned items (under the
-        lock)."""
+        lock). Nothing is evicted unless evicting makes room: a save that must fail (the
+        pinned items leave no run long enough) costs the pool no item."""
         offset = self._ranges.alloc(nbytes)
-        while offset is None:
-            victim = next((h for h, e in self._entries.items() if e.pins == 0), None)
-            if victim is None:
-                raise RuntimeError(
-                    "the encoder-cache pool is full of outputs being read; retry, or raise "
-                    "pool_bytes"
-                )
+        if offset is not None:
+            return offset
+        unpinned = [h for h, e in self._entries.items() if e.pins == 0]  # oldest first
+        held = [(self._entries[h].offset, self._entries[h].nbytes) for h in unpinned]
+        if not self._ranges.would_fit(nbytes, held):
+            raise RuntimeError(
+                "the encoder-cache pool is full of outputs being read; retry, or raise pool_bytes"
+            )
+        for victim in unpinned:
             gone = self._entries.pop(victim)
             self._ranges.free(gone.offset, gone.nbytes)
             log.debug("evicted encoder output %s", victim)
             offset = self._ranges.alloc(nbytes)
-        return offset
+            if offset is not None:
+                return offset
+        raise AssertionError("evicting every unpinned item made no room, yet would_fit said so")
 
     def get(self, mm_hash: str) -> Entry | None:
         """The item's entry, if held."""
