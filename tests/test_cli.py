@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -284,16 +283,14 @@ def test_what_only_the_library_catches_is_one_line_too(capsys, monkeypatch):
     ],
     ids=["kvxfer", "plan", "bench", "demo", "doctor"],
 )
-def test_help_is_fast_and_shows_defaults(argv, defaults):
-    began = time.perf_counter()
+def test_help_shows_defaults(argv, defaults):
+    """(`--help` stays fast, 0.04-0.06 s here where it took 4-8 s, because the CLI imports no
+    heavy module: the next test checks that exactly, not by this machine's speed.)"""
     done = kvxfer(*argv, "--help")
-    seconds = time.perf_counter() - began
     assert done.returncode == 0, done.stderr
     out = " ".join(done.stdout.split())  # argparse wraps lines
     for text in defaults:
         assert text in out, (text, done.stdout)
-    # Measured at 0.04-0.06 s here (it was 4-8 s); a generous bound for busy CI machines.
-    assert seconds < 3.0, seconds
 
 
 def test_importing_the_cli_imports_no_heavy_module():

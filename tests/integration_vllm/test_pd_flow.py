@@ -425,17 +425,15 @@ def test_decode_abort_before_the_load_frees_the_prefill_blocks_at_once(engines):
     params = _prefilled(prefill, "req-abort-waiting", prompt)
     assert prefill.free_blocks_at_start - prefill.free_blocks() == -(-len(prompt) // 16)
     decode.add("req-abort-waiting", prompt, max_tokens=1, params=params)
-    # The client goes away before the decode engine scheduled it: no block, no load.
-    began = time.monotonic()
+    # The client goes away before the decode engine scheduled it: no block, no load. Freed
+    # "at once" is told from freed at the request's timeout (120 s), not by this machine's speed.
     decode.scheduler.finish_requests("req-abort-waiting", RequestStatus.FINISHED_ABORTED)
     _run_until(
         lambda: "req-abort-waiting" in prefill.finished_sending,
         [decode, prefill],
-        timeout=20,
+        timeout=REQUEST_TIMEOUT_S / 4,
         what="(the prefill engine still holds the aborted request's blocks)",
     )
-    took = time.monotonic() - began
-    assert took < 5, f"the prefill engine freed the blocks after {took:.1f} s"
     assert prefill.free_blocks() == prefill.free_blocks_at_start
     assert decode.free_blocks() == decode.free_blocks_at_start
 
