@@ -15,10 +15,19 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext, SpawnContext
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 PRELOAD = ["kvxfer.testing._warm"]
 """What the forkserver imports before it forks (torch, kvxfer.connector, the ranks' code)."""
+
+START_TIMEOUT_S = 300.0
+"""How long a child may take to start (imports, caches, engines): a guard against a hang only,
+since a child that exits first is seen at once (`first_message`). A loaded machine has stalled
+whole processes for tens of seconds."""
 
 _lock = threading.Lock()
 _context: ForkServerContext | SpawnContext | None = None
@@ -40,3 +49,41 @@ def context() -> ForkServerContext | SpawnContext:
             else:
                 _context = mp.get_context("spawn")
         return _context
+
+
+def first_message(
+    conn: Connection, proc: BaseProcess, what: str, timeout: float = START_TIMEOUT_S
+) -> Any:
+    """The first message a child sends on `conn` (its "started"), or its exit, reported at once
+    with its exit code: the parent must hold no copy of the child's end of the pipe, so that
+    the exit is an EOF here (`start_child` closes it).
+
+    Raises:
+        TimeoutError: nothing came, and the child did not exit, within `timeout`.
+        RuntimeError: the child exited first (its traceback, if any, is on stderr).
+    """
+    if not conn.poll(timeout):
+        raise TimeoutError(f"{what} did not start within {timeout} s")
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join(10)
+        raise RuntimeError(
+            f"{what} exited (code {proc.exitcode}) before it started; its traceback, if any, "
+            "is on stderr"
+        ) from None
+
+
+def start_child(
+    ctx: ForkServerContext | SpawnContext,
+    target: Callable[..., None],
+    args: tuple[Any, ...],
+    what: str,
+) -> tuple[BaseProcess, Connection, Any]:
+    """Start `target(*args, conn)` in a daemon process of `ctx`; return the process, this
+    side's end of the pipe and the child's first message (`first_message`)."""
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+    proc.start()
+    child.close()  # the child's end lives in the child only: its exit is our EOF
+    return proc, parent, first_message(parent, proc, what)

@@ -32,7 +32,7 @@ import numpy as np
 from kvxfer.spec import allocate_kv_caches
 from kvxfer.testing.geometry import Geometry, Request
 from kvxfer.testing.memory import POISON, BlockIds, CacheModel, poison
-from kvxfer.testing.processes import context
+from kvxfer.testing.processes import START_TIMEOUT_S, context
 from kvxfer.testing.ranks import child_main
 from kvxfer.testing.signals import freeze
 
@@ -108,12 +108,18 @@ class Proc:
                 self._replies[message[1]] = (message[0], message[2])
         return got
 
-    def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
-        """The child's ready info (its address, pid); waits for it."""
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> dict[str, Any]:
+        """The child's ready info (its address, pid); waits for it, or for its exit (reported
+        at once: its end of the pipe closes)."""
         deadline = time.monotonic() + timeout
         while self.info is None:
+            if self.gone:
+                self.process.join(10)
+                raise ChildError(
+                    f"{self.name} exited (code {self.process.exitcode}) before it started"
+                )
             left = deadline - time.monotonic()
-            if self.gone or left <= 0:
+            if left <= 0:
                 raise ChildError(f"{self.name} did not start within {timeout} s")
             self.pump(min(left, 0.5))
         return self.info
@@ -401,7 +407,7 @@ class Rig:
         self.procs.append(c)
         return c
 
-    def ready(self, timeout: float = 60.0) -> None:
+    def ready(self, timeout: float = START_TIMEOUT_S) -> None:
         """Wait until every process started."""
         for p in self.procs:
             if not p.gone:

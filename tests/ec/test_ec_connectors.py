@@ -11,6 +11,7 @@ import torch
 from ec_cases import items, producer_process, same_bits
 
 from kvxfer.ec import ECConnectorBase, ECConnectorFactory, ECLoadError, check_hash, item_key
+from kvxfer.testing.processes import start_child
 
 ITEMS = items()
 
@@ -22,12 +23,9 @@ def producer_in_a_process(tmp_path):
     started = []
 
     def start(name, config):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=producer_process, args=(name, config, child), daemon=True)
-        proc.start()
-        assert parent.poll(120), "the producer process did not start"
+        proc, parent, address = start_child(ctx, producer_process, (name, config), "a producer")
         started.append((proc, parent))
-        return parent.recv()
+        return address
 
     yield start
     for proc, parent in started:

@@ -30,6 +30,7 @@ from ec_cases import (
 
 from kvxfer.ec import ECConnectorFactory, ECLoadError
 from kvxfer.testing import POISON
+from kvxfer.testing.processes import start_child
 from kvxfer.testing.signals import freeze, stopped, thread_states, wait_stopped
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -48,13 +49,10 @@ def processes():
     started = []
 
     def start(target, *args):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=target, args=(*args, child), daemon=True)
-        proc.start()
-        assert parent.poll(120), "the process did not start"
+        proc, parent, first = start_child(ctx, target, args, target.__name__)
         started.append((proc, parent))
         proc.conn = parent  # the test's end of the pipe
-        return proc, parent.recv()
+        return proc, first
 
     yield start
     for proc, parent in started:

@@ -17,6 +17,7 @@ import torch
 from ec_cases import big, same_bits, zero_dim_items
 
 from kvxfer.ec import ECConnectorFactory, ECLoadError
+from kvxfer.testing.processes import start_child
 
 
 def _pair(path):
@@ -134,11 +135,9 @@ def test_a_writer_killed_mid_write_leaves_nothing_announced_that_is_not_whole(tm
     """While a writer process saves 16 MiB files, every item `has` announces loads bit for bit;
     after it is SIGKILLed mid-write, the same holds and the partial file is not announced."""
     ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_write_forever, args=(str(tmp_path), child), daemon=True)
-    proc.start()
+    proc, _, ready = start_child(ctx, _write_forever, (str(tmp_path),), "the writer")
     try:
-        assert parent.poll(60) and parent.recv() == "ready"
+        assert ready == "ready"
         consumer = ECConnectorFactory.create(
             "SharedStorageECConnector", "consumer", {"path": str(tmp_path)}
         )

@@ -42,7 +42,9 @@ def _no(free_slots: int | None) -> bool:
 @pytest.mark.parametrize("freeze_at", list(CHUNKS))
 def test_frozen_consumer_does_not_stall_another_consumer(rig, freeze_at):
     chunks = CHUNKS[freeze_at]
-    producer = rig.producer(BIG_PREFILL, options=chunks)
+    # A stays the producer's session while frozen, however long a loaded machine takes here:
+    # by default 10 s of silence would end it, and with it the staging the test watches.
+    producer = rig.producer(BIG_PREFILL, options={**chunks, "session_timeout_s": 300.0})
     a = rig.consumer(
         BIG_DECODE, engine_id="decode-a", options={"strategy": "pack+unpack", **chunks}
     )
@@ -65,12 +67,12 @@ def test_frozen_consumer_does_not_stall_another_consumer(rig, freeze_at):
         assert not any(k == "result" for k, _ in a.events), "the transfer ended before the freeze"
     else:
         a.fetch(big, a_ids, timeout=30.0)
-        waiting = poll(lambda: producer.report()["stats"]["waiting_chunks"], bool, timeout=20.0)
+        waiting = poll(lambda: producer.report()["stats"]["waiting_chunks"], bool, timeout=120.0)
         assert waiting, "consumer A's requests never reached the producer"
         a.freeze()
         producer.publish(big, src_ids[big.request_id])
         # The producer serves the frozen consumer: its packs fill A's staging, never read.
-        full = poll(lambda: producer.report()["free_slots"].get(("decode-a", 0)), _no, 20.0)
+        full = poll(lambda: producer.report()["free_slots"].get(("decode-a", 0)), _no, 120.0)
         assert full == 0, f"the producer did not pack for the frozen consumer: {full}"
 
     # A stays frozen until B's fetch ended: B finishing at all shows A does not stall it, so

@@ -23,6 +23,9 @@ import torch
 from ranks import POISON_BYTE, WAIT_S, RankConfig, global_kv, heads_of, run_rank
 
 POISON_WORD = POISON_BYTE << 8 | POISON_BYTE  # a poisoned bf16, as the int16 it is read as
+# How long a rank may take to answer (start, import SGLang, transfer): a guard against a hang
+# only, since a rank that exits is seen at once. A loaded machine stalls processes for seconds.
+RANK_HANG_S = 600.0
 
 TOKENS = 100  # not a whole number of pages: the last page is partial on both sides
 
@@ -157,6 +160,7 @@ def _run_pair(
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=run_rank, args=(cfg, child), daemon=True)
         proc.start()
+        child.close()  # the rank's end lives in the rank only: its exit is our EOF
         pipes.append(parent)
         procs.append(proc)
     results, errors = [], []
@@ -167,10 +171,17 @@ def _run_pair(
                 procs[configs.index(cfg)].join(WAIT_S)
                 results.append(None)
                 continue
-            if not pipe.poll(WAIT_S + 60):
-                errors.append(f"{name} did not answer")
+            # A rank that exits is seen at once (EOF); the bound only guards against a hang.
+            if not pipe.poll(RANK_HANG_S):
+                errors.append(f"{name} did not answer in {RANK_HANG_S} s")
                 continue
-            status, value = pipe.recv()
+            try:
+                status, value = pipe.recv()
+            except EOFError:
+                proc = procs[configs.index(cfg)]
+                proc.join(10)
+                errors.append(f"{name} exited (code {proc.exitcode}) without an answer")
+                continue
             if status != "ok":
                 errors.append(f"{name}:\n{value}")
             results.append(value)

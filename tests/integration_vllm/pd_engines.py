@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from kvxfer.testing.memory import POISON
+from kvxfer.testing.processes import first_message
 
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 6, 16, 256
 MODEL = {
@@ -884,22 +885,11 @@ class Engine:
             os.kill(proc.pid, signal.SIGCONT)
 
     def wait_ready(self, timeout: float = 900.0) -> None:
-        """Wait until every worker registered its caches (vLLM import and connector start).
-
-        Waits on each worker's message or its exit (the pipe's EOF), so a worker that died is
-        reported at once; `timeout` only guards against a hang (a loaded machine has taken
-        over 180 s to import vLLM in several spawned workers)."""
+        """Wait until every worker registered its caches (vLLM import and connector start); a
+        worker that exits first is reported at once. `timeout` only guards against a hang (a
+        loaded machine has taken over 180 s to import vLLM in several spawned workers)."""
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs, strict=True)):
-            if not conn.poll(timeout):
-                raise TimeoutError(f"{self.spec.name}: worker {rank} did not start in {timeout} s")
-            try:
-                conn.recv()
-            except EOFError:
-                proc.join(10)
-                raise RuntimeError(
-                    f"{self.spec.name}: worker {rank} exited (code {proc.exitcode}) before it "
-                    "started; its traceback is on stderr above"
-                ) from None
+            first_message(conn, proc, f"{self.spec.name}: worker {rank}", timeout)
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, params: dict | None):
         """Submit a request, as the API server would."""
