@@ -462,11 +462,12 @@ def test_decode_abort_during_the_load_frees_both_sides(engines):
         assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         decode.scheduler.finish_requests("req-abort-loading", RequestStatus.FINISHED_ABORTED)
         # Every decode worker gives the load up at once: vLLM frees the decode blocks while
-        # the prefill engine is still frozen (well before it could be taken for dead).
+        # the prefill engine is still frozen, well before the load could end otherwise (at its
+        # fetch timeout, or with the prefill taken for dead).
         _run_until(
             lambda: "req-abort-loading" in decode.finished_recving,
             [decode],
-            timeout=PEER_TIMEOUT_S / 2,
+            timeout=min(FETCH_TIMEOUT_S, PEER_TIMEOUT_S) / 2,
             what="(the aborted load did not end)",
         )
         assert decode.free_blocks() == decode.free_blocks_at_start
