@@ -158,14 +158,13 @@ class ItemPool:
         offset = self._ranges.alloc(nbytes)
         if offset is not None:
             return offset
-        unpinned = [h for h, e in self._entries.items() if e.pins == 0]  # oldest first
-        held = [(self._entries[h].offset, self._entries[h].nbytes) for h in unpinned]
-        if not self._ranges.would_fit(nbytes, held):
+        unpinned = [(h, e) for h, e in self._entries.items() if e.pins == 0]  # oldest first
+        if not self._ranges.would_fit(nbytes, [(e.offset, e.nbytes) for _, e in unpinned]):
             raise RuntimeError(
                 "the encoder-cache pool is full of outputs being read; retry, or raise pool_bytes"
             )
-        for victim in unpinned:
-            gone = self._entries.pop(victim)
+        for victim, gone in unpinned:
+            del self._entries[victim]
             self._ranges.free(gone.offset, gone.nbytes)
             log.debug("evicted encoder output %s", victim)
             offset = self._ranges.alloc(nbytes)
