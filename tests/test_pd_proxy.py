@@ -249,3 +249,23 @@ def test_a_bootstrap_port_that_is_not_one_is_a_clear_502(answer):
         for server in (proxy, bogus, decode):
             server.shutdown()
             server.server_close()
+
+
+def test_a_burst_of_clients_is_queued_while_the_proxy_is_not_accepting():
+    """64 clients connect at once while the proxy's thread accepts none (a proxy not scheduled
+    in time): the kernel completes every connection, for the proxy to accept later. With
+    socketserver's backlog of 5, the rest waited for SYN retries or were reset (the e2e suite's
+    16 requests in flight)."""
+    import socket
+
+    proxy = make_server("127.0.0.1", 0, ["http://127.0.0.1:1"], ["http://127.0.0.1:2"], 1)
+    clients = []
+    try:
+        for _ in range(64):
+            client = socket.create_connection(proxy.server_address, timeout=30)
+            clients.append(client)
+        assert len(clients) == 64
+    finally:
+        for client in clients:
+            client.close()
+        proxy.server_close()

@@ -168,6 +168,15 @@ class _RoundRobin(Generic[T]):
             return next(self._cycle)
 
 
+class ProxyServer(ThreadingHTTPServer):
+    """The proxy's HTTP server: a thread per connection, and a listen backlog for a burst of
+    clients. socketserver's default backlog is 5: 16 clients connecting at once to a proxy
+    whose thread was not scheduled in time had connections reset (the e2e suite's 16 requests
+    in flight, with SYN cookies on, as Linux has by default)."""
+
+    request_queue_size = 1024
+
+
 def make_server(
     host: str,
     port: int,
@@ -176,7 +185,7 @@ def make_server(
     timeout: float,
     flow: str = "sequential",
     bootstrap_ports: Sequence[int | None] = (),
-) -> ThreadingHTTPServer:
+) -> ProxyServer:
     """An HTTP server that routes as the module says (call `serve_forever` on it).
     `bootstrap_ports`: each prefill engine's bootstrap port, in `prefill_urls`' order (the
     concurrent flow needs them).
@@ -259,7 +268,7 @@ def make_server(
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
-    return ThreadingHTTPServer((host, port), Handler)
+    return ProxyServer((host, port), Handler)
 
 
 def _post(url: str, body: dict[str, Any], timeout: float) -> Any:
