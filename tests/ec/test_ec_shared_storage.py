@@ -11,6 +11,7 @@ import stat
 import struct
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,6 +132,19 @@ def _write_forever(path: str, conn) -> None:
         producer.save(f"item-{i}", big((4 << 20,), i))  # 16 MiB each
 
 
+def _being_written(folder: Path) -> list[Path]:
+    """The temporary files in `folder` that hold bytes now; one renamed between the listing
+    and its size (its write ended: a slow listing on a loaded machine) is not among them."""
+    found = []
+    for path in folder.iterdir():
+        try:
+            if path.name.endswith(".tmp") and path.stat().st_size > 0:
+                found.append(path)
+        except FileNotFoundError:
+            continue
+    return found
+
+
 def test_a_writer_killed_mid_write_leaves_nothing_announced_that_is_not_whole(tmp_path):
     """While a writer process saves 16 MiB files, every item `has` announces loads bit for bit;
     after it is SIGKILLed mid-write, the same holds and the partial file is not announced."""
@@ -160,8 +174,8 @@ def test_a_writer_killed_mid_write_leaves_nothing_announced_that_is_not_whole(tm
             time.sleep(0.01)
         temps = []
         for _ in range(200):  # kill it while a temporary file is being written
-            temps = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-            if temps and temps[0].stat().st_size > 0:
+            temps = _being_written(tmp_path)
+            if temps:
                 break
             time.sleep(0.002)
         os.kill(proc.pid, signal.SIGKILL)
