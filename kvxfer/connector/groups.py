@@ -8,14 +8,19 @@ group is: `GroupedProducer` releases a request once every group's producer did,
 one block pool, so their block ids never collide).
 
 A sliding-window group moves only the tokens a query can still attend:
-- the consumer fetches `[window_start(num_tokens, window), num_tokens)`: the next position
-  computed (`num_tokens`, the first token not loaded) attends to the `window - 1` tokens before
-  it; vLLM has already replaced the blocks of earlier tokens by its null block;
-- the producer holds `[num_tokens - window, num_tokens)` (`held_from`): one token more than a
-  decode rank ever asks for when it recomputes the prompt's last token, which is what vLLM's
-  sliding-window manager keeps after the prefill (it drops blocks below the tokens the last
-  chunk attends to). A fetch below that fails with its blocks named, never reading a block
-  that another request now owns.
+- the consumer fetches `[window_start(first_computed, window), num_tokens)`: the first position
+  the engine computes after the load attends to the `window - 1` tokens before it. That is the
+  first token not loaded (`num_tokens`), except where the engine recomputes the last loaded
+  token: vLLM does after loading a whole prompt (its scheduler sets `num_computed_tokens` to
+  `num_tokens - 1`), so that query attends from `num_tokens - window` (with `num_tokens - window
+  + 1`, a real CPU engine's greedy outputs parted from one engine's alone on 4 of 16 prompts);
+- blocks the engine already dropped (vLLM gives them its null block) are never written: a
+  fetch starts past a leading null block (`null_block`);
+- the producer holds `[num_tokens - window, num_tokens)` (`held_from`): what a decode rank
+  that recomputes the prompt's last token asks for, which is what vLLM's sliding-window
+  manager keeps after the prefill (it drops blocks below the tokens the last chunk attends
+  to). A fetch below that fails with its blocks named, never reading a block that another
+  request now owns.
 
 Groups pair by index: both engines serve the same model, so vLLM builds the same groups in
 the same order on both sides; `connect` checks that every producer rank has as many groups.
@@ -74,13 +79,18 @@ class CacheGroup:
         if self.state and window is not None:
             raise ValueError("CacheGroup: a state group has no sliding window; pass None")
 
-    def fetched_tokens(self, num_tokens: int, start_token: int = 0) -> tuple[int, int]:
+    def fetched_tokens(
+        self, num_tokens: int, start_token: int = 0, first_computed: int | None = None
+    ) -> tuple[int, int]:
         """The token range a decode rank fetches of this group for a request of `num_tokens`
         tokens of which it holds the first `start_token`: the window's, or the state's
-        `(0, 1)`; empty (start == end) when nothing moves."""
+        `(0, 1)`; empty (start == end) when nothing moves. `first_computed`: the first
+        position the engine computes after the load (default `num_tokens`; the module
+        docstring)."""
         if self.state:
             return (0, 1) if start_token < num_tokens else (1, 1)
-        return max(start_token, window_start(num_tokens, self.sliding_window)), num_tokens
+        query = num_tokens if first_computed is None else first_computed
+        return max(start_token, window_start(query, self.sliding_window)), num_tokens
 
     def held_tokens(self, num_tokens: int) -> tuple[int, int]:
         """The token range a prefill rank offers of this group (`held_from`; the state's
@@ -104,6 +114,16 @@ def held_from(num_tokens: int, sliding_window: int | None) -> int:
     if sliding_window is None:
         return 0
     return max(0, num_tokens - sliding_window)
+
+
+def _past_null_blocks(
+    table: Sequence[int] | np.ndarray, start: int, end: int, block_size: int, null: int | None
+) -> int:
+    """`start`, moved to the next block's first token while its block is the engine's null
+    block (at most `end`)."""
+    while null is not None and start < end and int(table[start // block_size]) == null:
+        start = min(end, (start // block_size + 1) * block_size)
+    return start
 
 
 def _group_tables(
@@ -372,9 +392,13 @@ class GroupedConsumer:
         start_token: int = 0,
         timeout: float | None = None,
         streamed: bool = False,
+        first_computed: int | None = None,
+        null_block: int | None = None,
     ) -> GroupedFetch:
         """Start fetching tokens `[start_token, num_tokens)` of every group: `block_ids[g]`
-        is group `g`'s table; a sliding-window group fetches only from `window_start`.
+        is group `g`'s table; a sliding-window group fetches only what the query at
+        `first_computed` attends to (default `num_tokens`: the module docstring), past any
+        leading entry of its table that is the engine's `null_block` (a block it dropped).
         `streamed`: as `KVConsumer.fetch` (the prefill may still compute it).
 
         Raises:
@@ -386,7 +410,9 @@ class GroupedConsumer:
         handles: list[FetchHandle | None] = []
         try:
             for group, consumer, table in zip(self.groups, self.consumers, tables, strict=True):
-                start, end = group.fetched_tokens(num_tokens, start_token)
+                start, end = group.fetched_tokens(num_tokens, start_token, first_computed)
+                if group.sliding_window is not None:
+                    start = _past_null_blocks(table, start, end, group.spec.block_size, null_block)
                 if start >= end:
                     handles.append(None)  # a full prefix hit: nothing of this group moves
                     continue

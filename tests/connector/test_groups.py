@@ -18,7 +18,7 @@ from helpers import POISON_BYTE, bits, side_specs
 
 from kvxfer import allocate_kv_caches
 from kvxfer.connector import CacheGroup, GroupedConsumer, GroupedProducer, window_start
-from kvxfer.connector.groups import fetched_blocks, held_from
+from kvxfer.connector.groups import _past_null_blocks, fetched_blocks, held_from
 from kvxfer.reference import random_global_kv, write_rank_cells
 
 NULL_BLOCK = 0  # vLLM's null block: never holds a token of a request
@@ -223,3 +223,26 @@ def test_fetched_blocks_are_those_a_fetch_fills():
     ]
     # Everything held already: nothing to fill.
     assert fetched_blocks(groups, [full, windowed, state], NUM_TOKENS, NUM_TOKENS) == []
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "first_computed", "fetched"),
+    [
+        (70, None, (51, 70)),  # the next token attends to the 19 before it
+        (70, 69, (50, 70)),  # vLLM recomputes the last loaded token: one token more
+        (71, 70, (52, 71)),  # token 51's block (48-51) was dropped: from the next block
+        (10, 9, (0, 10)),
+    ],
+)
+def test_a_window_group_fetches_what_the_first_computed_query_attends(
+    num_tokens, first_computed, fetched
+):
+    """A window of 20 in blocks of 4: a window group fetches what the first position the
+    engine computes after the load attends to, past the blocks the engine dropped (vLLM keeps
+    blocks from token `num_tokens - 19`'s; the others are its null block, 0)."""
+    spec = side_specs(1, block_size=4)[0]
+    group = CacheGroup(spec, allocate_kv_caches(spec), sliding_window=20)
+    dropped = max(0, num_tokens - 19) // 4
+    table = [0 if i < dropped else 100 + i for i in range(20)]
+    start, end = group.fetched_tokens(num_tokens, 0, first_computed)
+    assert (_past_null_blocks(table, start, end, 4, 0), end) == fetched

@@ -585,10 +585,17 @@ class Group:
     caches: list[torch.Tensor]
     kind: int | str | None
 
-    def first_token(self, num_tokens: int) -> int:
-        """The first of `num_tokens` tokens this group keeps for the next query: vLLM's
-        sliding-window manager drops the blocks of earlier ones (0 for full attention)."""
-        return 0 if not isinstance(self.kind, int) else max(0, num_tokens - self.kind + 1)
+    def first_token(self, num_tokens: int, table: list[int], block_size: int) -> int:
+        """The first of `num_tokens` loaded tokens this group must hold (0 for full
+        attention): vLLM recomputes the last one, whose window starts at `num_tokens -
+        window`, unless that token's block is one vLLM already dropped (its null block, id
+        0: from the next block on)."""
+        if not isinstance(self.kind, int):
+            return 0
+        first = max(0, num_tokens - self.kind)
+        while first < num_tokens and table[first // block_size] == 0:
+            first = (first // block_size + 1) * block_size
+        return min(first, num_tokens)
 
 
 def worker_groups(spec: EngineSpec, registered: dict[str, torch.Tensor], layers) -> list[Group]:
@@ -658,7 +665,7 @@ def mismatched_tokens(groups: list[Group], spec, worker: Worker, token_ids, tabl
                 if not torch.equal(page[block, : state.numel()], state):
                     bad[num_tokens - 1] = True
             continue
-        first = group.first_token(num_tokens)
+        first = group.first_token(num_tokens, table, spec.block_size)
         expected = stored_kv(
             expected_kv(token_ids, range(first, num_tokens), worker.heads, group.layers),
             group.layers,

@@ -100,9 +100,18 @@ def _decode(prefill: Engine, decode: Engine, prompts, params, loaded, on_loaded=
     assert decode.free_blocks() == decode.free_blocks_at_start
 
 
-def _window_start(num_tokens: int) -> int:
-    """vLLM's sliding-window manager keeps tokens from here (`get_num_skipped_tokens`)."""
+def _kept_from(num_tokens: int) -> int:
+    """vLLM's sliding-window manager keeps blocks from this token's on
+    (`get_num_skipped_tokens` of the loaded count)."""
     return max(0, num_tokens - WINDOW + 1)
+
+
+def _moved_from(num_tokens: int, block_size: int = 32) -> int:
+    """The first token the window group moves: the first the recomputed last prompt token
+    attends to (vLLM recomputes it after loading the whole prompt), unless vLLM already
+    dropped its block (then from the first block it keeps)."""
+    kept_block = _kept_from(num_tokens) // block_size * block_size
+    return max(0, num_tokens - WINDOW, kept_block)
 
 
 def test_full_and_sliding_window_groups_move_bit_exact(window_engines):
@@ -111,20 +120,23 @@ def test_full_and_sliding_window_groups_move_bit_exact(window_engines):
         "hyb-a": random_prompt(11, 100),
         "hyb-b": random_prompt(12, 45),
         "hyb-c": random_prompt(13, 17),  # shorter than the window: every token moves
+        # The recomputed last token attends to token 63, whose block vLLM dropped (it keeps
+        # blocks from token 64's): kvxfer moves from 64 and never writes the null block.
+        "hyb-d": random_prompt(14, 87),
     }
     params = _prefill(prefill, prompts)
     for request_id, prompt in prompts.items():
         assert all(len(t) == -(-len(prompt) // 16) for t in params[request_id]["remote_block_ids"])
 
     def dropped_blocks_are_null(prompt, tables):
-        dropped = _window_start(len(prompt)) // 32
+        dropped = _kept_from(len(prompt)) // 32
         assert all(b == 0 for b in tables[1][:dropped]), "vLLM nulls dropped blocks"
 
     _decode(prefill, decode, prompts, params, len, dropped_blocks_are_null)
     assert decode.null_block_untouched() == [True] * DECODE_TP, "a dropped block was written"
     # Exactly the full group's tokens and the window group's window crossed the wire.
     cell = 2 * KV_HEADS * HEAD_DIM * 2  # both planes of every head (over the 3 ranks), bf16
-    per_layer_pair = sum(2 * len(p) - _window_start(len(p)) for p in prompts.values())
+    per_layer_pair = sum(2 * len(p) - _moved_from(len(p)) for p in prompts.values())
     moved = sum(s["bytes"] for s in decode.stats)
     assert moved == per_layer_pair * (LAYERS // 2) * cell
 

@@ -104,6 +104,9 @@ class LoadSpec:
     # The concurrent flow: the prefill engine may still be computing it (fetched layer by
     # layer, `KVConsumer.fetch(streamed=True)`).
     streamed: bool = False
+    # The load ends the request's tokens, so vLLM recomputes its last one: a sliding-window
+    # group fetches what the query at `num_tokens - 1` attends to (`GroupedConsumer.fetch`).
+    recomputes_last: bool = False
 
 
 @dataclass

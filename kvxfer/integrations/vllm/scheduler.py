@@ -167,6 +167,9 @@ class SchedulerSide:
                 # Sent to both engines at once (no `remote_num_tokens`: the prefill engine has
                 # not answered): its prefill may still be computing.
                 streamed=self._settings.stream_prefill and "remote_num_tokens" not in params,
+                # vLLM's scheduler sets num_computed_tokens to num_tokens - 1 after a load that
+                # covers the whole request (`_update_waiting_for_remote_kv`).
+                recomputes_last=num_tokens == request.num_tokens,
             )
         )
 

@@ -59,6 +59,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
+# The block id vLLM's tables give the blocks a sliding window dropped: its BlockPool's null
+# block, the first block it makes (vllm/v1/core/block_pool.py).
+VLLM_NULL_BLOCK = 0
 
 
 class WorkerSide:
@@ -319,6 +322,8 @@ class WorkerSide:
                 spec.start_token,
                 timeout=max(0.0, load.deadline - time.monotonic()),
                 streamed=spec.streamed,
+                first_computed=spec.num_tokens - 1 if spec.recomputes_last else None,
+                null_block=VLLM_NULL_BLOCK,
             )
         except Exception as exc:  # refused before any transfer: every block fails
             load.result = self._failed(spec, exc)
