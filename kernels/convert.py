@@ -16,6 +16,13 @@ NaN: every NaN becomes the destination format's positive quiet NaN (fp8 `0x7F`, 
 fp16 `0x7E00`, fp32 `0x7FC00000`), as CUDA's conversions give it; a NaN's sign and payload are
 not data.
 
+vLLM CPU attention quantizes otherwise (`cpu_attn_reshape_and_cache`, vLLM 0.32
+`csrc/cpu/cpu_attn_fp8.hpp`, `float_to_fp8e4m3_scalar` and `float_to_fp8e5m2_scalar`; probed
+on every element by `scripts/backend_probe.py`): `x * (1 / scale)` in float32, clamped to the
+largest finite value (NaN too becomes it), zero of either sign as `0x00`, then the mantissa
+truncated toward zero. A destination whose `fp8_rounding` is "toward_zero" gets that
+(`quantize_toward_zero`, torch only: the planner converts on the CPU engine's own side).
+
 The two implementations: `convert_torch` with torch's float ops (the CPU backend), and the
 Triton helpers `to_float32` / `from_float32`, on integer bits only (the Triton interpreter has
 no bf16 or fp8 type, and one code path then runs in the interpreter and on a GPU). The tests
@@ -115,8 +122,14 @@ def check_conversion(
         raise ValueError("scales: must be contiguous; pass scales.contiguous()")
 
 
+ROUNDINGS = ("nearest_even", "toward_zero")
+
+
 def convert_torch(
-    values: torch.Tensor, dst: torch.dtype, scale: torch.Tensor | None
+    values: torch.Tensor,
+    dst: torch.dtype,
+    scale: torch.Tensor | None,
+    rounding: str = "nearest_even",
 ) -> torch.Tensor:
     """`values` converted to `dst` with vLLM's arithmetic (the module docstring).
 
@@ -125,12 +138,17 @@ def convert_torch(
         dst: the dtype to convert to.
         scale: float32, broadcastable to `values` (the fp8 side's scale per element); None
             where `scale_mode` says none.
+        rounding: how a quantization into fp8 rounds: "nearest_even" (vLLM's CUDA write) or
+            "toward_zero" (vLLM CPU attention's, `quantize_toward_zero`).
     """
     src = values.dtype
     if src == dst:
         return values
     wide = values.to(torch.float32)  # exact from every dtype here
     mode = scale_mode(src, dst)
+    if mode == SCALE_DIVIDE and rounding == "toward_zero":
+        assert scale is not None
+        return quantize_toward_zero(wide, dst, scale)
     if mode == SCALE_DIVIDE:
         assert scale is not None
         limit = FP8_MAX[dst]
@@ -144,6 +162,37 @@ def convert_torch(
         bits = out.view(_BITS[out.element_size()])
         bits[nan] = CANONICAL_NAN[dst]
     return out
+
+
+def quantize_toward_zero(
+    values: torch.Tensor, dst: torch.dtype, scale: torch.Tensor
+) -> torch.Tensor:
+    """float32 `values` quantized into fp8 `dst` as vLLM CPU attention's cache write does (the
+    module docstring): times the float32 reciprocal of `scale`, clamped (NaN to the largest
+    value), zeros as `0x00`, mantissa truncated.
+
+    e4m3 takes the bits of `v * 2^-120` (the exponent rebased from float32's bias 127 to 7, a
+    float32 multiply: rounded where the result is subnormal, as the C++ does); e5m2 shifts
+    the subnormals' mantissa (exponent below -14) by hand, as the C++ does.
+    """
+    limit = FP8_MAX[dst]
+    v = values * torch.reciprocal(scale.to(torch.float32))
+    v = torch.where(torch.isnan(v), limit, v.clamp(-limit, limit))
+    if dst == torch.float8_e4m3fn:
+        bits = (v * 2.0**-120).view(torch.int32).to(torch.int64)
+        sign = (bits >> 24) & 0x80
+        payload = ((bits >> 20) & 0x7F).clamp(max=0x7E)
+    else:
+        bits = v.view(torch.int32).to(torch.int64)
+        sign = (bits >> 24) & 0x80
+        exponent = ((bits >> 23) & 0xFF) - 127
+        normal = ((exponent + 15) << 2) | ((bits >> 21) & 0x3)
+        shift = (-14 - exponent).clamp(min=0) + 21
+        subnormal = ((0x800000 | (bits & 0x7FFFFF)) >> shift.clamp(max=31)).clamp(max=3)
+        subnormal = torch.where(shift >= 32, 0, subnormal)
+        payload = torch.where(exponent < -14, subnormal, normal)
+    code = torch.where(v == 0, 0, sign | payload)
+    return code.to(torch.uint8).view(dst)
 
 
 # ---- Triton: the same arithmetic on integer bits --------------------------------------------

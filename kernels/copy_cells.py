@@ -464,8 +464,9 @@ def prepare_cell_copy(
     nothing is copied to the device or synchronized.
 
     Raises:
-        ValueError: a `k_transposed` buffer (vLLM CPU attention's layout: only CPU engines
-            have it, and the torch backend moves it), or buffers `check_copy_pair` refuses.
+        ValueError: a `k_transposed` buffer or a destination quantized `toward_zero` (vLLM CPU
+            attention's layout and fp8 write: only CPU engines have them, and the torch
+            backend moves them), or buffers `check_copy_pair` refuses.
     """
     for name, buf in (("src", src), ("dst", dst)):
         if buf.k_transposed:
@@ -473,6 +474,11 @@ def prepare_cell_copy(
                 f"{name}: kv_placement 'k_transposed' (vLLM CPU attention, K dim-major) has no "
                 "Triton kernel: it exists on CPU engines only; use backend='torch'"
             )
+    if dst.fp8_rounding != "nearest_even" and src.layers[0].dtype != dst.layers[0].dtype:
+        raise ValueError(
+            f"dst: fp8_rounding {dst.fp8_rounding!r} (vLLM CPU attention's fp8 write) has no "
+            "Triton kernel: it exists on CPU engines only; use backend='torch'"
+        )
     src_geo, dst_geo = _SideGeometry.of(src), _SideGeometry.of(dst)
     check_copy_pair(
         src, dst, src_geo.shape, dst_geo.shape, token_start, token_end, num_heads, scales

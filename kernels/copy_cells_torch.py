@@ -184,7 +184,8 @@ def copy_cells_torch(
         reads = _layer_rows(src, src_side, _BITS[src_side.dtype.itemsize], unit, src_step)
         writes = _layer_rows(dst, dst_side, _BITS[dst_side.dtype.itemsize], unit, unit)
         _convert_rows(reads, writes, _on(src_rows, device), _on(dst_rows, device),
-                      (src_side.dtype, dst_side.dtype), planes, scales)  # fmt: skip
+                      (src_side.dtype, dst_side.dtype), planes, scales,
+                      dst.fp8_rounding)  # fmt: skip
         return
     itemsize = src_side.dtype.itemsize
     word, dtype = _word_for([src_side, dst_side], itemsize, min(grain, head_dim) * itemsize)
@@ -286,11 +287,12 @@ def _convert_rows(
     dtypes: tuple[torch.dtype, torch.dtype],
     planes: int,
     scales: torch.Tensor | None,
+    rounding: str,
 ) -> None:
     """The rows of a copy between two dtypes: gathered in the source's dtype (`reads`, each
-    layer's rows as the source's bits), converted with each row's plane's scale, scattered in
-    the destination's (`writes`, as its bits). CPU torch indexes no fp8, so rows move as bits
-    and convert as their dtypes."""
+    layer's rows as the source's bits), converted with each row's plane's scale (and the
+    destination's fp8 `rounding`), scattered in the destination's (`writes`, as its bits).
+    CPU torch indexes no fp8, so rows move as bits and convert as their dtypes."""
     src_dtype, dst_dtype = dtypes
     per_plane = src_rows.numel() // planes
     scaled = scale_mode(src_dtype, dst_dtype) != 0
@@ -300,7 +302,8 @@ def _convert_rows(
         if scaled:
             assert scales is not None  # check_cell_copy
             scale = scales[layer].repeat_interleave(per_plane)[:, None]
-        w.index_copy_(0, dst_rows, convert_torch(values, dst_dtype, scale).view(w.dtype))
+        converted = convert_torch(values, dst_dtype, scale, rounding)
+        w.index_copy_(0, dst_rows, converted.view(w.dtype))
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -342,7 +345,7 @@ def copy_elements_torch(
             scale = scales[layer, plane] if scaled and scales is not None else None
             s_bits = _BITS[s_plane.element_size()]
             values = s_plane.view(s_bits)[src_blocks, src_slots, src_heads].view(src_dtype)
-            got = convert_torch(values, dst_dtype, scale)
+            got = convert_torch(values, dst_dtype, scale, dst.fp8_rounding)
             d_bits = _BITS[d_plane.element_size()]
             d_plane.view(d_bits)[dst_blocks, dst_slots, dst_heads] = got.view(d_bits)
 

@@ -49,6 +49,8 @@ class KVBuffer:
         block_ids: int64 tensor on the layers' device, or None for a dense buffer.
         token_shift: token at position 0.
         head_offset: index of the first moved head among the buffer's heads.
+        fp8_rounding: how values converted into this (fp8) buffer are rounded
+            (`KVCacheSpec.fp8_rounding`): "nearest_even" or "toward_zero" (torch backend only).
     """
 
     layers: Sequence[torch.Tensor]
@@ -58,6 +60,7 @@ class KVBuffer:
     block_ids: torch.Tensor | None = None
     token_shift: int = 0
     head_offset: int = 0
+    fp8_rounding: str = "nearest_even"
 
     def canonical_layers(self) -> list[torch.Tensor]:
         """Every layer as `[plane, block, slot, head, head_dim]` (not for `k_transposed`,

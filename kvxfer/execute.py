@@ -64,7 +64,14 @@ def kv_buffer(
         layers = _cache_layers(view, tensors, num_layers)
         block_ids = device_block_ids(view.block_ids, layers[0].device)
     return KVBuffer(
-        layers, g.layout, g.kv_placement, g.mla, block_ids, view.token_shift, view.head_offset
+        layers,
+        g.layout,
+        g.kv_placement,
+        g.mla,
+        block_ids,
+        view.token_shift,
+        view.head_offset,
+        g.fp8_rounding,
     )
 
 

@@ -52,20 +52,26 @@ _NAN_BITS = {
 
 
 def converted_global_kv(
-    global_kv: torch.Tensor, dtype: torch.dtype, scales: np.ndarray | None = None
+    global_kv: torch.Tensor,
+    dtype: torch.dtype,
+    scales: np.ndarray | None = None,
+    fp8_rounding: str = "nearest_even",
 ) -> torch.Tensor:
     """The global KV as an engine that stores `dtype` holds it, from KV of another dtype (the
     expectation of a converting transfer, written from vLLM's definitions, not from kvxfer's
     kernels):
 
     - into fp8: vLLM's cache write, `x / scale` in float32, saturated to the format's largest
-      finite value, rounded to nearest even;
+      finite value, rounded to nearest even; with `fp8_rounding` "toward_zero", vLLM CPU
+      attention's (`cpu_truncated_fp8`);
     - out of fp8: `x * scale` in float32, rounded to nearest even;
     - between 16- and 32-bit floats: rounded to nearest even.
 
     Every NaN becomes the format's positive quiet NaN. `scales`: float32 `[model layers,
     planes]` of the fp8 side (K, V; MLA: one).
     """
+    if dtype in _FP8_LIMITS and fp8_rounding == "toward_zero":
+        return cpu_truncated_fp8(global_kv, dtype, scales)
     values = global_kv.to(torch.float32)
     if scales is not None:
         per_layer = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32))
@@ -81,6 +87,54 @@ def converted_global_kv(
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[out.element_size()]
     out.view(bits)[nan] = _NAN_BITS[dtype]
     return out
+
+
+def cpu_truncated_fp8(
+    global_kv: torch.Tensor, dtype: torch.dtype, scales: np.ndarray | None = None
+) -> torch.Tensor:
+    """The global KV as vLLM CPU attention's cache write stores it in fp8 `dtype`: vLLM 0.32
+    `csrc/cpu/cpu_attn_fp8.hpp`, `float_to_fp8e4m3_scalar` and `float_to_fp8e5m2_scalar`,
+    line for line in numpy (`x * (1 / scale)` in float32, clamped to the largest finite value
+    with NaN going to it too, zero as `0x00`, the mantissa truncated). `scales` as in
+    `converted_global_kv`."""
+    v = global_kv.to(torch.float32).numpy()
+    if scales is not None:
+        inverse = np.float32(1.0) / np.ascontiguousarray(scales, dtype=np.float32)
+        shaped = inverse[:, :, None, None, None] if v.ndim == 5 else inverse[:, 0, None, None]
+        with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN inputs are data here
+            v = (v * shaped).astype(np.float32)
+    limit = np.float32(_FP8_LIMITS[dtype])
+    v = np.where(np.isnan(v), limit, np.minimum(np.maximum(v, -limit), limit))
+    out = np.zeros(v.shape, dtype=np.uint8)
+    for index, x in np.ndenumerate(v):
+        out[index] = _e4m3_scalar(x) if dtype == torch.float8_e4m3fn else _e5m2_scalar(x)
+    return torch.from_numpy(out).view(dtype)
+
+
+def _bits(x: np.float32) -> int:
+    return int(np.array(x, dtype=np.float32).view(np.uint32))
+
+
+def _e4m3_scalar(v: np.float32) -> int:
+    if v == 0:
+        return 0
+    bits = _bits(np.float32(v) * np.float32(2.0**-120))
+    sign, payload = (bits >> 24) & 0x80, (bits >> 20) & 0x7F
+    return sign if payload == 0 else sign | min(payload, 0x7E)
+
+
+def _e5m2_scalar(v: np.float32) -> int:
+    if v == 0:
+        return 0
+    bits = _bits(v)
+    sign = (bits >> 24) & 0x80
+    exponent = ((bits >> 23) & 0xFF) - 127
+    if exponent < -14:
+        shift = -14 - exponent
+        if shift + 21 >= 32:
+            return sign
+        return sign | min((0x800000 | (bits & 0x7FFFFF)) >> (shift + 21), 3)
+    return sign | ((exponent + 15) << 2) | ((bits >> 21) & 0x3)
 
 
 def model_scales(specs: Sequence[KVCacheSpec]) -> np.ndarray:

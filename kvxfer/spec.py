@@ -38,6 +38,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2": torch.float8_e5m2,
 }
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+# How an engine's own cache write rounds values into its fp8 cache (`KVCacheSpec.fp8_rounding`).
+FP8Rounding = Literal["nearest_even", "toward_zero"]
+FP8_ROUNDINGS: tuple[str, ...] = ("nearest_even", "toward_zero")
 DTYPE_ITEMSIZE: dict[str, int] = {
     "float16": 2,
     "bfloat16": 2,
@@ -137,6 +140,13 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
             (`layer._k_scale`: stored values are `K / k_scale`); empty (the default) reads as
             1.0 for every layer. Only fp8 caches have scales.
         v_scales: the same for V (empty for MLA, whose latent plane uses `k_scales`).
+        fp8_rounding: how the engine's own cache write quantizes into this fp8 cache, so that a
+            converting transfer writes the same bytes: "nearest_even" (vLLM's CUDA write:
+            `x / scale` in float32, saturated to the format's largest finite value, rounded to
+            nearest even) or "toward_zero" (vLLM CPU attention's `cpu_attn_reshape_and_cache`:
+            `x * (1 / scale)` in float32, saturated, the mantissa truncated toward zero, -0 as
+            +0, NaN as the largest finite value). Only fp8 caches round; a cache with
+            "toward_zero" converts on its own side, with the torch backend.
 
     Head ownership (docs/design.md): with `H >= T`, `T` divides `H` and rank `r` holds heads
     `[r*H/T, (r+1)*H/T)`; with `H < T`, `H` divides `T` and rank `r` holds head `r // (T/H)`.
@@ -165,6 +175,7 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
     block_stride: int = 0
     k_scales: tuple[float, ...] = ()
     v_scales: tuple[float, ...] = ()
+    fp8_rounding: FP8Rounding = "nearest_even"
 
     def __post_init__(self) -> None:
         for name in INT_FIELDS:
@@ -216,6 +227,8 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
             self._check_block_stride()
         if self.k_scales or self.v_scales:
             self._check_scales()
+        if self.fp8_rounding != "nearest_even":
+            self._check_fp8_rounding()
         heads, tp = self.num_kv_heads, self.tp_size
         if heads >= tp and heads % tp != 0:
             _fail(
@@ -228,6 +241,21 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
                 "num_kv_heads",
                 f"{heads} KV heads cannot be replicated evenly over tp_size {tp}",
                 "use a tp_size that is a multiple of num_kv_heads",
+            )
+
+    def _check_fp8_rounding(self) -> None:
+        if self.fp8_rounding not in FP8_ROUNDINGS:
+            _fail(
+                "fp8_rounding",
+                f"unknown rounding {self.fp8_rounding!r}",
+                f"use one of {list(FP8_ROUNDINGS)}",
+            )
+        if self.dtype not in FP8_DTYPES:
+            _fail(
+                "fp8_rounding",
+                f"{self.fp8_rounding!r} describes an fp8 cache's write, but dtype is "
+                f"{self.dtype!r}",
+                "leave fp8_rounding at 'nearest_even' for other dtypes",
             )
 
     def _check_scales(self) -> None:

@@ -83,3 +83,50 @@ def test_dequantization_multiplies_by_the_scale(src_byte, scale, dst, bits):
 def test_an_unsupported_conversion_is_refused_with_the_fix(src, dst, scales, message):
     with pytest.raises(ValueError, match=message):
         check_conversion(src, dst, scales, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("dst", "value", "scale", "byte"),
+    [
+        # vLLM CPU attention's write (vLLM 0.32 csrc/cpu/cpu_attn_fp8.hpp), by hand: the
+        # mantissa truncated, not rounded; zeros of either sign as 0x00; NaN as the largest
+        # value; x * (1 / scale).
+        (E4M3, 1.1875, 1.0, 0x39),  # 1.125 (to nearest even: 1.25, 0x3A)
+        (E4M3, 3.1875, 1.0, 0x44),  # 3.0
+        (E4M3, 248.0, 1.0, 0x77),  # 240 (to nearest even: 256)
+        (E4M3, 0.0029296875, 1.0, 0x01),  # 1.5 subnormal steps: 1
+        (E4M3, 480.0, 1.0, 0x7E),
+        (E4M3, INF, 1.0, 0x7E),
+        (E4M3, -INF, 1.0, 0xFE),
+        (E4M3, NAN, 1.0, 0x7E),
+        (E4M3, -0.0, 1.0, 0x00),
+        (E4M3, -(2.0**-10), 1.0, 0x80),  # under a subnormal step: a signed zero
+        (E4M3, 3.0, 0.5, 0x4C),  # 6.0: times 1 / 0.5
+        (E5M2, 1.1875, 1.0, 0x3C),  # 1.0
+        (E5M2, 248.0, 1.0, 0x5B),  # 224
+        (E5M2, 0.0029296875, 1.0, 0x1A),
+        (E5M2, 61440.0, 1.0, 0x7B),  # 57344, where torch's cast overflows to inf
+        (E5M2, NAN, 1.0, 0x7B),
+        (E5M2, -INF, 1.0, 0xFB),
+        (E5M2, 3 * 2.0**-17, 1.0, 0x01),  # 1.5 subnormal steps: 1
+    ],
+)
+def test_cpu_attention_quantization_truncates(dst, value, scale, byte):
+    values = torch.tensor([value], dtype=torch.float32)
+    got = convert_torch(values, dst, torch.tensor(scale), rounding="toward_zero")
+    assert int(got.view(torch.uint8)[0]) == byte
+
+
+@pytest.mark.parametrize("dst", [E4M3, E5M2])
+@pytest.mark.parametrize("scale", [1.0, 0.037, 3.0])
+def test_the_truncating_quantization_equals_the_reference_on_every_bfloat16(dst, scale):
+    """Every bf16 bit pattern (NaNs, infinities, subnormals included) quantized by the torch
+    backend equals `kvxfer.reference.cpu_truncated_fp8`, the C++ rewritten in numpy."""
+    import numpy as np
+
+    from kvxfer.reference import cpu_truncated_fp8
+
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    got = convert_torch(every, dst, torch.tensor(scale), rounding="toward_zero")
+    want = cpu_truncated_fp8(every.reshape(1, 1, -1), dst, np.array([[scale]], np.float32))
+    assert torch.equal(got.view(torch.uint8), want.reshape(-1).view(torch.uint8))

@@ -124,3 +124,46 @@ def test_direct_is_refused_between_two_dtypes():
                                  dict(tp=1, heads=2))  # fmt: skip
     with pytest.raises(ValueError, match="'direct' cannot move KV here"):
         plan_pairs(src_specs, dst_specs, strategy="direct")
+
+
+def _cpu_fp8(specs):
+    """`specs` as vLLM CPU attention's fp8 caches: K transposed, its fp8 write truncating."""
+    return [
+        msgspec.structs.replace(s, kv_placement="k_transposed", fp8_rounding="toward_zero")
+        for s in specs
+    ]
+
+
+@pytest.mark.parametrize(
+    ("src_placement", "strategy"),
+    [
+        ("kv_first", "unpack"),
+        ("kv_first", "pack+unpack"),
+        ("kv_first", None),
+        ("k_transposed", "pack+unpack"),  # a CPU prefill: it packs, the decode converts
+        ("k_transposed", None),
+    ],
+)
+def test_a_cpu_fp8_decode_holds_its_own_truncating_write(src_placement, strategy):
+    """bf16 prefill -> an fp8 decode of vLLM CPU attention: the decode's cache holds what its
+    own write (truncating, `cpu_truncated_fp8`) makes of the prefill's KV, converted on the
+    decode's side: the wire carries bf16, never fp8 rounded to nearest."""
+    src = dict(tp=2, heads=4, block_size=8, head_dim=8, layout="HND", placement=src_placement)
+    dst = dict(tp=1, heads=4, block_size=16, head_dim=8, layout="HND")
+    src_specs, dst_specs = _pair("bfloat16", "float8_e5m2", src, dst)
+    dst_specs = _cpu_fp8(dst_specs)
+    sc = make_scenario(src_specs, dst_specs, 21, start_token=3, seed=5)
+    result = reshard(sc.src, sc.dst, 21, 3, strategy=strategy, backend="torch")
+    sc.assert_exact()
+    assert {p.strategy for p in result.pairs} <= {"unpack", "pack+unpack"}
+    assert all(p.nbytes == 2 * 18 * 2 * 2 * 2 * 8 for p in result.pairs)  # bf16 on the wire
+
+
+def test_a_truncating_fp8_destination_refuses_a_pack_with_the_reason():
+    geometry = dict(tp=1, heads=2, layout="HND")
+    src_specs, dst_specs = _pair("bfloat16", "float8_e4m3fn", geometry, geometry)
+    dst_specs = [msgspec.structs.replace(s, fp8_rounding="toward_zero") for s in dst_specs]
+    with pytest.raises(ValueError, match="destination's fp8 write rounds 'toward_zero'"):
+        plan_pairs(src_specs, dst_specs, strategy="pack")
+    plans = plan_pairs(src_specs, dst_specs)
+    assert {p.strategy for p in plans} <= {"unpack", "pack+unpack"}

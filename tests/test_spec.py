@@ -45,6 +45,7 @@ def test_fields_are_exactly_the_public_contract():
         "block_stride",
         "k_scales",
         "v_scales",
+        "fp8_rounding",
     )
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import msgspec
 import torch
@@ -59,7 +59,7 @@ from kvxfer.layout import (
     SLOT,
     layer_axes,
 )
-from kvxfer.spec import FP8_DTYPES, KVCacheSpec
+from kvxfer.spec import FP8_DTYPES, FP8Rounding, KVCacheSpec
 
 _Item = TypeVar("_Item")  # a cache tensor, with what goes with it (`_place_layers`)
 
@@ -110,6 +110,9 @@ class EngineGeometry:
             (vLLM's CPU attention: `kv_placement` "k_transposed"), which its strides cannot
             show: they read as HND kv_inner. The engine's attention-backend table says so
             (`kvxfer.integrations.vllm.backends`), never the tensors.
+        fp8_rounding: how the engine's cache write rounds into an fp8 cache
+            (`KVCacheSpec.fp8_rounding`; vLLM CPU attention: "toward_zero"), from the same
+            table; kept in the spec of fp8 caches only.
     """
 
     total_kv_heads: int
@@ -123,6 +126,7 @@ class EngineGeometry:
     pp_rank: int = 0
     kv_layers: tuple[int, ...] = ()
     k_transposed: bool = False
+    fp8_rounding: str = "nearest_even"
 
     def __post_init__(self) -> None:
         if self.pp_size < 1 or not 0 <= self.pp_rank < self.pp_size:
@@ -296,6 +300,9 @@ def spec_from_layers(
         k_scales = tuple(float(k) for _, (k, _) in placed)
         v_scales = () if spec.mla else tuple(float(v) for _, (_, v) in placed)
         spec = msgspec.structs.replace(spec, k_scales=k_scales, v_scales=v_scales)
+    if spec.dtype in FP8_DTYPES:
+        rounding = cast(FP8Rounding, geometry.fp8_rounding)
+        spec = msgspec.structs.replace(spec, fp8_rounding=rounding)
     return spec, views
 
 

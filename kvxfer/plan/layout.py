@@ -37,6 +37,7 @@ class BlockGeometry:
     itemsize: int
     block_stride: int = 0  # elements between blocks; 0: dense (KVCacheSpec.block_stride)
     dtype: str = ""  # KVCacheSpec.dtype; "" where only the element size matters
+    fp8_rounding: str = "nearest_even"  # KVCacheSpec.fp8_rounding: how values are written
 
     @classmethod
     def of_spec(cls, spec: KVCacheSpec) -> BlockGeometry:
@@ -56,6 +57,7 @@ class BlockGeometry:
             itemsize=spec.itemsize,
             block_stride=spec.block_stride,
             dtype=spec.dtype,
+            fp8_rounding=spec.fp8_rounding,
         )
         if len(_GEOMETRIES) >= _GEOMETRIES_MAX:
             _GEOMETRIES.clear()

@@ -82,11 +82,14 @@ def strategies_for(src_spec: KVCacheSpec, dst_spec: KVCacheSpec) -> tuple[Strate
     its own side (the torch backend) reads or writes it. A `k_transposed` source then needs a
     pack, a `k_transposed` destination an unpack (landing: `direct` and `pack` would land in a
     mirror of the destination's blocks, which the segments cannot address either). Between two
-    dtypes `direct` is out: only a cell copy converts.
+    dtypes `direct` is out: only a cell copy converts; and `pack` too where the destination's
+    fp8 write truncates (`KVCacheSpec.fp8_rounding`): that conversion runs on its own side.
     """
     excluded: set[Strategy] = set()
     if src_spec.dtype != dst_spec.dtype:
         excluded.add("direct")
+        if dst_spec.fp8_rounding != "nearest_even":  # converts on its own side only
+            excluded.add("pack")
     if _k_transposed(src_spec):
         excluded |= _SEGMENTS_FROM_SOURCE_CACHE
     if _k_transposed(dst_spec):
@@ -109,6 +112,13 @@ def check_strategy_for(strategy: Strategy, src_spec: KVCacheSpec, dst_spec: KVCa
             f"{src_spec.dtype} must become the destination's {dst_spec.dtype}; use one of "
             f"{list(allowed)} (a cell copy converts), or let the cost model choose (strategy=None)"
         )
+    if not (_k_transposed(src_spec) or _k_transposed(dst_spec)):  # then pack's rounding
+        raise ValueError(
+            f"strategy 'pack' cannot move KV here: it converts on the source, and the "
+            f"destination's fp8 write rounds {dst_spec.fp8_rounding!r} (vLLM CPU attention), "
+            f"which only its own side reproduces; use one of {list(allowed)}, or let the cost "
+            "model choose (strategy=None)"
+        )
     side = "source" if _k_transposed(src_spec) else "destination"
     raise ValueError(
         f"strategy {strategy!r} cannot move KV here: the {side} cache is 'k_transposed' (vLLM "
@@ -122,10 +132,15 @@ def conversion_side(
 ) -> Literal["source", "destination"] | None:
     """Which side's cell copy converts between the two KV dtypes under `strategy` (the module
     docstring), or None between equal dtypes: `pack+unpack`'s wire buffer takes the narrower
-    dtype, the destination's only when it is narrower (`_staging_views` builds it so)."""
+    dtype, the destination's only when it is narrower (`_staging_views` builds it so) and the
+    destination's fp8 write rounds to nearest: one that truncates (vLLM CPU attention) converts
+    on its own side, with the torch backend."""
     if src.dtype == dst.dtype:
         return None
-    if strategy == "pack" or (strategy == "pack+unpack" and dst.itemsize < src.itemsize):
+    if strategy == "pack":
+        return "source"
+    narrower = dst.itemsize < src.itemsize
+    if strategy == "pack+unpack" and narrower and dst.fp8_rounding == "nearest_even":
         return "source"
     return "destination"
 

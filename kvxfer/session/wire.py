@@ -39,8 +39,9 @@ import msgspec
 # ask and confirmed by that hold (`StagingRead`, no answer, gives the range back early); only a
 # chunk read from the cache is confirmed by `ChunkRead` -> `ChunkValid`. A version-7 consumer
 # would wait for a confirmation that never comes. `RequestsDone` reports a batch of requests
-# (it replaces `RequestDone`).
-PROTOCOL_VERSION = 8
+# (it replaces `RequestDone`). 9: `KVCacheSpec` carries `fp8_rounding` (vLLM CPU attention's
+# fp8 write truncates), which a version-8 peer would drop (as in 3).
+PROTOCOL_VERSION = 9
 MAX_FRAME_BYTES = 8 << 20  # a chunk's block ids, even a 128k-token chunk's, under 1 MiB
 SESSION_FRAMES = 3  # [session id, payload, MAC]
 

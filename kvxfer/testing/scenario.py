@@ -55,14 +55,15 @@ def make_scenario(
 ) -> Scenario:
     """Fill sources with noise plus the request's KV; poison destinations; compute expectations
     (between two KV dtypes: the request's KV as the destination's engine would store it,
-    `converted_global_kv` with the fp8 side's scales)."""
+    `converted_global_kv` with the fp8 side's scales and the destination's fp8 rounding)."""
     rng = np.random.default_rng(seed)
     kv = random_global_kv(src_specs[0], num_tokens, seed=seed)
     want_kv = kv
     if dst_specs[0].dtype != src_specs[0].dtype:
         fp8_side = src_specs if src_specs[0].dtype in FP8_DTYPES else dst_specs
         scales = model_scales(fp8_side) if fp8_side[0].dtype in FP8_DTYPES else None
-        want_kv = converted_global_kv(kv, dst_specs[0].torch_dtype, scales)
+        rounding = dst_specs[0].fp8_rounding
+        want_kv = converted_global_kv(kv, dst_specs[0].torch_dtype, scales, rounding)
     src, dst, expected = [], [], []
     for spec in src_specs:
         caches = allocate_kv_caches(spec)

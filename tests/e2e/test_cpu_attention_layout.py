@@ -1,5 +1,6 @@
-"""vLLM CPU attention's own cache write against kvxfer's reading of its layout: the probe of
-kvxfer's backend table (`kvxfer.integrations.vllm.backends`, docs/engine-layouts.md).
+"""vLLM's CPU attention backends' own cache writes against kvxfer's reading of their layouts:
+the probe of kvxfer's backend table (`kvxfer.integrations.vllm.backends`,
+docs/engine-layouts.md): CPU attention, with its fp8 caches, and CPU MLA.
 
 `cpu_attn_reshape_and_cache` is the op CPU attention's forward runs to store K and V. It writes
 known K and V into a cache allocated as vLLM allocates it; kvxfer, told the backend and ISA as
@@ -24,6 +25,26 @@ from kvxfer import reshard
 @pytest.mark.parametrize("case", bp.default_cases("CPU_ATTN", "cpu"), ids=lambda c: c.name)
 def test_kvxfer_reads_and_writes_where_cpu_attention_does(case: bp.Case) -> None:
     assert bp.probe(case)["placement"] == "k_transposed"
+
+
+@pytest.mark.skipif(
+    not bp.fp8_cache_writes(),
+    reason="vLLM CPU attention writes fp8 caches on x86 with AVX-512 or AMX; this CPU has neither",
+)
+@pytest.mark.parametrize("case", bp.FP8_CASES, ids=lambda c: c.name)
+def test_fp8_caches_hold_what_cpu_attention_writes(case: bp.Case) -> None:
+    """A bf16 or float32 cache converted into an fp8 one holds, byte for byte, the op's own
+    quantization of the same K and V (it truncates: `KVCacheSpec.fp8_rounding`); an fp8
+    cache moved between block sizes keeps its bytes."""
+    assert bp.probe(case)["dst_fp8_rounding"] == "toward_zero"
+
+
+@pytest.mark.parametrize("case", bp.default_cases("CPU_MLA", "cpu"), ids=lambda c: c.name)
+def test_kvxfer_reads_and_writes_where_cpu_mla_does(case: bp.Case) -> None:
+    """vLLM's CPU MLA backend (`CPUMLAImpl.do_kv_cache_update`, torch code): kvxfer reads
+    each token's latent and rope key from the row the write put them in, and writes a cache
+    of 64-token blocks (a GPU MLA backend's) exactly as that write does into one, and back."""
+    assert bp.probe(case)["ok"]
 
 
 def test_the_probe_catches_a_layout_read_from_the_strides_alone() -> None:

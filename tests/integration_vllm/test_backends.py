@@ -7,6 +7,8 @@ runs CPU attention's op); the GPU backends' probes are in benchmarks/gpu_kernels
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -47,6 +49,20 @@ def test_cpu_attention_reads_as_k_transposed_and_gpu_rows_from_the_strides() -> 
         backends = {name: (backend, isa) for name in caches}
         (group,), _ = cache_groups(caches, None, GEOMETRY, backends)
         assert (group.spec.layout, group.spec.kv_placement) == ("HND", placement), backend
+
+
+@pytest.mark.parametrize(
+    ("backend", "isa", "rounding"),
+    [("CPU_ATTN", "vec", "toward_zero"), ("FLASH_ATTN", None, "nearest_even")],
+)
+def test_an_fp8_cache_keeps_how_its_backend_writes_it(backend, isa, rounding) -> None:
+    """vLLM's fp8 caches are uint8 tensors: CPU attention's spec says its write truncates
+    (`KVCacheSpec.fp8_rounding`), so that a converting transfer writes its bytes."""
+    caches = {"model.layers.0.self_attn.attn": torch.zeros(6, 4, 16, 16, dtype=torch.uint8)}
+    geometry = dataclasses.replace(GEOMETRY, kv_cache_dtype="fp8_e4m3")
+    backends = {name: (backend, isa) for name in caches}
+    (group,), _ = cache_groups(caches, None, geometry, backends)
+    assert (group.spec.dtype, group.spec.fp8_rounding) == ("float8_e4m3fn", rounding)
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from kvxfer.spec import FP8Rounding
+
 Reading = Literal["rows", "k_transposed", "latent"]
 
 # The vLLM minor versions whose source the table was read from.
@@ -45,6 +47,7 @@ class BackendLayout:
         isas: CPU attention's instruction sets whose cache write was read and probed (None:
             not a CPU backend).
         source: where in vLLM the layout was read.
+        fp8_rounding: how its cache write rounds into an fp8 cache (`KVCacheSpec.fp8_rounding`).
     """
 
     name: str
@@ -52,6 +55,7 @@ class BackendLayout:
     cache_dtypes: tuple[str, ...]
     source: str
     isas: tuple[str, ...] | None = None
+    fp8_rounding: FP8Rounding = "nearest_even"
 
 
 _GPU_ROWS = "kv_cache.transpose(1, 2).split(head_size, dim=-1): K then V in each row"
@@ -101,13 +105,24 @@ BACKEND_LAYOUTS: dict[str, BackendLayout] = {
             )
         ),
         BackendLayout(
+            "CPU_MLA",
+            "latent",
+            _PLAIN_DTYPES,
+            "v1/attention/backends/mla/cpu_mla.py: CPUMLAImpl.do_kv_cache_update writes "
+            "kv_cache.view(-1, kv_lora_rank + rope_dim)[slot] = (latent, rope key): one row "
+            "per token; only the 576-wide latent, blocks of 16, kv_cache_dtype auto",
+        ),
+        BackendLayout(
             "CPU_ATTN",
             "k_transposed",
-            _PLAIN_DTYPES,
+            (*_PLAIN_DTYPES, *_FP8_DTYPES),
             "v1/attention/backends/cpu_attn.py: kv_cache.view(blocks, heads, 2 * block_size, "
             "head_dim).chunk(2, dim=2), written by cpu_attn_reshape_and_cache: K as "
-            "[head_dim, block_size], V as [block_size, head_dim]",
+            "[head_dim, block_size], V as [block_size, head_dim]; fp8 caches (AVX-512, ISA "
+            "vec) the same layout in bytes, quantized by csrc/cpu/cpu_attn_fp8.hpp's "
+            "float_to_fp8e4m3_scalar / float_to_fp8e5m2_scalar (truncating)",
             isas=("vec", "vec16"),
+            fp8_rounding="toward_zero",
         ),
     )
 }
@@ -168,3 +183,9 @@ def engine_reading(layers: Iterable[tuple[str, str, str | None]], kv_cache_dtype
         )
     (reading,) = readings
     return reading
+
+
+def engine_fp8_rounding(backend: str) -> FP8Rounding:
+    """How attention backend `backend`'s cache write rounds into an fp8 cache (a backend
+    `backend_reading` accepted)."""
+    return BACKEND_LAYOUTS[backend].fp8_rounding

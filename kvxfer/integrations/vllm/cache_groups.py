@@ -23,7 +23,7 @@ import torch
 
 from kvxfer.connector import CacheGroup
 from kvxfer.integrations.kv_tensors import EngineGeometry, spec_from_layers
-from kvxfer.integrations.vllm.backends import engine_reading
+from kvxfer.integrations.vllm.backends import engine_fp8_rounding, engine_reading
 from kvxfer.state import StateComponent, StateLayout
 
 if TYPE_CHECKING:
@@ -276,7 +276,11 @@ def attention_geometry(
             f"kvxfer: attention backend {backends[names[0]][0]} keeps a {reading} cache, but "
             f"the model {'uses' if geometry.mla else 'does not use'} MLA"
         )
-    return dataclasses.replace(geometry, k_transposed=reading == "k_transposed")
+    return dataclasses.replace(
+        geometry,
+        k_transposed=reading == "k_transposed",
+        fp8_rounding=engine_fp8_rounding(backends[names[0]][0]),
+    )
 
 
 def window_of(kind: Any) -> int | None:
