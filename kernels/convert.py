@@ -122,9 +122,6 @@ def check_conversion(
         raise ValueError("scales: must be contiguous; pass scales.contiguous()")
 
 
-ROUNDINGS = ("nearest_even", "toward_zero")
-
-
 def convert_torch(
     values: torch.Tensor,
     dst: torch.dtype,

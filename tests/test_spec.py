@@ -275,3 +275,20 @@ def test_fp8_scales_roundtrip_normalize_and_default_to_one():
 def test_bad_scales_are_refused_with_the_fix(changes, message):
     with pytest.raises(ValueError, match=message):
         spec(**changes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        (dict(fp8_rounding="toward_zero"), "describes an fp8 cache's write"),
+        (dict(dtype="float8_e4m3fn", fp8_rounding="stochastic"), "unknown rounding"),
+    ],
+)
+def test_an_fp8_rounding_is_an_fp8_caches_and_one_of_two(changes, problem):
+    with pytest.raises(ValueError, match=problem):
+        spec(**changes)
+
+
+def test_an_fp8_rounding_survives_the_handshake():
+    sent = spec(dtype="float8_e5m2", fp8_rounding="toward_zero")
+    assert decode_spec(encode_spec(sent)).fp8_rounding == "toward_zero"

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import msgspec
 import torch
@@ -126,7 +126,7 @@ class EngineGeometry:
     pp_rank: int = 0
     kv_layers: tuple[int, ...] = ()
     k_transposed: bool = False
-    fp8_rounding: str = "nearest_even"
+    fp8_rounding: FP8Rounding = "nearest_even"
 
     def __post_init__(self) -> None:
         if self.pp_size < 1 or not 0 <= self.pp_rank < self.pp_size:
@@ -301,8 +301,7 @@ def spec_from_layers(
         v_scales = () if spec.mla else tuple(float(v) for _, (_, v) in placed)
         spec = msgspec.structs.replace(spec, k_scales=k_scales, v_scales=v_scales)
     if spec.dtype in FP8_DTYPES:
-        rounding = cast(FP8Rounding, geometry.fp8_rounding)
-        spec = msgspec.structs.replace(spec, fp8_rounding=rounding)
+        spec = msgspec.structs.replace(spec, fp8_rounding=geometry.fp8_rounding)
     return spec, views
 
 
