@@ -464,15 +464,15 @@ def prepare_cell_copy(
     nothing is copied to the device or synchronized.
 
     Raises:
-        ValueError: a `k_transposed` buffer or a destination quantized `toward_zero` (vLLM CPU
-            attention's layout and fp8 write: only CPU engines have them, and the torch
-            backend moves them), or buffers `check_copy_pair` refuses.
+        ValueError: a buffer in a CPU attention placement or a destination quantized
+            `toward_zero` (vLLM CPU attention's layouts and fp8 write: only CPU engines have
+            them, and the torch backend moves them), or buffers `check_copy_pair` refuses.
     """
     for name, buf in (("src", src), ("dst", dst)):
-        if buf.k_transposed:
+        if buf.cpu_placement:
             raise ValueError(
-                f"{name}: kv_placement 'k_transposed' (vLLM CPU attention, K dim-major) has no "
-                "Triton kernel: it exists on CPU engines only; use backend='torch'"
+                f"{name}: kv_placement {buf.kv_placement!r} (vLLM CPU attention) has no Triton "
+                "kernel: it exists on CPU engines only; use backend='torch'"
             )
     if dst.fp8_rounding != "nearest_even" and src.layers[0].dtype != dst.layers[0].dtype:
         raise ValueError(

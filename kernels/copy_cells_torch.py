@@ -29,7 +29,7 @@ from kvxfer.kernels.layout import (
     check_copy_pair,
     check_layers,
 )
-from kvxfer.layout import plane_views
+from kvxfer.layout import cell_planes
 
 # A CPU gather of more bytes a layer than this runs in torch: its `index_select` gathers 2 MiB
 # layers twice as fast as `np.take` (benchmarks/torch_copy.py: 2,048-token packs 1.9 ms against
@@ -141,7 +141,7 @@ def copy_cells_torch(
     destination's runs start on whole multiples of them, the moved heads of a token travel as
     one row: 1/num_heads of the index work.
     """
-    if src.k_transposed or dst.k_transposed:
+    if src.cpu_placement or dst.cpu_placement:
         check_cell_copy(src, dst, token_start, token_end, num_heads, scales)
         copy_elements_torch(src, dst, token_start, token_end, num_heads, scales)
         return
@@ -318,10 +318,11 @@ def copy_elements_torch(
     scales: torch.Tensor | None = None,
 ) -> None:
     """`copy_cells_torch` element by element, through each side's per-plane views
-    (`kvxfer.layout.plane_views`): for layers whose cells are not contiguous rows, vLLM CPU
-    attention's `k_transposed` (K's elements of one token sit `block_size` apart). Bit-exact
-    (the elements move as integers of their width) or converted as `copy_cells_torch` does;
-    other elements keep their bytes.
+    (`kvxfer.layout.cell_planes`): for layers whose cells are not contiguous rows, vLLM CPU
+    attention's `k_transposed` (K's elements of one token sit `block_size` apart) and
+    `amx_tiles` (slots and dims packed in tile groups). Bit-exact (the elements move as
+    integers of their width) or converted as `copy_cells_torch` does; other elements keep
+    their bytes.
     """
     device = src.layers[0].device
     tokens = torch.arange(token_start, token_end, device=device)
@@ -330,24 +331,21 @@ def copy_elements_torch(
     src_heads = slice(src.head_offset, src.head_offset + num_heads)
     dst_heads = slice(dst.head_offset, dst.head_offset + num_heads)
     src_dtype, dst_dtype = src.layers[0].dtype, dst.layers[0].dtype
-    bits = _BITS[src.layers[0].element_size()] if src_dtype == dst_dtype else None
+    s_bits, d_bits = _BITS[src.layers[0].element_size()], _BITS[dst.layers[0].element_size()]
     scaled = scale_mode(src_dtype, dst_dtype) != 0
     for layer, (s_layer, d_layer) in enumerate(zip(src.layers, dst.layers, strict=True)):
-        s_planes = plane_views(s_layer, src.layout, src.kv_placement, src.mla)
-        d_planes = plane_views(d_layer, dst.layout, dst.kv_placement, dst.mla)
+        s_planes = cell_planes(s_layer, src.layout, src.kv_placement, src.mla)
+        d_planes = cell_planes(d_layer, dst.layout, dst.kv_placement, dst.mla)
         for plane, (s_plane, d_plane) in enumerate(zip(s_planes, d_planes, strict=True)):
-            # [tokens, heads, head_dim]: advanced indices on (block, slot), the heads sliced
-            if bits is not None:
-                values = s_plane.view(bits)[src_blocks, src_slots, src_heads]
-                d_plane.view(bits)[dst_blocks, dst_slots, dst_heads] = values
-                continue
-            # fp8 has no index_put on CPU: the destination's elements move as their bits
-            scale = scales[layer, plane] if scaled and scales is not None else None
-            s_bits = _BITS[s_plane.element_size()]
-            values = s_plane.view(s_bits)[src_blocks, src_slots, src_heads].view(src_dtype)
-            got = convert_torch(values, dst_dtype, scale, dst.fp8_rounding)
-            d_bits = _BITS[d_plane.element_size()]
-            d_plane.view(d_bits)[dst_blocks, dst_slots, dst_heads] = got.view(d_bits)
+            # [tokens, heads, head_dim], as bits: CPU torch indexes no fp8
+            values = s_plane.as_bits(s_bits).read(src_blocks, src_slots, src_heads)
+            if src_dtype != dst_dtype:
+                scale = scales[layer, plane] if scaled and scales is not None else None
+                converted = convert_torch(
+                    values.view(src_dtype), dst_dtype, scale, dst.fp8_rounding
+                )
+                values = converted.view(d_bits)
+            d_plane.as_bits(d_bits).write(dst_blocks, dst_slots, dst_heads, values)
 
 
 def _grain(head_dim: int, *sides: _Side) -> int:

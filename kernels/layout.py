@@ -10,7 +10,7 @@ from typing import overload
 import torch
 
 from kvxfer.kernels.convert import check_conversion
-from kvxfer.layout import canonical_shape, canonical_view, is_k_transposed
+from kvxfer.layout import canonical_shape, canonical_view, is_cpu_placement
 
 
 def canonical_kv_view(
@@ -63,7 +63,7 @@ class KVBuffer:
     fp8_rounding: str = "nearest_even"
 
     def canonical_layers(self) -> list[torch.Tensor]:
-        """Every layer as `[plane, block, slot, head, head_dim]` (not for `k_transposed`,
+        """Every layer as `[plane, block, slot, head, head_dim]` (not for CPU attention's,
         which has a view per plane: `kvxfer.layout.plane_views`)."""
         return [canonical_kv_view(t, self.layout, self.kv_placement, self.mla) for t in self.layers]
 
@@ -78,9 +78,10 @@ class KVBuffer:
         return canonical_shape(self.layers[0], self.layout, self.kv_placement, self.mla)
 
     @property
-    def k_transposed(self) -> bool:
-        """Whether the layers are vLLM CPU attention's `k_transposed` layout (torch only)."""
-        return is_k_transposed(self.kv_placement, self.mla)
+    def cpu_placement(self) -> bool:
+        """Whether the layers are in one of vLLM CPU attention's placements, `k_transposed` or
+        `amx_tiles` (torch only, element by element)."""
+        return is_cpu_placement(self.kv_placement, self.mla)
 
     def token_cells(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, slot) of each token."""

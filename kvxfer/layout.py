@@ -25,6 +25,13 @@ head_dim]` (vLLM's `cpu_attn_reshape_and_cache`, docs/engine-layouts.md). K's el
 token are then `block_size` apart, so no `head_dim` row of K is contiguous: such a layer has a
 view per plane (`plane_views`), no canonical view, and is read and written only by the torch
 cell copy, never by byte segments or the Triton kernels (`kvxfer.plan.program.strategies_for`).
+The same holds for CPU attention's other layout, `amx_tiles` (bf16 and fp8 caches on CPUs with
+AMX tiles, vLLM's `amx` ISA, `csrc/cpu/cpu_attn_amx.hpp`): each (block, head) holds K in groups
+of 16 slots, a pair of dims side by side per slot, `K[s, d]` at `(s // 16) * 16 * head_dim +
+(d // 2) * 32 + (s % 16) * 2 + d % 2`, then V in groups of 16 dims, a pair of slots side by
+side per dim, `V[s, d]` at `block_size * head_dim + (d // 16) * 16 * block_size + (s // 2) *
+32 + (d % 16) * 2 + s % 2`. Neither plane has a `[block, slot, head, head_dim]` view; both have
+a `[block, slot // g, slot % g, head, dim // e, dim % e]` one (`cell_planes`).
 
 The spec, the planner, the kernels, the vLLM tensor reader and the test cluster derive their
 layouts from here. `kvxfer/reference.py` does not, on purpose: it indexes each layout of
@@ -33,12 +40,12 @@ docs/design.md's table itself, so that it stays an independent oracle for the te
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
 Layout = Literal["NHD", "HND"]
-KVPlacement = Literal["kv_first", "blocks_first", "kv_inner", "k_transposed"]
+KVPlacement = Literal["kv_first", "blocks_first", "kv_inner", "k_transposed", "amx_tiles"]
 
 LAYOUTS: tuple[str, ...] = ("NHD", "HND")
 # Placements whose every (plane, token, head) cell is `head_dim` contiguous elements: every
@@ -47,7 +54,13 @@ KV_PLACEMENTS: tuple[str, ...] = ("kv_first", "blocks_first", "kv_inner")
 # vLLM CPU attention's layout (the module docstring): K dim-major, V slot-major inside each
 # (block, head); HND only, torch backend only, never addressed by byte segments.
 K_TRANSPOSED = "k_transposed"
-ALL_KV_PLACEMENTS: tuple[str, ...] = (*KV_PLACEMENTS, K_TRANSPOSED)
+# vLLM CPU attention's AMX layout (the module docstring): the same rules, and blocks and
+# head_dim multiples of 16 (its tile groups).
+AMX_TILES = "amx_tiles"
+AMX_GROUP = 16
+# The CPU attention placements: registered in HND kv_inner's shape, moved element by element.
+CPU_PLACEMENTS: tuple[str, ...] = (K_TRANSPOSED, AMX_TILES)
+ALL_KV_PLACEMENTS: tuple[str, ...] = (*KV_PLACEMENTS, *CPU_PLACEMENTS)
 
 PLANE, BLOCK, SLOT, HEAD, DIM, CELL = "plane", "block", "slot", "head", "dim", "cell"
 CANONICAL_AXES: tuple[str, ...] = (PLANE, BLOCK, SLOT, HEAD, DIM)
@@ -71,15 +84,15 @@ def memory_axes(layout: str, kv_placement: str, mla: bool) -> tuple[str, ...]:
     `layout` and `kv_placement` are ignored when `mla`.
 
     Raises:
-        ValueError: an unknown layout or placement, or `k_transposed`, which has no single
-            order (its planes differ: `plane_views`).
+        ValueError: an unknown layout or placement, or a CPU attention placement, which has no
+            single order (its planes differ: `cell_planes`).
     """
     if mla:
         return _MLA_MEMORY_AXES
-    if kv_placement == K_TRANSPOSED:
+    if kv_placement in CPU_PLACEMENTS:
         raise ValueError(
-            "kv_placement 'k_transposed' (vLLM CPU attention) keeps K dim-major and V "
-            "slot-major: no single axis order describes it; use kvxfer.layout.plane_views, "
+            f"kv_placement {kv_placement!r} (vLLM CPU attention) keeps K and V in orders of "
+            "their own: no single axis order describes it; use kvxfer.layout.cell_planes, "
             "or a strategy that copies it with the torch backend (strategies_for)"
         )
     axes = _KV_MEMORY_AXES.get((layout, kv_placement))
@@ -94,8 +107,8 @@ def memory_axes(layout: str, kv_placement: str, mla: bool) -> tuple[str, ...]:
 def layer_axes(layout: str, kv_placement: str, mla: bool) -> tuple[str, ...]:
     """The axes of a layer tensor, in the tensor's order (kv_inner merges `plane, dim` into
     `cell`; a `k_transposed` layer is registered in HND kv_inner's shape)."""
-    if is_k_transposed(kv_placement, mla):
-        _check_k_transposed_layout(layout)
+    if is_cpu_placement(kv_placement, mla):
+        _check_cpu_placement_layout(layout, kv_placement)
         return (BLOCK, HEAD, SLOT, CELL)
     axes = memory_axes(layout, kv_placement, mla)
     if axes[-2:] == (PLANE, DIM):
@@ -171,10 +184,11 @@ def canonical_view(tensor: torch.Tensor, layout: str, kv_placement: str, mla: bo
 
     Raises:
         ValueError: `tensor` has the wrong number of axes (or an odd kv_inner row), the
-            layout is unknown, or it is `k_transposed` (no canonical view: `plane_views`).
+            layout is unknown, or it is a CPU attention placement (no canonical view:
+            `cell_planes`).
     """
-    if is_k_transposed(kv_placement, mla):
-        memory_axes(layout, kv_placement, mla)  # raises, naming plane_views
+    if is_cpu_placement(kv_placement, mla):
+        memory_axes(layout, kv_placement, mla)  # raises, naming cell_planes
     axes = layer_axes(layout, kv_placement, mla)
     if tensor.dim() != len(axes):
         kind = "an MLA" if mla else f"a {layout}/{kv_placement}"
@@ -197,16 +211,17 @@ def canonical_view(tensor: torch.Tensor, layout: str, kv_placement: str, mla: bo
     return tensor.permute([order.index(axis) for axis in CANONICAL_AXES])
 
 
-def is_k_transposed(kv_placement: str, mla: bool) -> bool:
-    """Whether a layer is vLLM CPU attention's `k_transposed` (an MLA latent never is:
+def is_cpu_placement(kv_placement: str, mla: bool) -> bool:
+    """Whether a layer is one of vLLM CPU attention's placements, `k_transposed` or
+    `amx_tiles`: no canonical view, moved element by element (an MLA latent never is one:
     `kv_placement` is ignored there)."""
-    return kv_placement == K_TRANSPOSED and not mla
+    return kv_placement in CPU_PLACEMENTS and not mla
 
 
-def _check_k_transposed_layout(layout: str) -> None:
+def _check_cpu_placement_layout(layout: str, kv_placement: str) -> None:
     if layout != "HND":
         raise ValueError(
-            f"kv_placement 'k_transposed' (vLLM CPU attention) is an HND layout, got layout "
+            f"kv_placement {kv_placement!r} (vLLM CPU attention) is an HND layout, got layout "
             f"{layout!r}; pass layout='HND'"
         )
 
@@ -215,14 +230,14 @@ def canonical_shape(
     tensor: torch.Tensor, layout: str, kv_placement: str, mla: bool
 ) -> tuple[int, int, int, int, int]:
     """`(planes, blocks, block_size, heads, head_dim)` of one layer's tensor, for every
-    placement (`k_transposed` included, which has no `canonical_view`).
+    placement (the CPU attention ones included, which have no `canonical_view`).
 
     Raises:
-        ValueError: as `canonical_view`, or as `plane_views` for `k_transposed`.
+        ValueError: as `canonical_view`, or as `cell_planes` for a CPU attention placement.
     """
-    if is_k_transposed(kv_placement, mla):
-        blocks, slots, heads, dim = plane_views(tensor, layout, kv_placement, mla)[0].shape
-        return 2, blocks, slots, heads, dim
+    if is_cpu_placement(kv_placement, mla):
+        k_plane = cell_planes(tensor, layout, kv_placement, mla)[0]
+        return 2, k_plane.num_blocks, k_plane.block_size, k_plane.num_heads, k_plane.head_dim
     p, b, s, h, d = canonical_view(tensor, layout, kv_placement, mla).shape
     return p, b, s, h, d
 
@@ -241,29 +256,132 @@ def plane_views(
             (block, head) one run of `2 * block_size * head_dim` elements).
 
     Raises:
-        ValueError: the tensor does not have the layout's shape, or a `k_transposed` layer's
-            (block, head) planes are not dense.
+        ValueError: the tensor does not have the layout's shape, a `k_transposed` layer's
+            (block, head) planes are not dense, or an `amx_tiles` layer (no such view:
+            `cell_planes`).
     """
-    if not is_k_transposed(kv_placement, mla):
+    if kv_placement == AMX_TILES and not mla:
+        raise ValueError(
+            "kv_placement 'amx_tiles' (vLLM CPU attention's AMX layout) has no [block, slot, "
+            "head, head_dim] view of a plane; use kvxfer.layout.cell_planes"
+        )
+    if not is_cpu_placement(kv_placement, mla):
         view = canonical_view(tensor, layout, kv_placement, mla)
         return [view[p] for p in range(view.shape[0])]
-    axes = layer_axes(layout, kv_placement, mla)
-    if tensor.dim() != len(axes) or tensor.shape[-1] % 2:
-        raise ValueError(
-            f"tensor: a k_transposed layer is [blocks, heads, block_size, 2 * head_dim], got "
-            f"shape {tuple(tensor.shape)}"
-        )
-    blocks, heads, slots, cell = tensor.shape
-    s_block, s_head, s_slot, s_cell = tensor.stride()
-    dim = cell // 2
-    if (slots > 1 and s_slot != cell) or (cell > 1 and s_cell != 1):
-        raise ValueError(
-            f"tensor: a k_transposed layer keeps each (block, head) as one dense run of "
-            f"block_size * 2 * head_dim elements, got strides {tensor.stride()} for shape "
-            f"{tuple(tensor.shape)}; pass the engine's own cache tensor (not a slice of it)"
-        )
+    blocks, heads, slots, dim, (s_block, s_head) = _cpu_layer(tensor, kv_placement)
     shape = (blocks, slots, heads, dim)
     offset = tensor.storage_offset()
     k = tensor.as_strided(shape, (s_block, 1, s_head, slots), offset)
     v = tensor.as_strided(shape, (s_block, dim, s_head, 1), offset + slots * dim)
     return [k, v]
+
+
+class CellPlane(NamedTuple):
+    """One plane of a layer as `[block, slot // slot_group, slot % slot_group, head, dim //
+    dim_group, dim % dim_group]`, a view of the layer's memory: every placement has one
+    (`cell_planes`), where not every one has a `[block, slot, head, head_dim]` view."""
+
+    view: torch.Tensor
+    slot_group: int
+
+    @property
+    def shape(self) -> torch.Size:
+        """The view's six axes."""
+        return self.view.shape
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the layer."""
+        return int(self.view.shape[0])
+
+    @property
+    def block_size(self) -> int:
+        """Slots of a block."""
+        return int(self.view.shape[1] * self.view.shape[2])
+
+    @property
+    def num_heads(self) -> int:
+        """Heads of the layer."""
+        return int(self.view.shape[3])
+
+    @property
+    def head_dim(self) -> int:
+        """Elements of a head."""
+        return int(self.view.shape[4] * self.view.shape[5])
+
+    def as_bits(self, dtype: torch.dtype) -> CellPlane:
+        """The same plane seen as `dtype` (an integer type of the element's width)."""
+        return CellPlane(self.view.view(dtype), self.slot_group)
+
+    def read(self, blocks: torch.Tensor, slots: torch.Tensor, heads: slice) -> torch.Tensor:
+        """The cells of tokens at (`blocks`, `slots`) and `heads`: `[tokens, heads, dim]`."""
+        g = self.slot_group
+        cells = self.view[blocks, slots // g, slots % g, heads]
+        return cells.reshape(*cells.shape[:2], -1)
+
+    def write(
+        self, blocks: torch.Tensor, slots: torch.Tensor, heads: slice, cells: torch.Tensor
+    ) -> None:
+        """Store `cells` (`[tokens, heads, dim]`) at (`blocks`, `slots`) and `heads`."""
+        g = self.slot_group
+        shaped = cells.reshape(*cells.shape[:2], *self.view.shape[4:])
+        self.view[blocks, slots // g, slots % g, heads] = shaped
+
+
+def cell_planes(tensor: torch.Tensor, layout: str, kv_placement: str, mla: bool) -> list[CellPlane]:
+    """One `CellPlane` per plane of one layer's tensor, without copying: for `amx_tiles`
+    (the module docstring) K's slots in groups of 16 and dims in pairs, V's slots in pairs
+    and dims in groups of 16; for every other placement the planes of `plane_views`, with
+    groups of one.
+
+    Raises:
+        ValueError: as `plane_views`; an `amx_tiles` layer whose block size or head_dim is not
+            a multiple of 16, or whose (block, head) planes are not dense.
+    """
+    if kv_placement != AMX_TILES or mla:
+        return [
+            CellPlane(plane[:, :, None, :, :, None], 1)
+            for plane in plane_views(tensor, layout, kv_placement, mla)
+        ]
+    blocks, heads, slots, dim, (s_block, s_head) = _cpu_layer(tensor, kv_placement)
+    if slots % AMX_GROUP or dim % AMX_GROUP:
+        raise ValueError(
+            f"tensor: an amx_tiles layer packs slots and dims in groups of {AMX_GROUP}, got "
+            f"block_size {slots} and head_dim {dim}"
+        )
+    g = AMX_GROUP
+    offset = tensor.storage_offset()
+    k = tensor.as_strided(
+        (blocks, slots // g, g, heads, dim // 2, 2), (s_block, g * dim, 2, s_head, 2 * g, 1), offset
+    )
+    v = tensor.as_strided(
+        (blocks, slots // 2, 2, heads, dim // g, g),
+        (s_block, 2 * g, 1, s_head, g * slots, 2),
+        offset + slots * dim,
+    )
+    return [CellPlane(k, g), CellPlane(v, 2)]
+
+
+def _cpu_layer(
+    tensor: torch.Tensor, kv_placement: str
+) -> tuple[int, int, int, int, tuple[int, int]]:
+    """A CPU attention layer's blocks, heads, block size, head_dim and (block, head) strides.
+
+    Raises:
+        ValueError: not `[blocks, heads, block_size, 2 * head_dim]`, or (block, head) planes
+            that are not dense.
+    """
+    if tensor.dim() != 4 or tensor.shape[-1] % 2:
+        raise ValueError(
+            f"tensor: a {kv_placement} layer is [blocks, heads, block_size, 2 * head_dim], got "
+            f"shape {tuple(tensor.shape)}"
+        )
+    blocks, heads, slots, cell = tensor.shape
+    s_block, s_head, s_slot, s_cell = tensor.stride()
+    if (slots > 1 and s_slot != cell) or (cell > 1 and s_cell != 1):
+        raise ValueError(
+            f"tensor: a {kv_placement} layer keeps each (block, head) as one dense run of "
+            f"block_size * 2 * head_dim elements, got strides {tensor.stride()} for shape "
+            f"{tuple(tensor.shape)}; pass the engine's own cache tensor (not a slice of it)"
+        )
+    return blocks, heads, slots, cell // 2, (s_block, s_head)

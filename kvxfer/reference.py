@@ -137,6 +137,36 @@ def _e5m2_scalar(v: np.float32) -> int:
     return sign | ((exponent + 15) << 2) | ((bits >> 21) & 0x3)
 
 
+def _write_amx_tiles(
+    spec: KVCacheSpec,
+    cache: torch.Tensor,  # [blocks, heads, block_size, 2 * head_dim], each (block, head) dense
+    blocks: torch.Tensor,
+    slots: torch.Tensor,
+    local: int,
+    plane: int,
+    value: torch.Tensor,  # [tokens, head_dim]
+) -> None:
+    """vLLM CPU attention's AMX layout, as its `cpu_attn_reshape_and_cache` writes it for ISA
+    `amx` (vLLM 0.32 `csrc/cpu/cpu_attn_amx.hpp`): in each (block, head), K of slot `s` and
+    dim `d` at `(s // 16) * 16 * head_dim + (d // 2) * 32 + (s % 16) * 2 + d % 2`, then V at
+    `block_size * head_dim + (d // 16) * 16 * block_size + (s // 2) * 32 + (d % 16) * 2 +
+    s % 2`: flat offsets, computed here element by element."""
+    bs, dim = spec.block_size, spec.head_dim
+    if cache.stride()[2:] != (2 * dim, 1):
+        raise ValueError(
+            f"cache: an amx_tiles layer's (block, head) runs must be dense, got "
+            f"strides {cache.stride()}"
+        )
+    per_head = cache.flatten(2)  # [blocks, heads, 2 * block_size * head_dim]
+    s = slots[:, None]
+    d = torch.arange(dim)[None, :]
+    if plane == 0:
+        offsets = (s // 16) * 16 * dim + (d // 2) * 32 + (s % 16) * 2 + d % 2
+    else:
+        offsets = bs * dim + (d // 16) * 16 * bs + (s // 2) * 32 + (d % 16) * 2 + s % 2
+    per_head[blocks[:, None], local, offsets] = value
+
+
 def model_scales(specs: Sequence[KVCacheSpec]) -> np.ndarray:
     """float32 `[model layers, planes]`: an engine's fp8 scales per global layer, from its
     ranks' specs (`k_scales`, `v_scales`; 1.0 where none were given)."""
@@ -198,6 +228,8 @@ def write_rank_cells(
                 inner = slice(plane * spec.head_dim, (plane + 1) * spec.head_dim)
                 if spec.kv_placement == "k_transposed":
                     _write_k_transposed(spec, cache, blocks, slots, local, plane, value)
+                elif spec.kv_placement == "amx_tiles":
+                    _write_amx_tiles(spec, cache, blocks, slots, local, plane, value)
                 elif spec.kv_placement == "kv_inner" and spec.layout == "NHD":
                     cache[blocks, slots, local, inner] = value
                 elif spec.kv_placement == "kv_inner":

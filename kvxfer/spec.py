@@ -21,7 +21,15 @@ import msgspec
 import numpy as np
 import torch
 
-from kvxfer.layout import ALL_KV_PLACEMENTS, K_TRANSPOSED, LAYOUTS, KVPlacement, Layout
+from kvxfer.layout import (
+    ALL_KV_PLACEMENTS,
+    AMX_GROUP,
+    AMX_TILES,
+    CPU_PLACEMENTS,
+    LAYOUTS,
+    KVPlacement,
+    Layout,
+)
 from kvxfer.layout import KV_PLACEMENTS as KV_PLACEMENTS  # re-exported: the GPU placements
 from kvxfer.layout import layer_shape as _layer_shape
 
@@ -117,10 +125,12 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
         num_blocks: blocks per layer tensor.
         layout: "NHD" (tokens, heads) or "HND" (heads, tokens) inside a block.
         kv_placement: "kv_first" (`[2, blocks, ...]`), "blocks_first" (`[blocks, 2, ...]`),
-            "kv_inner" (K then V in each head's row: `[blocks, ..., 2 * head_dim]`, vLLM 0.33)
-            or "k_transposed" (vLLM CPU attention, HND only: `[blocks, heads, block_size,
+            "kv_inner" (K then V in each head's row: `[blocks, ..., 2 * head_dim]`, vLLM 0.33),
+            "k_transposed" (vLLM CPU attention, HND only: `[blocks, heads, block_size,
             2 * head_dim]` holding, per (block, head), K as `[head_dim, block_size]` then V as
-            `[block_size, head_dim]`; moved by the torch backend, `kvxfer.layout`).
+            `[block_size, head_dim]`; moved by the torch backend, `kvxfer.layout`) or
+            "amx_tiles" (vLLM CPU attention on AMX: the same shape, K and V packed in tile
+            groups of 16, `kvxfer.layout`; blocks and head_dim multiples of 16).
         mla: one latent plane `[num_blocks, block_size, head_dim]`, the same on every rank;
             `layout` and `kv_placement` are then ignored.
         pp_size: pipeline-parallel size of this engine (1: no pipeline parallelism).
@@ -206,13 +216,22 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
                 f"unknown placement {self.kv_placement!r}",
                 f"use one of {list(ALL_KV_PLACEMENTS)}",
             )
-        if self.kv_placement == K_TRANSPOSED and self.layout != "HND" and not self.mla:
+        if self.kv_placement in CPU_PLACEMENTS and self.layout != "HND" and not self.mla:
             _fail(
                 "layout",
-                f"kv_placement 'k_transposed' (vLLM CPU attention) keeps heads outside slots, "
-                f"got layout {self.layout!r}",
+                f"kv_placement {self.kv_placement!r} (vLLM CPU attention) keeps heads outside "
+                f"slots, got layout {self.layout!r}",
                 "pass layout='HND'",
             )
+        if self.kv_placement == AMX_TILES and not self.mla:
+            for name in ("block_size", "head_dim"):
+                if getattr(self, name) % AMX_GROUP:
+                    _fail(
+                        name,
+                        f"kv_placement 'amx_tiles' (vLLM CPU attention's AMX layout) packs "
+                        f"slots and dims in groups of {AMX_GROUP}, got {getattr(self, name)}",
+                        f"use a multiple of {AMX_GROUP} (vLLM's amx ISA needs blocks of 32s)",
+                    )
         if not isinstance(self.mla, bool):
             _fail("mla", f"must be a bool, got {self.mla!r}", "pass True or False")
         if self.mla and self.num_kv_heads != 1:

@@ -22,7 +22,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -64,11 +64,14 @@ class Case:
     src_cache: str = "auto"
     dst_cache: str = "auto"
     scales: tuple[float, float] = (1.0, 1.0)
+    dst_isa: str | None = None  # the destination's instruction set, where it is not `isa`
 
     @property
     def name(self) -> str:
         """A short id: backend, ISA or layout, blocks, head_dim, dtype, cache dtypes, tokens."""
         where = self.isa or self.layout
+        if self.dst_isa:
+            where = f"{where}-{self.dst_isa}"
         caches = (
             ""
             if self.src_cache == self.dst_cache == "auto"
@@ -232,11 +235,12 @@ def probe(case: Case) -> dict[str, object]:
     if case.src_cache == "auto":
         _read_back(case, src_spec, src_views, src_ids, key, value)
 
-    moved = _allocate(case, case.dst_block, 8, case.dst_cache)
-    dst_spec, dst_views = _kvxfer_view(case, moved, case.dst_block, cache_dtype=case.dst_cache)
+    dst_case = replace(case, isa=case.dst_isa or case.isa)
+    moved = _allocate(dst_case, case.dst_block, 8, case.dst_cache)
+    dst_spec, dst_views = _kvxfer_view(dst_case, moved, case.dst_block, cache_dtype=case.dst_cache)
     reshard([(src_spec, src_views, src_ids)], [(dst_spec, dst_views, dst_ids)], case.tokens)
-    written = _allocate(case, case.dst_block, 8, case.dst_cache)
-    write(case, written, key, value, dst_slots, case.dst_cache)
+    written = _allocate(dst_case, case.dst_block, 8, case.dst_cache)
+    write(dst_case, written, key, value, dst_slots, case.dst_cache)
     if not torch.equal(moved.view(torch.uint8), written.view(torch.uint8)):
         differ = int((moved.view(torch.uint8) != written.view(torch.uint8)).sum())
         raise ProbeError(
@@ -316,6 +320,28 @@ FP8_CASES = (
 )
 
 
+# CPU attention's AMX layout (ISA amx: bf16 caches with blocks of 32s on CPUs with AMX tiles,
+# fp8 caches there too): vLLM's reshape op writes it on any x86 CPU (plain stores), so it is
+# probed here whatever the CPU; AMX to and from `vec` (an engine without AMX, or float32).
+AMX_CASES = (
+    Case("CPU_ATTN", 32, 64, 32, "bfloat16", 100, isa="amx"),
+    Case("CPU_ATTN", 64, 32, 64, "bfloat16", 97, isa="amx"),
+    Case("CPU_ATTN", 32, 64, 32, "bfloat16", 70, isa="amx", dst_isa="vec"),
+    Case("CPU_ATTN", 64, 32, 32, "bfloat16", 70, isa="vec", dst_isa="amx"),
+    Case(
+        "CPU_ATTN", 32, 64, 32, "bfloat16", 45, isa="amx", dst_cache="fp8_e4m3", scales=(0.5, 2.0)
+    ),
+)
+
+
+def amx_cache_writes() -> bool:
+    """Whether vLLM's CPU op here writes the AMX layout: an x86 CPU (the reshape is plain
+    stores; only the attention kernel needs AMX tiles)."""
+    import platform
+
+    return platform.machine() in ("x86_64", "AMD64")
+
+
 def fp8_cache_writes() -> bool:
     """Whether this CPU's attention writes fp8 caches (vLLM 0.32: x86 with AVX-512 or AMX)."""
     return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
@@ -355,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = default_cases(args.backend, args.device)
     if args.backend == "CPU_ATTN" and fp8_cache_writes():
         cases += FP8_CASES
+    if args.backend == "CPU_ATTN" and amx_cache_writes():
+        cases += AMX_CASES
     for case in cases:
         try:
             print(json.dumps(probe(case)), flush=True)

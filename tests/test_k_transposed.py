@@ -74,7 +74,7 @@ def test_plane_views_match_the_reference() -> None:
 def test_no_canonical_view_and_no_guess() -> None:
     spec = _cpu_spec()
     tensor = torch.zeros(spec.layer_shape)
-    with pytest.raises(ValueError, match="plane_views"):
+    with pytest.raises(ValueError, match="cell_planes"):
         canonical_view(tensor, "HND", K_T, False)
     with pytest.raises(ValueError, match="dense run"):
         plane_views(tensor[:, :, :, :4], "HND", K_T, False)  # a slice: not the engine's tensor

@@ -50,9 +50,9 @@ import torch
 from kvxfer.layout import (
     BLOCK,
     CELL,
+    CPU_PLACEMENTS,
     DIM,
     HEAD,
-    K_TRANSPOSED,
     KV_PLACEMENTS,
     LAYOUTS,
     PLANE,
@@ -106,10 +106,11 @@ class EngineGeometry:
             space (the module's docstring). vLLM: every decoder layer except no-op attention
             layers. Empty: unknown, allowed without pipeline parallelism only (the registered
             layers are then the whole model).
-        k_transposed: the engine's attention keeps K dim-major inside each (block, head)
-            (vLLM's CPU attention: `kv_placement` "k_transposed"), which its strides cannot
-            show: they read as HND kv_inner. The engine's attention-backend table says so
-            (`kvxfer.integrations.vllm.backends`), never the tensors.
+        cpu_placement: the engine's CPU attention keeps each (block, head) in a placement of
+            its own, "k_transposed" (K dim-major) or "amx_tiles" (tile groups), which its
+            strides cannot show: they read as HND kv_inner. The engine's attention-backend
+            table says so (`kvxfer.integrations.vllm.backends`), never the tensors. None:
+            the strides show the placement.
         fp8_rounding: how the engine's cache write rounds into an fp8 cache
             (`KVCacheSpec.fp8_rounding`; vLLM CPU attention: "toward_zero"), from the same
             table; kept in the spec of fp8 caches only.
@@ -125,7 +126,7 @@ class EngineGeometry:
     pp_size: int = 1
     pp_rank: int = 0
     kv_layers: tuple[int, ...] = ()
-    k_transposed: bool = False
+    cpu_placement: str | None = None
     fp8_rounding: FP8Rounding = "nearest_even"
 
     def __post_init__(self) -> None:
@@ -273,8 +274,8 @@ def spec_from_layers(
             "kvxfer needs one geometry per rank (one KV cache group)"
         )
     layout, placement, dtype, _ = layouts[0]
-    if geometry.k_transposed and not geometry.mla:
-        placement = _k_transposed_placement(layout, placement)
+    if geometry.cpu_placement is not None and not geometry.mla:
+        placement = _cpu_placement(layout, placement, geometry.cpu_placement)
     first = views[0]
     num_blocks = first.shape[layer_axes(layout, placement, geometry.mla).index(BLOCK)]
     spec = KVCacheSpec(
@@ -305,20 +306,24 @@ def spec_from_layers(
     return spec, views
 
 
-def _k_transposed_placement(layout: str, placement: str) -> str:
-    """`k_transposed`, for tensors whose strides read as HND kv_inner (the shape and strides
-    vLLM's CPU attention registers).
+def _cpu_placement(layout: str, placement: str, cpu_placement: str) -> str:
+    """`cpu_placement` (one of `CPU_PLACEMENTS`), for tensors whose strides read as HND
+    kv_inner (the shape and strides vLLM's CPU attention registers).
 
     Raises:
         ValueError: the strides read as another layout, so the table's layout cannot hold.
     """
+    if cpu_placement not in CPU_PLACEMENTS:
+        raise ValueError(
+            f"EngineGeometry.cpu_placement: {cpu_placement!r} is not one of {CPU_PLACEMENTS}"
+        )
     if (layout, placement) != ("HND", "kv_inner"):
         raise ValueError(
-            f"the attention backend keeps K transposed (k_transposed) in [blocks, heads, "
+            f"the attention backend keeps its cache as {cpu_placement} in [blocks, heads, "
             f"block_size, 2 * head_dim] tensors, but these read as {layout}/{placement}; "
             "kvxfer does not know this backend's layout in this vLLM version: report it"
         )
-    return K_TRANSPOSED
+    return cpu_placement
 
 
 def _place_layers(

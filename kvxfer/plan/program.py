@@ -39,7 +39,7 @@ from typing import Literal, cast
 
 import numpy as np
 
-from kvxfer.layout import is_k_transposed
+from kvxfer.layout import is_cpu_placement
 from kvxfer.plan.heads import HeadRoute
 from kvxfer.plan.layout import (
     BlockGeometry,
@@ -77,11 +77,12 @@ _SEGMENTS_INTO_DESTINATION_CACHE: frozenset[Strategy] = frozenset({"direct", "pa
 def strategies_for(src_spec: KVCacheSpec, dst_spec: KVCacheSpec) -> tuple[Strategy, ...]:
     """The strategies that can move KV between these two caches, simplest first.
 
-    Every strategy, except where a side is `k_transposed` (vLLM CPU attention): its K cells
-    are not contiguous rows, so byte segments never address that cache; only a cell copy on
-    its own side (the torch backend) reads or writes it. A `k_transposed` source then needs a
-    pack, a `k_transposed` destination an unpack (landing: `direct` and `pack` would land in a
-    mirror of the destination's blocks, which the segments cannot address either). Between two
+    Every strategy, except where a side is in a CPU attention placement (`k_transposed`,
+    `amx_tiles`): its cells are not contiguous rows, so byte segments never address that
+    cache; only a cell copy on its own side (the torch backend) reads or writes it. Such a
+    source then needs a pack, such a destination an unpack (landing: `direct` and `pack`
+    would land in a mirror of the destination's blocks, which the segments cannot address
+    either). Between two
     dtypes `direct` is out: only a cell copy converts; and `pack` too where the destination's
     fp8 write truncates (`KVCacheSpec.fp8_rounding`): that conversion runs on its own side.
     """
@@ -90,9 +91,9 @@ def strategies_for(src_spec: KVCacheSpec, dst_spec: KVCacheSpec) -> tuple[Strate
         excluded.add("direct")
         if dst_spec.fp8_rounding != "nearest_even":  # converts on its own side only
             excluded.add("pack")
-    if _k_transposed(src_spec):
+    if _cpu_placement(src_spec):
         excluded |= _SEGMENTS_FROM_SOURCE_CACHE
-    if _k_transposed(dst_spec):
+    if _cpu_placement(dst_spec):
         excluded |= _SEGMENTS_INTO_DESTINATION_CACHE
     return tuple(s for s in STRATEGIES if s not in excluded)
 
@@ -112,18 +113,18 @@ def check_strategy_for(strategy: Strategy, src_spec: KVCacheSpec, dst_spec: KVCa
             f"{src_spec.dtype} must become the destination's {dst_spec.dtype}; use one of "
             f"{list(allowed)} (a cell copy converts), or let the cost model choose (strategy=None)"
         )
-    if not (_k_transposed(src_spec) or _k_transposed(dst_spec)):  # then pack's rounding
+    if not (_cpu_placement(src_spec) or _cpu_placement(dst_spec)):  # then pack's rounding
         raise ValueError(
             f"strategy 'pack' cannot move KV here: it converts on the source, and the "
             f"destination's fp8 write rounds {dst_spec.fp8_rounding!r} (vLLM CPU attention), "
             f"which only its own side reproduces; use one of {list(allowed)}, or let the cost "
             "model choose (strategy=None)"
         )
-    side = "source" if _k_transposed(src_spec) else "destination"
+    side, spec = ("source", src_spec) if _cpu_placement(src_spec) else ("destination", dst_spec)
     raise ValueError(
-        f"strategy {strategy!r} cannot move KV here: the {side} cache is 'k_transposed' (vLLM "
-        f"CPU attention), whose K cells byte segments cannot address; use one of "
-        f"{list(allowed)}, or let the cost model choose (strategy=None)"
+        f"strategy {strategy!r} cannot move KV here: the {side} cache is "
+        f"{spec.kv_placement!r} (vLLM CPU attention), whose cells byte segments cannot "
+        f"address; use one of {list(allowed)}, or let the cost model choose (strategy=None)"
     )
 
 
@@ -145,8 +146,8 @@ def conversion_side(
     return "destination"
 
 
-def _k_transposed(spec: KVCacheSpec) -> bool:
-    return is_k_transposed(spec.kv_placement, spec.mla)
+def _cpu_placement(spec: KVCacheSpec) -> bool:
+    return is_cpu_placement(spec.kv_placement, spec.mla)
 
 
 @dataclass(frozen=True)

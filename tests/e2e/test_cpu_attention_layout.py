@@ -39,6 +39,17 @@ def test_fp8_caches_hold_what_cpu_attention_writes(case: bp.Case) -> None:
     assert bp.probe(case)["dst_fp8_rounding"] == "toward_zero"
 
 
+@pytest.mark.skipif(
+    not bp.amx_cache_writes(), reason="vLLM's CPU op writes the AMX layout on x86 CPUs only"
+)
+@pytest.mark.parametrize("case", bp.AMX_CASES, ids=lambda c: c.name)
+def test_the_amx_layout_holds_what_cpu_attention_writes(case: bp.Case) -> None:
+    """ISA amx (bf16 and fp8 caches on CPUs with AMX tiles): kvxfer reads every element where
+    the op put it, and writes an AMX cache, or CPU attention's `vec` one, as the op would."""
+    placements = {"amx": "amx_tiles", "vec": "k_transposed"}
+    assert bp.probe(case)["placement"] == placements[case.isa or ""]
+
+
 @pytest.mark.parametrize("case", bp.default_cases("CPU_MLA", "cpu"), ids=lambda c: c.name)
 def test_kvxfer_reads_and_writes_where_cpu_mla_does(case: bp.Case) -> None:
     """vLLM's CPU MLA backend (`CPUMLAImpl.do_kv_cache_update`, torch code): kvxfer reads

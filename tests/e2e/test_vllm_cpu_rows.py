@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+import torch
+import vllm_e2e_driver as driver
 from conftest import Pair, both_config, first_request, observe
 from pd_checks import (
     LOCAL_CACHE_HIT,
@@ -489,3 +491,50 @@ class TestMambaHybrid(InFlightCases):
     def loaded_tokens(self, prompt_tokens: int) -> int:
         """All but the last prompt token (the state after them is what moves)."""
         return external_tokens(prompt_tokens - 1)
+
+
+AMX_TILES = torch.cpu._is_amx_tile_supported()
+
+
+@pytest.mark.skipif(
+    not AMX_TILES,
+    reason="vLLM CPU attention's amx ISA needs a CPU with AMX tiles "
+    "(torch.cpu._is_amx_tile_supported()); this one has none",
+)
+class TestAmxTiles(RouteCases):
+    """bf16 caches in blocks of 32s on a CPU with AMX tiles: vLLM CPU attention's `amx` ISA and
+    its tile layout (`amx_tiles`), TP 1 <-> TP 2; and AMX on one side with a float32 engine
+    (ISA `vec`) on the other, converted between bf16 and float32 on the way (token match
+    reported: the two engines round differently). The layout itself is probed through the op
+    on any x86 CPU (test_cpu_attention_layout.py)."""
+
+    MODEL = "kv4"
+    LABEL = "amx"
+    ENGINES: ClassVar[dict[str, EngineShape]] = {
+        "amx": EngineShape(1, 32, BF16),
+        "amx-tp2": EngineShape(2, 64, BF16),
+        "vec-fp32": EngineShape(2, 64),
+    }
+    ROUTES = (("amx", "amx-tp2"), ("amx-tp2", "amx"), ("amx", "vec-fp32"), ("vec-fp32", "amx"))
+    REFERENCES: ClassVar[dict[tuple[str, str], str]] = {
+        ("amx", "amx-tp2"): "amx",
+        ("amx-tp2", "amx"): "amx",
+        ("amx", "vec-fp32"): "vec-fp32",
+        ("vec-fp32", "amx"): "amx",
+    }
+    REPORTED_ONLY = (("amx", "vec-fp32"), ("vec-fp32", "amx"))
+
+    @pytest.fixture(scope="class", autouse=True)
+    def bf16_engine_serves(self, processes: Processes, tiny_model: Path) -> None:
+        """One bf16 engine alone, no connector, answers a request, or the class skips naming
+        what the engine said: vLLM's CPU build itself lost a bf16 engine's worker on its first
+        request on an AMX machine before (docs/engine-layouts.md)."""
+        engine = processes.start_engine("amx-alone", tiny_model, tensor_parallel_size=1,
+                                        block_size=32, options=BF16)  # fmt: skip
+        try:
+            processes.wait_ready([engine])
+            collect(engine.url, [list(range(3, 43))])
+        except driver.E2EError as exc:  # the engine's own failure, without kvxfer
+            pytest.skip(f"vLLM's CPU build cannot serve bf16 with the amx ISA here: {exc}")
+        finally:
+            processes.stop([engine])

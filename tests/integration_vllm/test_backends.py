@@ -49,6 +49,12 @@ def test_cpu_attention_reads_as_k_transposed_and_gpu_rows_from_the_strides() -> 
         backends = {name: (backend, isa) for name in caches}
         (group,), _ = cache_groups(caches, None, GEOMETRY, backends)
         assert (group.spec.layout, group.spec.kv_placement) == ("HND", placement), backend
+    # AMX's tile groups: blocks and head_dim multiples of 16 (vLLM's amx ISA: blocks of 32s)
+    amx = {"model.layers.0.self_attn.attn": torch.zeros(6, 4, 32, 32, dtype=torch.bfloat16)}
+    geometry = dataclasses.replace(GEOMETRY, head_dim=16, block_size=32)
+    backends = {name: ("CPU_ATTN", "amx") for name in amx}
+    (group,), _ = cache_groups(amx, None, geometry, backends)
+    assert (group.spec.layout, group.spec.kv_placement) == ("HND", "amx_tiles")
 
 
 @pytest.mark.parametrize(
@@ -69,7 +75,7 @@ def test_an_fp8_cache_keeps_how_its_backend_writes_it(backend, isa, rounding) ->
     ("backend", "dtype", "isa", "problem"),
     [
         pytest.param("SOME_NEW_ATTN", "auto", None, "not in kvxfer's table", id="unknown"),
-        pytest.param("CPU_ATTN", "auto", "amx", "instruction set 'amx'", id="cpu-amx"),
+        pytest.param("CPU_ATTN", "auto", "amx_fp8", "instruction set 'amx_fp8'", id="cpu-amx-fp8"),
         pytest.param("CPU_ATTN", "auto", "neon", "instruction set 'neon'", id="cpu-neon"),
         pytest.param(
             "TRITON_ATTN", "fp8_per_token_head", None, "fp8_per_token_head", id="per-token-fp8"

@@ -267,9 +267,9 @@ def test_windows_and_layer_indices_are_read_from_vllms_names_and_specs() -> None
 
 
 def test_the_attention_backend_names_the_layout_never_the_strides() -> None:
-    assert attention_geometry(_geometry(), ATTN[:1], _cpu(ATTN[:1])).k_transposed
+    assert attention_geometry(_geometry(), ATTN[:1], _cpu(ATTN[:1])).cpu_placement == "k_transposed"
     flash = {ATTN[0]: ("FLASH_ATTN", None)}
-    assert not attention_geometry(_geometry(), ATTN[:1], flash).k_transposed
+    assert attention_geometry(_geometry(), ATTN[:1], flash).cpu_placement is None
     with pytest.raises(ValueError, match="cannot tell the attention backend"):
         attention_geometry(_geometry(), ATTN[:1], {})
     with pytest.raises(ValueError, match="FLASH_ATTN keeps a rows cache, but the model uses MLA"):

@@ -11,6 +11,7 @@ Readings:
 - `rows`: each `[.., 2 * head_dim]` row holds a token's K then V (or the 5-D K/V planes of
   older layouts): the strides show the rest, `kvxfer.integrations.kv_tensors` reads them;
 - `k_transposed`: vLLM CPU attention (`kv_placement` "k_transposed", `kvxfer.layout`);
+- `amx_tiles`: vLLM CPU attention with the `amx` ISA (`kv_placement` "amx_tiles");
 - `latent`: an MLA latent cache, `[blocks, block_size, latent]`.
 
 This module imports nothing from vLLM: `engine_reading` takes the backend names and CPU
@@ -25,7 +26,7 @@ from typing import Literal
 
 from kvxfer.spec import FP8Rounding
 
-Reading = Literal["rows", "k_transposed", "latent"]
+Reading = Literal["rows", "k_transposed", "amx_tiles", "latent"]
 
 # The vLLM minor versions whose source the table was read from.
 VERIFIED_VLLM_VERSIONS: tuple[str, ...] = ("0.32", "0.33")
@@ -48,6 +49,8 @@ class BackendLayout:
             not a CPU backend).
         source: where in vLLM the layout was read.
         fp8_rounding: how its cache write rounds into an fp8 cache (`KVCacheSpec.fp8_rounding`).
+        isa_readings: CPU instruction sets whose cache write keeps another reading than
+            `reading`.
     """
 
     name: str
@@ -56,6 +59,7 @@ class BackendLayout:
     source: str
     isas: tuple[str, ...] | None = None
     fp8_rounding: FP8Rounding = "nearest_even"
+    isa_readings: tuple[tuple[str, Reading], ...] = ()
 
 
 _GPU_ROWS = "kv_cache.transpose(1, 2).split(head_size, dim=-1): K then V in each row"
@@ -120,9 +124,13 @@ BACKEND_LAYOUTS: dict[str, BackendLayout] = {
             "head_dim).chunk(2, dim=2), written by cpu_attn_reshape_and_cache: K as "
             "[head_dim, block_size], V as [block_size, head_dim]; fp8 caches (AVX-512, ISA "
             "vec) the same layout in bytes, quantized by csrc/cpu/cpu_attn_fp8.hpp's "
-            "float_to_fp8e4m3_scalar / float_to_fp8e5m2_scalar (truncating)",
-            isas=("vec", "vec16"),
+            "float_to_fp8e4m3_scalar / float_to_fp8e5m2_scalar (truncating); ISA amx (bf16 "
+            "and fp8 caches, blocks of 32s): csrc/cpu/cpu_attn_amx.hpp and cpu_attn_fp8.hpp's "
+            "reshape_and_cache_fp8_amx_impl, K pairs of dims in groups of 16 slots, V pairs "
+            "of slots in groups of 16 dims (amx_tiles)",
+            isas=("vec", "vec16", "amx"),
             fp8_rounding="toward_zero",
+            isa_readings=(("amx", "amx_tiles"),),
         ),
     )
 }
@@ -155,9 +163,9 @@ def backend_reading(name: str, kv_cache_dtype: str, isa: str | None = None) -> R
         raise ValueError(
             f"kvxfer: {name} with CPU instruction set {isa!r} writes its cache in a layout "
             f"kvxfer has not verified (verified: {list(layout.isas)}); run the engine where "
-            "vLLM picks one of those (e.g. a float32 or float16 cache instead of AMX's bf16)"
+            "vLLM picks one of those"
         )
-    return layout.reading
+    return dict(layout.isa_readings).get(isa or "", layout.reading)
 
 
 def engine_reading(layers: Iterable[tuple[str, str, str | None]], kv_cache_dtype: str) -> Reading:

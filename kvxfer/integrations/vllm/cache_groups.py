@@ -24,6 +24,7 @@ import torch
 from kvxfer.connector import CacheGroup
 from kvxfer.integrations.kv_tensors import EngineGeometry, spec_from_layers
 from kvxfer.integrations.vllm.backends import engine_fp8_rounding, engine_reading
+from kvxfer.layout import CPU_PLACEMENTS
 from kvxfer.state import StateComponent, StateLayout
 
 if TYPE_CHECKING:
@@ -278,7 +279,7 @@ def attention_geometry(
         )
     return dataclasses.replace(
         geometry,
-        k_transposed=reading == "k_transposed",
+        cpu_placement=reading if reading in CPU_PLACEMENTS else None,
         fp8_rounding=engine_fp8_rounding(backends[names[0]][0]),
     )
 
