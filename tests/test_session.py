@@ -216,3 +216,25 @@ def test_overlapping_handshakes_cannot_open_more_than_max_sessions() -> None:
     with pytest.raises(ProtocolError, match="1 sessions are open"):
         server.accept(claims[1], b"", str)
     assert len(server.open_sessions()) == 1
+
+
+def test_a_challenge_waits_for_a_starved_client_and_the_count_bounds_them(monkeypatch):
+    """A client unscheduled for an hour between its hello and its proof still finds its
+    challenge (the client's handshake timeout decides how long it waits); the number of
+    outstanding challenges stays bounded, the oldest going first; a set TTL still expires."""
+    from kvxfer.session import auth
+
+    now = [1000.0]
+    monkeypatch.setattr(auth.time, "monotonic", lambda: now[0])
+    challenges = auth.Challenges(max_pending=2)
+    nonce = challenges.issue(b"peer", "c1", "decode")
+    now[0] += 3600
+    assert challenges.redeem(b"peer", "c1", nonce) == "decode"
+    first = challenges.issue(b"peer", "a", "x")
+    challenges.issue(b"peer", "b", "x")
+    challenges.issue(b"peer", "c", "x")
+    assert challenges.redeem(b"peer", "a", first) is None  # the oldest went first
+    timed = auth.Challenges(ttl_s=10.0)
+    nonce = timed.issue(b"peer", "c2", "decode")
+    now[0] += 11
+    assert timed.redeem(b"peer", "c2", nonce) is None

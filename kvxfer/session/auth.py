@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import secrets
 import time
 from collections import OrderedDict
@@ -63,14 +64,18 @@ def verify(key: bytes, frame: bytes, mac: bytes) -> bool:
 
 class Challenges:
     """The nonces a server handed out in challenges, each redeemable once by the peer it was
-    given to, until it expires. Bounded: the oldest go first.
+    given to. Bounded by count, the oldest going first, not by time: how long a handshake may
+    take is the client's to decide (its `handshake_timeout_s`), and a client whose process a
+    loaded host left unscheduled for tens of seconds between its hello and its proof must not
+    find its challenge gone (the real-engine suite saw "no matching Hello" so, with 10 s).
 
     Args:
-        ttl_s: how long a handshake may take after its hello.
+        ttl_s: how long a handshake may take after its hello; None (the default): as long as
+            the client waits.
         max_pending: the most challenges outstanding at once.
     """
 
-    def __init__(self, ttl_s: float = 10.0, max_pending: int = 1024) -> None:
+    def __init__(self, ttl_s: float | None = None, max_pending: int = 1024) -> None:
         # (peer identity, client nonce) -> (server nonce, the name the hello gave, expiry)
         self._pending: OrderedDict[tuple[bytes, str], tuple[str, str, float]] = OrderedDict()
         self._ttl_s, self._max_pending = ttl_s, max_pending
@@ -79,7 +84,7 @@ class Challenges:
         """A fresh server nonce for the peer `identity` whose hello sent `client_nonce` and
         `name`."""
         server_nonce = new_nonce()
-        expires = time.monotonic() + self._ttl_s
+        expires = math.inf if self._ttl_s is None else time.monotonic() + self._ttl_s
         self._pending[(identity, client_nonce)] = (server_nonce, name, expires)
         while len(self._pending) > self._max_pending:
             self._pending.popitem(last=False)

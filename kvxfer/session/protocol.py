@@ -112,11 +112,12 @@ class SessionServer(Generic[T]):
         service: the side channel's name ("kv", "ec"), bound into every proof.
         secret: the shared secret ("" for none: frames are then checked for integrity only).
         max_sessions: the most sessions open at once; further hellos are refused.
-        challenge_ttl_s: how long a handshake may take after its hello.
+        challenge_ttl_s: how long a handshake may take after its hello; None: as long as
+            the client waits (`auth.Challenges`).
     """
 
     def __init__(
-        self, service: str, secret: str, max_sessions: int, challenge_ttl_s: float = 10.0
+        self, service: str, secret: str, max_sessions: int, challenge_ttl_s: float | None = None
     ) -> None:
         self.service, self._secret, self._max_sessions = service, secret, max_sessions
         self._challenges = auth.Challenges(ttl_s=challenge_ttl_s)
