@@ -101,7 +101,7 @@ $(VLLM_CPU_STAMP): pyproject.toml Makefile scripts/install-system-deps.sh
 	touch $(VLLM_CPU_STAMP)
 
 # Real `vllm serve` engines (vLLM's CPU build, a tiny model made on the spot): prefill -> decode
-# through kvxfer's connector and P/D proxy against one engine alone (tests/e2e/, ~10 minutes on
+# through kvxfer's connector and P/D proxy against one engine alone (tests/e2e/, ~27 minutes on
 # 2 cores). The project's pytest options name plugins this environment has not: hence -o.
 test-e2e: $(VLLM_CPU_STAMP)
 	$(VLLM_CPU_VENV)/bin/python -m pytest -o addopts=-ra -v tests/e2e
