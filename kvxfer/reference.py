@@ -152,12 +152,7 @@ def _write_amx_tiles(
     `block_size * head_dim + (d // 16) * 16 * block_size + (s // 2) * 32 + (d % 16) * 2 +
     s % 2`: flat offsets, computed here element by element."""
     bs, dim = spec.block_size, spec.head_dim
-    if cache.stride()[2:] != (2 * dim, 1):
-        raise ValueError(
-            f"cache: an amx_tiles layer's (block, head) runs must be dense, got "
-            f"strides {cache.stride()}"
-        )
-    per_head = cache.flatten(2)  # [blocks, heads, 2 * block_size * head_dim]
+    per_head = _per_head_runs(spec, cache)
     s = slots[:, None]
     d = torch.arange(dim)[None, :]
     if plane == 0:
@@ -244,6 +239,21 @@ def write_rank_cells(
                     cache[blocks, plane, local, slots] = value
 
 
+def _per_head_runs(spec: KVCacheSpec, cache: torch.Tensor) -> torch.Tensor:
+    """A CPU attention layer as `[blocks, heads, 2 * block_size * head_dim]`: each (block,
+    head) one dense run.
+
+    Raises:
+        ValueError: runs that are not dense (not the engine's own tensor).
+    """
+    if cache.stride()[2:] != (2 * spec.head_dim, 1):
+        raise ValueError(
+            f"cache: a {spec.kv_placement} layer's (block, head) runs must be dense, got "
+            f"strides {cache.stride()}"
+        )
+    return cache.flatten(2)
+
+
 def _write_k_transposed(
     spec: KVCacheSpec,
     cache: torch.Tensor,  # [blocks, heads, block_size, 2 * head_dim], each (block, head) dense
@@ -256,12 +266,7 @@ def _write_k_transposed(
     """vLLM CPU attention's layout, as its `cpu_attn_reshape_and_cache` writes it: each
     (block, head) holds K as `[head_dim, block_size]`, then V as `[block_size, head_dim]`."""
     bs, dim = spec.block_size, spec.head_dim
-    if cache.stride()[2:] != (2 * dim, 1):
-        raise ValueError(
-            f"cache: a k_transposed layer's (block, head) runs must be dense, got "
-            f"strides {cache.stride()}"
-        )
-    per_head = cache.flatten(2)  # [blocks, heads, 2 * block_size * head_dim]
+    per_head = _per_head_runs(spec, cache)
     if plane == 0:
         k = per_head[..., : bs * dim].unflatten(-1, (dim, bs))
         k[blocks, local, :, slots] = value
