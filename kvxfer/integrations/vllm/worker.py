@@ -93,6 +93,7 @@ class WorkerSide:
         consumes: bool,
     ) -> None:
         check_threads_can_run(vllm_config.device_config.device_type, os.sched_getaffinity(0))
+        allow_amx_tiles(vllm_config.device_config.device_type)
         self._settings = settings
         self._engine_id = engine_id
         self._geometry = engine_geometry(vllm_config, kv_cache_config)
@@ -449,3 +450,19 @@ def check_threads_can_run(device_type: str, affinity: set[int]) -> None:
         " so kvxfer's transfer threads would all share it with a spinning OpenMP thread and "
         "starve; start the engine with VLLM_CPU_OMP_THREADS_BIND=nobind"
     )
+
+
+def allow_amx_tiles(device_type: str) -> None:
+    """Ask Linux for this CPU worker's AMX tile state, on CPUs that have AMX tiles.
+
+    Linux kills a process that runs an AMX tile instruction without having asked for the tile
+    state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`) with SIGILL. vLLM 0.32's CPU build never asks:
+    its engines live because oneDNN asks on its first AMX matrix multiply, in the first prefill.
+    A decode engine whose first step decodes KV that kvxfer loaded runs CPU attention's AMX
+    kernel first (ISA `amx`: bf16 or fp8 caches in blocks of 32s), and its worker died with
+    SIGILL on its first request (measured: an fp8 e4m3 decode engine, Sapphire Rapids class
+    CPU; `docs/engine-layouts.md`). Asking is idempotent and process-wide.
+    """
+    if device_type == "cpu" and torch.cpu._is_amx_tile_supported() and not torch.cpu._init_amx():
+        log.warning("kvxfer: Linux refused this process AMX tile state; CPU attention's amx "
+                    "ISA may die with SIGILL")  # fmt: skip
