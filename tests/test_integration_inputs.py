@@ -243,7 +243,8 @@ def test_producer_and_consumer_options_are_their_parameters_from_the_settings():
 
     s = ConnectorSettings.from_extra_config(
         {"secret": "s3", "staging_bytes": 1 << 20, "staging_slots": 3, "strategy": "direct",
-         "request_timeout_s": 9.0, "fetch_timeout_s": 7.0, "peer_timeout_s": 4.0}
+         "request_timeout_s": 9.0, "fetch_timeout_s": 7.0, "peer_timeout_s": 4.0,
+         "session_timeout_s": 30.0}
     )  # fmt: skip
     produce, consume = s.producer_options("tcp"), s.consumer_options("rdma")
     for cls, options in ((KVProducer, produce), (KVConsumer, consume)):
@@ -251,7 +252,7 @@ def test_producer_and_consumer_options_are_their_parameters_from_the_settings():
         assert not unknown, f"{cls.__name__} takes no {sorted(unknown)}"
     assert produce == {
         "secret": "s3", "protocol": "tcp", "staging_bytes": 1 << 20, "staging_slots": 3,
-        "request_timeout_s": 9.0, "backend": "auto",
+        "request_timeout_s": 9.0, "session_timeout_s": 30.0, "backend": "auto",
     }  # fmt: skip
     assert consume["protocol"] == "rdma" and consume["strategy"] == "direct"
     assert (consume["timeout_s"], consume["peer_timeout_s"]) == (7.0, 4.0)

@@ -88,8 +88,11 @@ log = logging.getLogger(__name__)
 
 _MAX_WAITING_PER_SESSION = 4096  # chunks waiting for their request to be published
 # With no published request, held chunk or lease, the side channel's tick checks only
-# handshakes and sessions' silence (10 s): ten times a second is enough.
+# handshakes and sessions' silence (120 s): ten times a second is enough.
 _IDLE_TICK_S = 0.1
+# Ticks further apart than this mean the side channel's thread was not run meanwhile (its
+# ticks come every 10-100 ms): its peers' silence during that gap is not counted as theirs.
+_AWAY_S = 1.0
 _MAX_FINISHED_PER_SESSION = 1024  # recent ids a session said it is done with
 
 
@@ -165,9 +168,14 @@ class KVProducer:
             how far this rank's packs may run ahead of a consumer's reads (1: each chunk is
             packed only once the previous one was read).
         request_timeout_s: default deadline of a published request.
-        session_timeout_s: a consumer session silent this long is dropped (its pool is reused
-            once the holds of the chunks packed for it end: it may be frozen, not dead);
-            consumers ping every `heartbeat_s` (0.5 s by default).
+        session_timeout_s: a consumer session silent this long, counted while this producer's
+            side channel was run, is dropped (its pool is reused once the holds of the chunks
+            packed for it end: it may be frozen, not dead); consumers ping every `heartbeat_s`
+            (0.5 s by default). Dropping a session only reclaims its pool: the chunks it leased
+            are freed at their holds' end whatever this is, so it is long by default. A
+            consumer whose process is not run for tens of seconds on a loaded host (measured:
+            38 s, both decode workers of a real-engine pair at once) keeps its session and its
+            reads; a shorter one failed those reads (`docs/connectors.md`, "Liveness").
         released_ttl_s: how long a released request id is remembered (refused if published
             again, answered "released" to a late fetch).
         max_sessions: the most consumer sessions at once; more handshakes are refused.
@@ -189,7 +197,7 @@ class KVProducer:
         staging_bytes: int = 32 << 20,
         staging_slots: int = DEFAULT_STAGING_SLOTS,
         request_timeout_s: float = 300.0,
-        session_timeout_s: float = 10.0,
+        session_timeout_s: float = 120.0,
         released_ttl_s: float = 600.0,
         max_sessions: int = 256,
         backend: str = "auto",
@@ -204,6 +212,7 @@ class KVProducer:
         self._slot_bytes = StagingPool.slot_size(staging_bytes, staging_slots)
         self._request_timeout_s = request_timeout_s
         self._session_timeout_s = session_timeout_s
+        self._ticked = time.monotonic()  # the side channel's last tick (its thread only)
         self._backend = resolve_backend(backend, caches[0].device)
         self._copy_stream = copy_stream_for(caches[0].device)
         self._fences: dict[str, Fence] = {}  # CUDA: by published request (see `publish`)
@@ -632,11 +641,15 @@ class KVProducer:
 
     def _on_tick(self) -> None:
         now = time.monotonic()
+        away = now - self._ticked - _AWAY_S
+        self._ticked = now
         for request_id in self._requests.expired(now):
             self._release(request_id, "its deadline passed", expired=True)
         self._sessions.expire_challenges()
         for link in self._sessions.open_sessions():
             session = link.state
+            if away > 0:  # this thread was not run: whoever it did not hear from was not heard
+                link.last_heard = min(now, link.last_heard + away)
             if now - link.last_heard > self._session_timeout_s:
                 self._end_session(session, "silent for too long")
                 continue

@@ -54,6 +54,11 @@ class ConnectorSettings:
             loads fail at once with their blocks (vLLM recomputes them or fails the requests,
             by `kv_load_failure_policy`), and the next load looks it up again. Raise it where
             the engine's own threads can starve kvxfer's (CPU engines pinned to every core).
+        session_timeout_s: a prefill rank drops a decode rank's session silent this long
+            (counted while the prefill rank's side channel ran), and reuses its staging pool;
+            the decode rank shakes hands again. It only reclaims memory (chunks leased to a
+            decode rank are freed at their holds' end regardless), so it outlasts the stalls of
+            a loaded host: a decode worker not run for 38 s kept its session with 120 s.
         staging_bytes, staging_slots: staging pool per remote rank, and chunks in flight.
         backend: pack/unpack backend, "auto", "torch" or "triton".
         stream_prefill: prefill: offer a request the moment its prompt is scheduled and mark
@@ -75,6 +80,7 @@ class ConnectorSettings:
     handshake_timeout_s: float = 10.0
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 2.0
+    session_timeout_s: float = 120.0
     staging_bytes: int = 32 << 20
     staging_slots: int = DEFAULT_STAGING_SLOTS
     backend: str = "auto"
@@ -116,7 +122,11 @@ class ConnectorSettings:
     def producer_options(self, protocol: str) -> dict[str, Any]:
         """The `KVProducer` options these settings name, on transport `protocol` (one table for
         every engine integration's prefill ranks)."""
-        return {**self._endpoint_options(protocol), "request_timeout_s": self.request_timeout_s}
+        return {
+            **self._endpoint_options(protocol),
+            "request_timeout_s": self.request_timeout_s,
+            "session_timeout_s": self.session_timeout_s,
+        }
 
     def consumer_options(self, protocol: str) -> dict[str, Any]:
         """The `KVConsumer` options these settings name, on transport `protocol` (one table for

@@ -212,3 +212,40 @@ def test_a_pack_the_prefill_failed_during_is_never_offered(monkeypatch):
     finally:
         consumer.close()
         producer.close()
+
+
+def _silence_after_a_gap(producer: KVProducer, gap: float, producer_away: bool) -> int:
+    """On the producer's side-channel thread: its consumer sessions last heard `gap` seconds
+    ago, the previous tick `gap` seconds ago too (`producer_away`: its thread was not run
+    meanwhile) or just now (it ran and heard nothing); then one tick. The open sessions after
+    it."""
+    done = threading.Event()
+    open_after: list[int] = []
+
+    def gap_then_tick() -> None:
+        now = time.monotonic()
+        for link in producer._sessions.open_sessions():
+            link.last_heard = now - gap
+        producer._ticked = now - gap if producer_away else now
+        producer._on_tick()
+        open_after.append(len(list(producer._sessions.open_sessions())))
+        done.set()
+
+    producer._server.post(gap_then_tick)
+    assert done.wait(60), "the side channel ran no posted work"
+    return open_after[0]
+
+
+@pytest.mark.parametrize("producer_away", [True, False], ids=["producer-not-run", "producer-ran"])
+def test_silence_counts_only_while_the_producer_listened(producer_away):
+    """A consumer silent for twice `session_timeout_s` keeps its session when the producer's
+    own thread was not run for that long either (its pings may wait unread in the socket: a
+    loaded host that runs neither), and loses it when the producer ran and heard nothing."""
+    spec = SRC.spec(0)
+    producer = KVProducer(spec, allocate_kv_caches(spec), "prefill", session_timeout_s=5.0)
+    consumer = HandSession(producer.address)
+    try:
+        assert _silence_after_a_gap(producer, 10.0, producer_away) == int(producer_away)
+    finally:
+        consumer.close()
+        producer.close()
