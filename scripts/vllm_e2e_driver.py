@@ -126,8 +126,8 @@ def kv_transfer_config(
         connector["strategy"] = strategy
     connector.update(extra or {})
     config: dict[str, Any] = {
+        # By name: kvxfer's vLLM plugin registers it (kvxfer/integrations/vllm_plugin.py).
         "kv_connector": "KvxferConnector",
-        "kv_connector_module_path": "kvxfer.integrations.vllm",
         "kv_role": role,
         "engine_id": engine_id,
         "kv_connector_extra_config": connector,

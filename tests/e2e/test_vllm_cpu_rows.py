@@ -444,12 +444,12 @@ BF16 = ("--dtype", "bfloat16")
 
 class TestDtypes(RouteCases):
     """bf16 weights (vLLM CPU attention's `vec` path; on CPUs with AMX tiles its `amx` path,
-    blocks of 32 and 64 being multiples of 32), and fp8 caches: bf16 TP 1 <-> TP 2; a bf16 prefill -> an fp8 (e4m3) decode, whose cache
-    then holds what its own write makes of the prefill's K and V (the probe,
-    test_cpu_attention_layout.py); an fp8 (e5m2) prefill -> a bf16 decode. The fp8 routes'
-    reference is one engine with the decode's cache dtype (the decode engine asked directly);
-    their token match is reported, not asserted (an fp8 cache quantizes what the decode would
-    have computed, so its outputs may part from it)."""
+    blocks of 32 and 64 being multiples of 32), and fp8 caches: bf16 TP 1 <-> TP 2; a bf16
+    prefill -> an fp8 (e4m3) decode, whose cache then holds what its own write makes of the
+    prefill's K and V (the probe, test_cpu_attention_layout.py); an fp8 (e5m2) prefill -> a
+    bf16 decode. The fp8 routes' reference is one engine with the decode's cache dtype (the
+    decode engine asked directly); their token match is reported, not asserted (an fp8 cache
+    quantizes what the decode would have computed, so its outputs may part from it)."""
 
     MODEL = "kv4"
     LABEL = "dtypes"

@@ -2,11 +2,13 @@
 `KvxferECConnector` (encoder cache). Needs `pip install 'kvxfer[vllm]'`; the rest of kvxfer never
 imports vLLM.
 
-Load it with::
+Load it by name (kvxfer's `vllm.general_plugins` entry point registers both connectors with
+vLLM's factories: `kvxfer.integrations.vllm_plugin`)::
 
     --kv-transfer-config '{"kv_connector": "KvxferConnector",
-                           "kv_connector_module_path": "kvxfer.integrations.vllm",
                            "kv_role": "kv_producer", "kv_connector_extra_config": {...}}'
+
+or with `"kv_connector_module_path": "kvxfer.integrations.vllm"` where plugins are off.
 
 P/D flow (the conventions of vLLM's own P/D connectors):
 1. The proxy sends a request to the prefill engine with `kv_transfer_params =
