@@ -1,8 +1,8 @@
 """`TurnClock`: a warning when an event loop's thread stayed away from its sockets for long.
 
 A producer's side channel and a consumer's loop each answer their peers from one thread: a
-turn that keeps that thread from its sockets for seconds makes a live peer look dead on the
-other side (after `peer_timeout_s` without an answer to its pings). Two such stalls show:
+turn that keeps that thread from its sockets for seconds delays every peer's answers (liveness
+itself rides on libzmq's heartbeats, answered without the GIL). Two such stalls show:
 
 - a late wake: the thread came back from its poll long after the poll's timeout (it was not
   run: the machine's CPUs or the GIL were held elsewhere);
@@ -11,7 +11,8 @@ other side (after `peer_timeout_s` without an answer to its pings). Two such sta
   thread waited, for a lock, the GIL or a CPU).
 
 Either is logged once it ends, with where the process's other threads are then, so that a
-peer's "presumed dead" can be matched with its cause in the other side's log. The cost is five
+peer's slow answers, or a load's timeout, can be matched with the cause in the other side's
+log. The cost is five
 clock reads a turn (two of them CPU clocks), nothing while the thread sleeps.
 """
 
@@ -25,10 +26,9 @@ import time
 import traceback
 
 SLOW_TURN_S = 2.0
-"""A turn, or a wake past its poll's timeout, longer than this is logged: a consumer's default
-`peer_timeout_s`, the silence after which it takes a producer for dead. Shorter stalls happen
+"""A turn, or a wake past its poll's timeout, longer than this is logged. Shorter stalls happen
 on a loaded machine (a whole process not run for 1.9 s while a test suite ran beside it) and
-matter to nobody with the defaults."""
+delay nobody much."""
 
 
 class TurnClock:

@@ -49,11 +49,16 @@ class ConnectorSettings:
             and for its ranks to be registered with its bootstrap service (a look-up and
             connect runs off the engine's step, a task per prefill engine and DP rank on the
             worker's thread pool: loads from other prefill engines go on meanwhile).
-        heartbeat_s: how often a decode rank pings each prefill rank it is connected to.
-        peer_timeout_s: a prefill rank silent this long (and for three pings) is dead: its
-            loads fail at once with their blocks (vLLM recomputes them or fails the requests,
-            by `kv_load_failure_policy`), and the next load looks it up again. Raise it where
-            the engine's own threads can starve kvxfer's (CPU engines pinned to every core).
+        heartbeat_s: how often a decode rank sends each prefill rank it is connected to a
+            heartbeat (libzmq's ZMTP PING) and a ping of its own.
+        peer_timeout_s: a prefill rank whose libzmq answers no heartbeat this long is dead
+            (a frozen process, a lost host; a killed one is found at once by its closed
+            connection): its loads fail at once with their blocks (vLLM recomputes them or
+            fails the requests, by `kv_load_failure_policy`), and the next load looks it up
+            again. libzmq's I/O threads answer heartbeats without the GIL, so a prefill rank
+            whose Python threads cannot run for a while (a C call holding its GIL, as vLLM
+            CPU workers' TP all-gather does for up to a minute on a loaded host) stays alive;
+            `fetch_timeout_s` bounds what it owes.
         session_timeout_s: a prefill rank drops a decode rank's session silent this long
             (counted while the prefill rank's side channel ran), and reuses its staging pool;
             the decode rank shakes hands again. It only reclaims memory (chunks leased to a

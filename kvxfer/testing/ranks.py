@@ -9,6 +9,7 @@ never blocks the connector's threads.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import queue
@@ -178,6 +179,12 @@ class _ProducerRank:
             "free_slots": dict(self.producer.staging_free_slots()),
             "stats": _snapshot(self.producer),
         }
+
+    def do_hold_gil(self, seconds: int) -> None:
+        """Hold this process's GIL for `seconds` in one C call that keeps it, as vLLM's CPU
+        workers' TP collectives do while they wait for the other ranks: no Python thread of
+        this rank runs meanwhile (its side channel answers nothing), libzmq's threads do."""
+        ctypes.PyDLL(None).sleep(int(seconds))
 
     def do_close(self) -> dict[str, Any]:
         """Close the producer; returns its releases and publishes (and how long close took)."""

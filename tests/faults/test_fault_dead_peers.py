@@ -133,3 +133,24 @@ def test_consumer_closed_mid_fetch_returns_at_once_and_nothing_lands(rig):
     assert not late, describe(late[consumer.name], groups)
     problems = leaks([producer], [], timeout=8.0)  # released at the latest at the deadlines
     assert not problems, problems
+
+
+def test_producer_whose_gil_is_held_longer_than_peer_timeout_serves_afterwards(rig):
+    """vLLM CPU workers' TP all-gather held a worker's GIL for 56-60 s under the real-engine
+    suite: no Python thread of the producer ran, its side channel answered nothing. Its libzmq
+    still answers heartbeats, so the consumer keeps it alive through a hold of ten times
+    `peer_timeout_s`, and the fetch asked before the hold completes after it, exact."""
+    producer = rig.producer(PREFILL)
+    consumer = rig.consumer(DECODE, options={"peer_timeout_s": 0.5, "heartbeat_s": 0.1})
+    consumer.connect([producer.address])
+    request = Request("held", 1024, seed=3)
+    ids = BlockPool(DECODE.num_blocks, 2).take(DECODE.blocks_for(request.num_tokens))
+    consumer.fetch(request, ids, timeout=120.0)  # asked before the publish: held meanwhile
+    held = producer.send("hold_gil", 5)
+    producer.reply(held, timeout=60.0)
+    producer.publish(request, BlockPool(PREFILL.num_blocks, 1).take(PREFILL.blocks_for(1024)))
+    result = consumer.result(request.request_id, timeout=120.0)
+    assert result["ok"], result["errors"][:3]
+    consumer.model.settle(ids, request, result["failed_block_ids"])
+    bad = consumer.model.mismatches()
+    assert not bad, describe(bad, {"request": ids})

@@ -11,9 +11,11 @@ loop thread (`loop.EventLoop`), which runs the sessions (`sessions.ProducerSessi
 fetches' chunks (`machine.FetchMachine`, the states in `states`); reads complete on the
 transport's completion thread, copies into the cache on a small pool (`copies.CacheCopier`).
 
-A producer whose connection closed (its process ended), or one silent for `peer_timeout_s`
-(frozen or hung), is declared dead: its chunks fail at once with their blocks, and the next
-fetch shakes hands with it again.
+A producer whose connection closed (its process ended), or whose libzmq answered no heartbeat
+for `peer_timeout_s` (frozen, or its host lost), is declared dead: its chunks fail at once with
+their blocks, and the next fetch shakes hands with it again. A producer whose Python threads
+cannot run while its libzmq answers (a C call holding its GIL) is alive: what it owes it serves
+once it runs again, within the fetch's timeout (`sessions`).
 """
 
 from __future__ import annotations
@@ -81,8 +83,9 @@ class KVConsumer:
             staging slot (`kvxfer.plan.cost.choose_chunking`).
         backend: copy backend ("auto", "torch", "triton").
         timeout_s: default timeout of a fetch, in seconds.
-        heartbeat_s: how often each producer is pinged.
-        peer_timeout_s: a producer silent this long is dead: its chunks fail at once.
+        heartbeat_s: how often each producer is sent a heartbeat (libzmq's) and a ping.
+        peer_timeout_s: a producer whose libzmq answers no heartbeat this long is dead: its
+            chunks fail at once.
         copy_workers: threads copying landed chunks into the cache (on CUDA they launch the
             copies on a side stream and wait for each one's event).
     """
@@ -327,7 +330,7 @@ class KVConsumer:
         now = time.monotonic()
         for pending, done in list(self._connects):
             self._await_sessions(pending, done)
-        self._sessions.tick(now, self._loop.polled_at)
+        self._sessions.tick(now)
         self._machine.tick(now, sweep=self._loop.sweep_due(now))
 
     def _wake_to_sweep(self) -> None:

@@ -72,10 +72,7 @@ class EventLoop:
         os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        # When the last turn had read every socket: a peer's silence is measured from here,
-        # so a loop that was busy (a plan, a compile) does not take live peers for dead.
-        self.polled_at = time.monotonic()
-        self._swept = self.polled_at
+        self._swept = time.monotonic()
 
     def start(self) -> None:
         """Start the thread."""
@@ -169,7 +166,6 @@ class EventLoop:
                     self._woken = False  # after the read, before the posted run: see `wake`
                 else:
                     self._drain(sock_or_fd)
-            self.polled_at = time.monotonic()
             self._guarded(self.run_posted)
             self._guarded(self._tick)
             self._guarded(self._drive_reads)

@@ -10,13 +10,17 @@ staging slot size); every later message travels sealed (`[session, payload, MAC]
 This module keeps the sessions alive; what their messages mean for chunks is the fetch
 machine's, which it tells through a `SessionListener`. The rules:
 - a handshake not finished in its `timeout` fails the session;
-- a producer whose connection closed is dead at once (its process ended, or it closed its
-  side channel: the kernel closes the socket of a killed process), whatever `peer_timeout_s`;
-- a live producer is pinged every `heartbeat_s`; one silent for `peer_timeout_s` with
-  `_MISSED_PINGS` pings unanswered is dead (a frozen or hung process; its chunks fail at once,
-  with their blocks). A process of a loaded machine may go unscheduled for seconds (measured:
-  12-26 s on 2 shared cores): a long `peer_timeout_s` then keeps live producers alive, and the
-  closed connection still finds a dead one at once;
+- a producer whose connection closed is dead at once, its chunks failed with their blocks: its
+  process ended or it closed its side channel (the kernel closes a killed process's socket),
+  or it stopped answering libzmq's heartbeats for `peer_timeout_s` (a frozen process, a lost
+  host). The heartbeats (ZMTP PING and PONG, every `heartbeat_s`) are sent and answered by
+  libzmq's I/O threads, which need no GIL: a producer whose Python threads cannot run, because
+  a C call elsewhere in its process holds the GIL (vLLM CPU workers' TP all-gather held it for
+  56-60 s under the real-engine suite), still answers them and stays alive; what it owes, it
+  serves once it runs again, or the fetch's own deadline ends it;
+- a live producer is also pinged every `heartbeat_s` by this loop: its answers keep the
+  producer's side of the session fresh (it drops a consumer it has not heard from for its
+  `session_timeout_s`), and say nothing about liveness here;
 - a producer that answers that it forgot the session (it restarted within a heartbeat) is
   told to the listener first: chunks it had not served yet ask again on a new session;
 - done and abort notices for a producer that is not live wait (at most `_MAX_NOTICES`) until
@@ -61,9 +65,6 @@ from kvxfer.validation import check_transport_endpoint
 
 log = logging.getLogger(__name__)
 
-# A producer is dead when silent for `peer_timeout_s` AND this many pings went unanswered: a
-# stall of this whole process (a long call holding the GIL) then never passes for a dead peer.
-_MISSED_PINGS = 3
 _MAX_NOTICES = 4096  # done/abort notices kept per producer rank while it is unreachable
 # Finished requests are reported in batches: at most this long after the first one finished
 # (the loop turns at least every 10 ms while one waits), or once this many wait. Nothing waits
@@ -98,9 +99,7 @@ class ProducerSession:
     # key `num_layers`): built once at the handshake, used by every read.
     src_places: dict[int, tuple[int, int]] = field(default_factory=dict)
     slot_bytes: int = 0
-    last_heard: float = 0.0
     last_ping: float = 0.0
-    unanswered: int = 0  # pings sent since the producer was last heard
     error: str = ""
     died_at: float = float("inf")
     lost: bool = False  # the producer forgot it (a restart): its unread chunks may ask anew
@@ -165,8 +164,9 @@ class ProducerSessions:
         spec: this rank's geometry (its claim).
         engine_id: this decode engine's id.
         secret: the shared secret ("" for none).
-        heartbeat_s: how often each live producer is pinged.
-        peer_timeout_s: a producer silent this long (and `_MISSED_PINGS` pings) is dead.
+        heartbeat_s: how often libzmq sends each producer a heartbeat, and this loop a ping.
+        peer_timeout_s: a producer whose libzmq answers no heartbeat for this long is dead
+            (its connection is closed); also the handshake time of a reconnect.
         listener: told of ended and forgotten sessions and of answers.
     """
 
@@ -199,6 +199,8 @@ class ProducerSessions:
         else the session fails)."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self._heartbeat_s * 1000)))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self._peer_timeout_s * 1000)))
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(address)
         claim = encode(KVClaim(engine_id=self._engine_id, spec=self._spec))
@@ -262,23 +264,20 @@ class ProducerSessions:
                 self.fail(session, f"{what}: {exc}")
                 return
 
-    def tick(self, now: float, polled_at: float) -> None:
-        """Fail late handshakes and silent producers; ping the others when due. `polled_at`:
-        when the loop last read every socket (silence is measured from there, so a loop that
-        was busy, with a plan or a compile, does not take live peers for dead)."""
+    def tick(self, now: float) -> None:
+        """Fail late handshakes; ping the live producers when due (a dead one is found by its
+        closed connection: `_on_connection_events`)."""
         for session in list(self._open.values()):
             if session.state is SessionState.CONNECTING and now > session.deadline:
                 self.fail(session, "did not answer the handshake in time")
-            elif session.state is SessionState.LIVE:
-                silent = polled_at - session.last_heard
-                if silent > self._peer_timeout_s and session.unanswered >= _MISSED_PINGS:
-                    self.fail(session, f"silent for {silent:.1f} s: presumed dead")
-                elif now - session.last_ping >= self._heartbeat_s:
-                    session.last_ping = now
-                    session.unanswered += 1
-                    self.send(session, Ping())
+            elif session.state is SessionState.LIVE and self._ping_due(session, now):
+                session.last_ping = now
+                self.send(session, Ping())
         if self._done and now - self._done_since >= _DONE_BATCH_S:
             self.report_done()
+
+    def _ping_due(self, session: ProducerSession, now: float) -> bool:
+        return now - session.last_ping >= self._heartbeat_s
 
     # ---- the fetch machine's side --------------------------------------------------------
 
@@ -381,16 +380,19 @@ class ProducerSessions:
 
     def _on_connection_events(self, session: ProducerSession) -> None:
         """The session's connection closed: the producer's process ended (the kernel closed
-        its socket) or it closed its side channel. Dead at once, not after `peer_timeout_s`
-        of silence."""
+        its socket), it closed its side channel, or its libzmq answered no heartbeat for
+        `peer_timeout_s` (a frozen process, a lost host)."""
         if connection_closed(session.monitor):  # a dead session's monitor is closed already
-            self.fail(session, "closed the connection: its process ended or it closed")
+            self.fail(
+                session,
+                "closed the connection, or answered no heartbeat for "
+                f"{self._peer_timeout_s:g} s: its process ended, is frozen or is unreachable",
+            )
 
     # ---- one session's frames ------------------------------------------------------------
 
     def _on_frames(self, session: ProducerSession, frames: list[bytes]) -> None:
         event = session.client.receive(frames)
-        session.last_heard, session.unanswered = time.monotonic(), 0
         if isinstance(event, Reply):
             session.sock.send_multipart(event.frames)
         elif isinstance(event, Opened):
