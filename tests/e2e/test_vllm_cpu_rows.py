@@ -101,6 +101,7 @@ def start_rig(
     shapes: dict[str, EngineShape],
     routes: tuple[tuple[str, str], ...],
     baseline: Server | None,
+    baseline_options: tuple[str, ...] = (),
 ) -> Rig:
     """Start a class's engines (and its baseline engine when `baseline` is None) at once, then
     a proxy per route and one request through each route (the first connect)."""
@@ -120,8 +121,9 @@ def start_rig(
     own_baseline = baseline is None
     if own_baseline:
         baseline = processes.start_engine(
-            f"{label}-baseline", model, tensor_parallel_size=1, block_size=32
-        )
+            f"{label}-baseline", model, tensor_parallel_size=1, block_size=32,
+            options=baseline_options,
+        )  # fmt: skip
     rig = Rig(engines, shapes)
     rig.baseline = baseline
     processes.wait_ready([*engines.values(), *([baseline] if own_baseline else [])])
@@ -167,7 +169,14 @@ def rig(
     cls = request.cls
     baseline = request.getfixturevalue("baseline") if cls.MODEL == "kv4" else None
     rig = start_rig(
-        processes, model_of(cls.MODEL), secret, cls.LABEL, cls.ENGINES, cls.ROUTES, baseline
+        processes,
+        model_of(cls.MODEL),
+        secret,
+        cls.LABEL,
+        cls.ENGINES,
+        cls.ROUTES,
+        baseline,
+        getattr(cls, "BASELINE_OPTIONS", ()),
     )
     yield rig
     servers = [*rig.engines.values(), *(p.proxy for p in rig.pairs.values())]
@@ -187,6 +196,8 @@ class RouteCases:
     # directly), and the routes whose token match is reported, not asserted.
     REFERENCES: ClassVar[dict[tuple[str, str], str]] = {}
     REPORTED_ONLY: tuple[tuple[str, str], ...] = ()
+    # Options of the class's own baseline engine (TP 1, blocks of 32, no connector).
+    BASELINE_OPTIONS: tuple[str, ...] = ()
 
     def test_greedy_tokens_equal_one_engine_alone(
         self, rig: Rig, vocab: int, route_case: tuple[tuple[str, str], int]
@@ -355,6 +366,13 @@ class TestDecodeCacheStates:
         assert pair.decode.metric(WAITING_BY_REASON, 'reason="deferred"') == 0
 
 
+# On CPUs with AMX tiles vLLM's CPU build picks AMX_MLA for MLA models unless told otherwise,
+# which fails to start with float32 weights ("expect weight to be bfloat16, float16, int8,
+# fp8_e4m3 or uint8", without kvxfer) and whose layout kvxfer refuses (unverified):
+# the class asks for CPU MLA on every machine.
+CPU_MLA = ("--attention-backend", "CPU_MLA")
+
+
 class TestMlaLatentCache(InFlightCases):
     """A DeepSeek-V2-style model (a 512 + 64 latent, the only one vLLM's CPU MLA backend
     serves) at TP 1 <-> TP 2: the latent is the same on every rank, so each decode rank reads
@@ -372,9 +390,10 @@ class TestMlaLatentCache(InFlightCases):
     MODEL = "mla"
     LABEL = "mla"
     ENGINES: ClassVar[dict[str, EngineShape]] = {
-        "tp1": EngineShape(1, 16),
-        "tp2": EngineShape(2, 16),
+        "tp1": EngineShape(1, 16, CPU_MLA),
+        "tp2": EngineShape(2, 16, CPU_MLA),
     }
+    BASELINE_OPTIONS = CPU_MLA
     ROUTES = (("tp1", "tp2"), ("tp2", "tp1"))
     IN_FLIGHT_ROUTE = ("tp1", "tp2")
     REPORTED_ONLY = ROUTES
