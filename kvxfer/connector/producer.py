@@ -175,7 +175,7 @@ class KVProducer:
             are freed at their holds' end whatever this is, so it is long by default. A
             consumer whose process is not run for tens of seconds on a loaded host (measured:
             38 s, both decode workers of a real-engine pair at once) keeps its session and its
-            reads; a shorter one failed those reads (`docs/connectors.md`, "Liveness").
+            reads; a shorter one failed those reads (`docs/connectors.md`, "Failures").
         released_ttl_s: how long a released request id is remembered (refused if published
             again, answered "released" to a late fetch).
         max_sessions: the most consumer sessions at once; more handshakes are refused.

@@ -6,8 +6,10 @@ connector factories, so that `{"kv_connector": "KvxferConnector"}` works without
 vLLM calls `load_general_plugins()` in its front end, its engine core and every worker, so each
 process that builds a connector has the names. Registration is lazy, as for vLLM's own
 connectors: the factories store the module path and import it when a connector is built, so
-loading the plugin imports nothing of kvxfer's. Calling `register` again registers nothing new
-(vLLM may load plugins more than once per process; its factories refuse a name twice).
+loading the plugin imports none of kvxfer's connectors (hence this module sits beside the
+`kvxfer.integrations.vllm` package, whose import loads them). Calling `register` again
+registers nothing new (vLLM may load plugins more than once per process; its factories refuse
+a name twice).
 """
 
 from __future__ import annotations

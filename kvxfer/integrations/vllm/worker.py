@@ -460,8 +460,8 @@ def allow_amx_tiles(device_type: str) -> None:
     its engines live because oneDNN asks on its first AMX matrix multiply, in the first prefill.
     A decode engine whose first step decodes KV that kvxfer loaded runs CPU attention's AMX
     kernel first (ISA `amx`: bf16 or fp8 caches in blocks of 32s), and its worker died with
-    SIGILL on its first request (measured: an fp8 e4m3 decode engine, Sapphire Rapids class
-    CPU; `docs/engine-layouts.md`). Asking is idempotent and process-wide.
+    SIGILL on its first request (measured: an fp8 e4m3 decode engine on an Intel Xeon with AMX;
+    `docs/engine-layouts.md`). Asking is idempotent and process-wide.
     """
     if device_type == "cpu" and torch.cpu._is_amx_tile_supported() and not torch.cpu._init_amx():
         log.warning("kvxfer: Linux refused this process AMX tile state; CPU attention's amx "
