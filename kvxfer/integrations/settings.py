@@ -58,7 +58,9 @@ class ConnectorSettings:
             again. libzmq's I/O threads answer heartbeats without the GIL, so a prefill rank
             whose Python threads cannot run for a while (a C call holding its GIL, as vLLM
             CPU workers' TP all-gather does for up to a minute on a loaded host) stays alive;
-            `fetch_timeout_s` bounds what it owes.
+            `fetch_timeout_s` bounds what it owes. 10 s by default: on 2 cores shared by a
+            prefill and a decode engine under load, libzmq's own threads went unanswered for
+            over 2 s (`docs/connectors.md`, "Failures").
         session_timeout_s: a prefill rank drops a decode rank's session silent this long
             (counted while the prefill rank's side channel ran), and reuses its staging pool;
             the decode rank shakes hands again. It only reclaims memory (chunks leased to a
@@ -84,7 +86,7 @@ class ConnectorSettings:
     fetch_timeout_s: float = 60.0
     handshake_timeout_s: float = 10.0
     heartbeat_s: float = 0.5
-    peer_timeout_s: float = 2.0
+    peer_timeout_s: float = 10.0
     session_timeout_s: float = 120.0
     staging_bytes: int = 32 << 20
     staging_slots: int = DEFAULT_STAGING_SLOTS

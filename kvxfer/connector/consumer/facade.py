@@ -108,7 +108,7 @@ class KVConsumer:
         backend: str = "auto",
         timeout_s: float = 30.0,
         heartbeat_s: float = 0.5,
-        peer_timeout_s: float = 2.0,
+        peer_timeout_s: float = 10.0,
         copy_workers: int = 2,
     ) -> None:
         check_caches(spec, caches, "consumer")

@@ -27,7 +27,9 @@ machine's, which it tells through a `SessionListener`. The rules:
   a new session is, and ask for one: a producer silent for a while still frees blocks early;
 - a dead session is opened again when a fetch or a notice needs it, at most once a
   `peer_timeout_s` after a handshake that failed (a producer that stays away is not flooded),
-  and only with the same producer geometry (else `connect` must plan the new engine).
+  with as long for its handshake as the longest `connect` allowed (a starved producer answers
+  a reconnect no faster than a connect), and only with the same producer geometry (else
+  `connect` must plan the new engine).
 """
 
 from __future__ import annotations
@@ -166,7 +168,7 @@ class ProducerSessions:
         secret: the shared secret ("" for none).
         heartbeat_s: how often libzmq sends each producer a heartbeat, and this loop a ping.
         peer_timeout_s: a producer whose libzmq answers no heartbeat for this long is dead
-            (its connection is closed); also the handshake time of a reconnect.
+            (its connection is closed).
         listener: told of ended and forgotten sessions and of answers.
     """
 
@@ -182,6 +184,8 @@ class ProducerSessions:
     ) -> None:
         self._ctx, self._spec, self._engine_id, self._secret = ctx, spec, engine_id, secret
         self._heartbeat_s, self._peer_timeout_s = heartbeat_s, peer_timeout_s
+        # A reconnect's handshake may take as long as the last `connect` allowed its own.
+        self._handshake_timeout_s = peer_timeout_s
         self._listener = listener
         self.by_rank: dict[int, ProducerSession] = {}  # the engine's, once `connect` adopted
         self._open: dict[zmq.Socket, ProducerSession] = {}  # every session not dead
@@ -196,7 +200,8 @@ class ProducerSessions:
         self, address: str, timeout: float, expect: KVCacheSpec | None = None
     ) -> ProducerSession:
         """Start a handshake with the producer at `address` (done within `timeout` seconds,
-        else the session fails)."""
+        else the session fails); a reconnect later allows its handshake as long."""
+        self._handshake_timeout_s = max(self._handshake_timeout_s, timeout)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self._heartbeat_s * 1000)))
@@ -432,6 +437,6 @@ class ProducerSessions:
             return
         if time.monotonic() - session.died_at < self._peer_timeout_s and not session.opened:
             return  # the last attempt failed a moment ago
-        fresh = self.open(session.address, self._peer_timeout_s, session.spec)
+        fresh = self.open(session.address, self._handshake_timeout_s, session.spec)
         fresh.spec = session.spec
         self.by_rank[rank] = fresh
