@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import socket
 import sys
 from collections.abc import Sequence
@@ -40,11 +41,31 @@ ENGINE_ENV = {
 }
 
 
+# Ports handed out below the kernel's ephemeral range (32768-60999 by default): the kernel's
+# own choices (port 0, which vLLM's internal sockets and Mooncake's take) never land there, so
+# a port chosen here and bound a moment later by an engine cannot be taken meanwhile. From the
+# kernel's choice, an engine's bootstrap port was taken by another engine starting beside it
+# ("Address already in use"). Mooncake picks 15000-17000: above that.
+_PORTS = (20000, 32767)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port nothing listens on now (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((HOST, 0))
-        return int(probe.getsockname()[1])
+    """A TCP port nothing listens on now, outside the kernel's ephemeral range, never handed
+    out before by this process."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randint(*_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((HOST, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise driver.E2EError(f"no free port in {_PORTS} after 1,000 tries")
 
 
 @dataclasses.dataclass
@@ -133,10 +154,12 @@ class Processes:
         kv_transfer_config: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         options: Sequence[str] = (),
+        port: int | None = None,
     ) -> Server:
         """Start one engine (without waiting for it: `wait_ready`); `env` adds to
-        `ENGINE_ENV`, `options` to its command line (`serve_argv`)."""
-        port = free_port()
+        `ENGINE_ENV`, `options` to its command line (`serve_argv`); `port`: its HTTP port
+        (default a free one; an engine restarted where its front expects it)."""
+        port = port or free_port()
         argv = serve_argv(
             model,
             port,

@@ -126,16 +126,31 @@ def start_rig(
         )  # fmt: skip
     rig = Rig(engines, shapes)
     rig.baseline = baseline
-    processes.wait_ready([*engines.values(), *([baseline] if own_baseline else [])])
-    observe(event="engines started", pair=label, seconds=round(time.monotonic() - started, 1))
-    for prefill, decode in routes:
-        proxy = processes.start_proxy(engines[prefill], engines[decode])
-        name = f"{label}:{prefill}>{decode}"
-        pair = Pair(engines[prefill], engines[decode], proxy, shapes[decode].ranks, name)
-        first_request(proxy, engines[decode], pair.label)
-        wait_idle([pair.prefill, pair.decode])
-        rig.pairs[(prefill, decode)] = pair
+    try:
+        processes.wait_ready([*engines.values(), *([baseline] if own_baseline else [])])
+        observe(event="engines started", pair=label, seconds=round(time.monotonic() - started, 1))
+        for prefill, decode in routes:
+            proxy = processes.start_proxy(engines[prefill], engines[decode])
+            name = f"{label}:{prefill}>{decode}"
+            pair = Pair(engines[prefill], engines[decode], proxy, shapes[decode].ranks, name)
+            rig.pairs[(prefill, decode)] = pair
+            first_request(proxy, engines[decode], pair.label)
+            wait_idle([pair.prefill, pair.decode])
+    except BaseException:
+        # The class's fixture never yields, so its teardown never stops them: their memory
+        # would stay taken while later classes start theirs (the OOM killer then took
+        # their workers).
+        stop_rig(processes, rig, own_baseline)
+        raise
     return rig
+
+
+def stop_rig(processes: Processes, rig: Rig, own_baseline: bool) -> None:
+    """Stop a class's engines, proxies and (when it started one) its baseline engine."""
+    servers = [*rig.engines.values(), *(p.proxy for p in rig.pairs.values())]
+    if own_baseline and rig.baseline is not None:
+        servers.append(rig.baseline)
+    processes.stop(servers)
 
 
 def route_id(route: tuple[str, str], shapes: dict[str, EngineShape]) -> str:
@@ -179,10 +194,7 @@ def rig(
         getattr(cls, "BASELINE_OPTIONS", ()),
     )
     yield rig
-    servers = [*rig.engines.values(), *(p.proxy for p in rig.pairs.values())]
-    if baseline is None and rig.baseline is not None:
-        servers.append(rig.baseline)
-    processes.stop(servers)
+    stop_rig(processes, rig, own_baseline=baseline is None)
 
 
 class RouteCases:
