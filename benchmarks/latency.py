@@ -27,6 +27,12 @@ all alike):
   Mooncake read of the request's whole bytes (all four decode ranks' shares together:
   `8 layers x 2 x 8 heads x 128 x 2 bytes x tokens`) from a registered buffer of the prefill
   process into one of the decode process, through kvxfer's own `MooncakeTransport`.
+- `quiet_floor_ms`, `ratio_to_quiet_floor`: the floor as `benchmarks/floor.py` measures it
+  before these processes start, in two processes of its own that run nothing else, with
+  Mooncake's own `batch_transfer_sync_read` (no kvxfer code on the path): the floor the
+  targets are set against (`floor_ms` above runs beside the producers, through kvxfer's
+  transport). `quiet_floor` also has that run's whole rows (Mooncake's read and the round trip
+  apart, and kvxfer's transport reading the same bytes);
 - `concurrent`: `--concurrent` requests of `--concurrent-tokens` tokens fetched at once (all four
   ranks each, disjoint blocks): requests per second from the first `fetch` to the last done,
   against the floor done one request after another (`floor_serial_per_s`: requests over the sum
@@ -55,6 +61,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+import floor as quiet_floor  # benchmarks/floor.py, beside this script
 import numpy as np
 import torch
 import zmq
@@ -774,19 +781,24 @@ def format_result(r: dict[str, Any]) -> str:
         f"{c['kv_heads']} KV heads x {c['head_dim']}, {c['dtype']}, Mooncake TCP; "
         f"{c['processes']['prefill']} + {c['processes']['decode']} processes; "
         f"median of {c['repeats']} after a warm-up",
-        f"{'tokens':>7} {'bytes':>11} {'kvxfer ms':>10} {'floor ms':>9} {'ratio':>6}",
+        f"{'tokens':>7} {'bytes':>11} {'kvxfer ms':>10} {'floor ms':>9} {'ratio':>6} "
+        f"{'quiet floor ms':>15} {'ratio':>6}",
     ]
     for row in r["rows"]:
         lines.append(
             f"{row['tokens']:>7} {row['bytes']:>11,} {row['kvxfer_ms']:10.2f} "
-            f"{row['floor_ms']:9.2f} {row['ratio']:6.2f}"
+            f"{row['floor_ms']:9.2f} {row['ratio']:6.2f} "
+            f"{row.get('quiet_floor_ms', float('nan')):15.3f} "
+            f"{row.get('ratio_to_quiet_floor', float('nan')):6.2f}"
         )
     k = r["concurrent"]
     if k["requests"]:
         lines.append(
             f"{k['requests']} requests of {k['tokens']} tokens at once: kvxfer "
             f"{k['kvxfer_per_s']:.1f}/s, floor one after another {k['floor_serial_per_s']:.1f}/s "
-            f"(ratio {k['ratio']:.2f})"
+            f"(ratio {k['ratio']:.2f}); quiet floor one after another "
+            f"{k.get('quiet_floor_serial_per_s', float('nan')):.1f}/s "
+            f"(ratio {k.get('ratio_to_quiet_floor', float('nan')):.2f})"
         )
     i = r["idle_cpu"]
     lines.append(
@@ -800,6 +812,22 @@ def format_result(r: dict[str, Any]) -> str:
     )
     lines.extend(f"  {e}" for e in r["errors"])
     return "\n".join(lines)
+
+
+def add_quiet_floor(result: dict[str, Any], quiet: dict[str, Any]) -> None:
+    """Each row's and the concurrent run's ratio to the quiet floor (`benchmarks/floor.py`);
+    a quiet read that failed or differed fails the checks."""
+    floors = {row["tokens"]: row["floor_ms"] for row in quiet["rows"]}
+    for row in result["rows"]:
+        row["quiet_floor_ms"] = floors[row["tokens"]]
+        row["ratio_to_quiet_floor"] = row["kvxfer_ms"] / floors[row["tokens"]]
+    k = result["concurrent"]
+    if k["requests"]:
+        k["quiet_floor_serial_per_s"] = 1e3 / floors[k["tokens"]]
+        k["ratio_to_quiet_floor"] = k["kvxfer_per_s"] / k["quiet_floor_serial_per_s"]
+    result["quiet_floor"] = quiet
+    result["checks"]["quiet_floor_reads_bad"] = len(quiet["bad"])
+    result["checks"]["passed"] = result["checks"]["passed"] and not quiet["bad"]
 
 
 def _ints(text: str) -> list[int]:
@@ -856,6 +884,9 @@ def main(argv: list[str] | None = None) -> int:
     set_mooncake_log_level(False)
     try:
         with filtered_stderr():
+            quiet = quiet_floor.measure(
+                sorted({*args.tokens, args.concurrent_tokens}), max(10, 5 * args.repeats)
+            )
             result = measure(
                 list(args.tokens),
                 args.repeats,
@@ -868,6 +899,7 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailed as exc:
         print(f"latency: {exc}", file=sys.stderr)
         return 2
+    add_quiet_floor(result, quiet)
     print(json.dumps(result, indent=2) if args.json else format_result(result))
     if not result["checks"]["passed"]:
         print("latency: a check failed (see checks and errors)", file=sys.stderr)

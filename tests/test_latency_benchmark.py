@@ -28,20 +28,38 @@ def test_quick_json_checks_every_fetch(flags, processes):
     rows = report["rows"]
     assert [r["tokens"] for r in rows] == QUICK_TOKENS
     for row in rows:
-        assert set(row) == {"tokens", "bytes", "kvxfer_ms", "floor_ms", "ratio"}
+        assert set(row) == {
+            "tokens", "bytes", "kvxfer_ms", "floor_ms", "ratio", "quiet_floor_ms",
+            "ratio_to_quiet_floor",
+        }  # fmt: skip
         assert row["bytes"] == 8 * 2 * 8 * 128 * 2 * row["tokens"]
         assert row["kvxfer_ms"] > 0 and row["floor_ms"] > 0 and row["ratio"] > 0
+        assert row["quiet_floor_ms"] > 0
+        assert row["ratio_to_quiet_floor"] == row["kvxfer_ms"] / row["quiet_floor_ms"]
 
     concurrent = report["concurrent"]
-    assert set(concurrent) == {"requests", "tokens", "kvxfer_per_s", "floor_serial_per_s", "ratio"}
+    assert set(concurrent) == {
+        "requests", "tokens", "kvxfer_per_s", "floor_serial_per_s", "ratio",
+        "quiet_floor_serial_per_s", "ratio_to_quiet_floor",
+    }  # fmt: skip
     assert concurrent["requests"] == 4 and concurrent["tokens"] == 256
     assert concurrent["kvxfer_per_s"] > 0 and concurrent["floor_serial_per_s"] > 0
 
     assert set(report["idle_cpu"]) == {"prefill", "decode"}
     assert all(v >= 0 for v in report["idle_cpu"].values())
 
+    # The quiet floor (benchmarks/floor.py): its own two processes, every read checked, and
+    # kvxfer's transport reading the same bytes beside Mooncake's own call.
+    quiet = report["quiet_floor"]
+    assert quiet["bad"] == []
+    assert [r["tokens"] for r in quiet["rows"]] == sorted({*QUICK_TOKENS, 256})
+    for row in quiet["rows"]:
+        assert row["bytes"] == 8 * 2 * 8 * 128 * 2 * row["tokens"]
+        assert min(row["mooncake_read_ms"], row["zmq_round_trip_ms"], row["kvxfer_read_ms"]) > 0
+
     checks = report["checks"]
     assert checks["passed"], checks
+    assert checks["quiet_floor_reads_bad"] == 0
     rounds = report["config"]["repeats"] + report["config"]["warmup_rounds"]
     requests = rounds * (len(QUICK_TOKENS) + concurrent["requests"])
     assert checks["fetches"] == checks["fetches_ok"] == 4 * requests  # four decode ranks each
