@@ -184,7 +184,7 @@ class ProducerSessions:
     ) -> None:
         self._ctx, self._spec, self._engine_id, self._secret = ctx, spec, engine_id, secret
         self._heartbeat_s, self._peer_timeout_s = heartbeat_s, peer_timeout_s
-        # A reconnect's handshake may take as long as the last `connect` allowed its own.
+        # A reconnect's handshake may take as long as the longest `connect` allowed its own.
         self._handshake_timeout_s = peer_timeout_s
         self._listener = listener
         self.by_rank: dict[int, ProducerSession] = {}  # the engine's, once `connect` adopted
