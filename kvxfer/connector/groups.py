@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ import torch
 
 from kvxfer.connector.consumer import FetchHandle, KVConsumer, TransferResult
 from kvxfer.connector.producer import KVProducer
+from kvxfer.connector.timeline import merge
 from kvxfer.plan import PairPlan
 from kvxfer.plan.layout import blocks_of_tokens
 from kvxfer.spec import KVCacheSpec
@@ -204,11 +205,12 @@ class GroupedProducer:
         num_tokens: int,
         deadline_s: float | None = None,
         ready_tokens: int | None = None,
+        timeline: Mapping[str, float] | None = None,
     ) -> None:
         """Offer a request's KV: `block_ids[g]` is group `g`'s block table. A sliding-window
         group offers the tokens it still holds (`held_from`). Every table is checked before
-        any group publishes. `ready_tokens`: as `KVProducer.publish` (the prefill still runs;
-        `mark_ready` and `fail` follow it).
+        any group publishes. `ready_tokens`, `timeline`: as `KVProducer.publish` (the prefill
+        still runs; `mark_ready` and `fail` follow it).
 
         Raises:
             ValueError: a bad id, token count or table (naming the group), or an id already
@@ -225,7 +227,7 @@ class GroupedProducer:
             check_published_table(group.spec, table, end, where, first, computed)
         publishes = zip(self.producers, tables, held, ready, strict=True)
         for producer, table, (first, end), computed in publishes:
-            producer.publish(request_id, table, end, deadline_s, first, computed)
+            producer.publish(request_id, table, end, deadline_s, first, computed, timeline)
 
     def mark_ready(
         self, request_id: str, tokens: int, group: int | None = None, layers: int | None = None
@@ -315,8 +317,12 @@ def fetched_blocks(
 
 
 def merge_results(results: Sequence[TransferResult]) -> TransferResult:
-    """One result for the groups of a request (an empty list: nothing to move, ok)."""
+    """One result for the groups of a request (an empty list: nothing to move, ok); their
+    timelines merged (`kvxfer.connector.timeline.merge`: the first start, the last end)."""
     strategies = [r.strategy for r in results if r.strategy]
+    timeline: dict[str, float] = {}
+    for r in results:
+        merge(timeline, r.timeline)
     return TransferResult(
         ok=all(r.ok for r in results),
         failed_block_ids=sorted({b for r in results for b in r.failed_block_ids}),
@@ -325,6 +331,7 @@ def merge_results(results: Sequence[TransferResult]) -> TransferResult:
         strategy=",".join(dict.fromkeys(",".join(strategies).split(","))) if strategies else "",
         seconds=max((r.seconds for r in results), default=0.0),
         errors=[e for r in results for e in r.errors],
+        timeline=timeline,
     )
 
 

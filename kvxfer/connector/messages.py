@@ -86,6 +86,9 @@ class ChunkReady(_Message, tag="chunk_ready", frozen=True):
     # arrived here. The consumer times it from before it sent the ask, so its clock ends the
     # hold no later than mine (docs/connectors.md, "What a request waits for").
     held_seconds: float = 0.0
+    # The request's timeline on my side so far (`kvxfer.connector.timeline`: the prefill's
+    # events, wall-clock seconds), for the decode engine's per-request record.
+    timeline: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class ChunkRead(_Message, tag="chunk_read", frozen=True):

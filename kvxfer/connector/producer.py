@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -257,6 +257,7 @@ class KVProducer:
         deadline_s: float | None = None,
         first_token: int = 0,
         ready_tokens: int | None = None,
+        timeline: Mapping[str, float] | None = None,
     ) -> None:
         """Offer a request's KV (tokens `[first_token, num_tokens)` in `block_ids`) to decode
         ranks.
@@ -277,6 +278,11 @@ class KVProducer:
         Its blocks stay untouched by kvxfer and are handed back through `release` once every
         decode rank that fetched it reported done, or `deadline_s` (default
         `request_timeout_s`) after now.
+
+        `timeline`: the engine's events of the request before this call (wall-clock seconds,
+        `kvxfer.connector.timeline`, e.g. its `prefill_scheduled`); with the producer's own
+        (when its KV was first and last offered as computed) it goes to every decode rank with
+        the chunks, for the decode engine's record of where the request's time went.
 
         CUDA: call it on the thread, and with the current stream, that wrote the request's KV
         (or after making that stream wait for the writer), as vLLM's model runner does: packs
@@ -312,7 +318,7 @@ class KVProducer:
                 self._fences[request_id] = fence
         try:
             release_now = self._requests.publish(
-                request_id, ids, tokens, timeout, held_from, ready, covered
+                request_id, ids, tokens, timeout, held_from, ready, covered, timeline
             )
         except ValueError:
             if fence is not None and self._requests.get(request_id) is None:
@@ -622,6 +628,7 @@ class KVProducer:
             # Read from staging when packed: the consumer needs no block id of mine then.
             src_block_ids=[] if pack is not None else blocks.tolist(),
             staging=None,
+            timeline=self._requests.timeline(request),
         )
         if pack is None:  # the consumer reads the cache blocks themselves
             self._send(session, ready)
@@ -903,6 +910,7 @@ def _with_staging(ready: ChunkReady, staging: RegionInfo, held_seconds: float) -
         src_block_ids=ready.src_block_ids,
         staging=staging,
         held_seconds=held_seconds,
+        timeline=ready.timeline,
     )
 
 

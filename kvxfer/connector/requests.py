@@ -14,9 +14,12 @@ import itertools
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from kvxfer.connector.timeline import mark, merge
 
 _generations = itertools.count(1)
 
@@ -39,6 +42,9 @@ class PublishedRequest:
     covered: int = 0  # tokens the block table holds (`num_tokens` once it is whole)
     fetchers: dict[str, int] = field(default_factory=dict)  # engine id -> its ranks (PP x TP)
     reported: set[tuple[str, int]] = field(default_factory=set)  # (engine, rank) done
+    # Its timeline so far (`kvxfer.connector.timeline`): the engine's events given at the
+    # publish, and when its KV was first and last offered as computed.
+    timeline: dict[str, float] = field(default_factory=dict)
 
 
 class RequestTable:
@@ -69,10 +75,12 @@ class RequestTable:
         first_token: int = 0,
         ready_tokens: int | None = None,
         covered: int | None = None,
+        timeline: Mapping[str, float] | None = None,
     ) -> str | None:
         """Add a request that expires `timeout` seconds from now, holding tokens
         `[first_token, num_tokens)`, of which those before `ready_tokens` (default: all) are
-        computed and those before `covered` (default: all) have their blocks in `block_ids`.
+        computed and those before `covered` (default: all) have their blocks in `block_ids`;
+        `timeline`: the engine's events before the publish (its `prefill_scheduled`).
 
         Returns:
             Why to release the request at once, or None: a decode engine aborted it before it
@@ -97,7 +105,9 @@ class RequestTable:
                 first_token=first_token,
                 ready_tokens=num_tokens if ready_tokens is None else ready_tokens,
                 covered=num_tokens if covered is None else covered,
+                timeline=merge({}, timeline or {}),
             )
+            _mark_published(request)
             if self._aborted.pop(request_id, None) is not None:
                 return "its decode engine aborted it before the publish"
             self._early_done.pop(request_id, None)
@@ -139,6 +149,7 @@ class RequestTable:
                 )
             if layers is None:
                 request.ready_tokens = tokens
+                _mark_published(request, marked=True)
             elif tokens == request.layer_tokens:
                 if layers < request.ready_layers:
                     raise ValueError(
@@ -146,10 +157,12 @@ class RequestTable:
                         f"tokens before {tokens}; readiness only grows"
                     )
                 request.ready_layers = layers
+                _mark_published(request, marked=True)
             elif tokens > request.layer_tokens:
                 partial = request.layer_tokens > request.ready_tokens
                 request.ready_layers = min(layers, request.ready_layers) if partial else layers
                 request.layer_tokens = tokens
+                _mark_published(request, marked=True)
             # else: fewer tokens than the last layer mark, in every layer that already covers
 
     def is_ready(self, request: PublishedRequest, token_end: int, layer_end: int) -> bool:
@@ -181,6 +194,11 @@ class RequestTable:
             if request is not None:
                 request.failure = reason or "the prefill failed"
             return request is not None
+
+    def timeline(self, request: PublishedRequest) -> dict[str, float]:
+        """A copy of the request's timeline so far."""
+        with self._lock:
+            return dict(request.timeline)
 
     def get(self, request_id: str) -> PublishedRequest | None:
         """The live request, if published and not released."""
@@ -292,3 +310,13 @@ def _all_reported(request: PublishedRequest, reporters: dict[str, int]) -> bool:
         len({r for e, r in request.reported if e == engine}) >= size
         for engine, size in engines.items()
     )
+
+
+def _mark_published(request: PublishedRequest, marked: bool = False) -> None:
+    """Note when the request's KV was first offered as computed (tokens ready at its publish,
+    or its first `mark_ready`: `marked`) and when all of it was."""
+    timeline = request.timeline
+    if "first_layer_published" not in timeline and (marked or request.ready_tokens > 0):
+        mark(timeline, "first_layer_published")
+    if "last_layer_published" not in timeline and request.ready_tokens >= request.num_tokens:
+        mark(timeline, "last_layer_published")

@@ -114,13 +114,18 @@ class _ProducerRank:
             timer.start()
         return time.monotonic()
 
-    def do_publish_computing(self, request: Request, block_ids: BlockIds) -> float:
-        """Publish the request before any of it is computed (`ready_tokens=0`), its blocks
-        holding `SOURCE_FILL` until `compute` writes them: a byte read before its layer was
-        marked ready shows as a mismatch. Returns when published."""
+    def do_publish_computing(
+        self, request: Request, block_ids: BlockIds, timeline: dict[str, float] | None = None
+    ) -> float:
+        """Publish the request before any of it is computed (`ready_tokens=0`; `timeline`:
+        the engine's events), its blocks holding `SOURCE_FILL` until `compute` writes them: a
+        byte read before its layer was marked ready shows as a mismatch. Returns when
+        published."""
         ids = np.asarray(block_ids, dtype=np.int64)
         fill_blocks(self.spec, self.caches, ids.tolist(), SOURCE_FILL)
-        self.producer.publish(request.request_id, ids, request.num_tokens, ready_tokens=0)
+        self.producer.publish(
+            request.request_id, ids, request.num_tokens, ready_tokens=0, timeline=timeline
+        )
         with self.lock:
             self.published.append(request.request_id)
         return time.monotonic()

@@ -263,9 +263,13 @@ class Producer(Proc):
         """Publish now (returns when published) or after `delay` seconds (returns at once)."""
         return self.call("publish", request, np.asarray(block_ids).tolist(), delay, deadline_s)
 
-    def publish_computing(self, request: Request, block_ids: BlockIds) -> float:
-        """Publish before the prefill computed anything (`ready_tokens=0`); see `compute`."""
-        return self.call("publish_computing", request, np.asarray(block_ids).tolist())
+    def publish_computing(
+        self, request: Request, block_ids: BlockIds, timeline: dict[str, float] | None = None
+    ) -> float:
+        """Publish before the prefill computed anything (`ready_tokens=0`), with the engine's
+        `timeline` events; see `compute`."""
+        ids = np.asarray(block_ids).tolist()
+        return self.call("publish_computing", request, ids, timeline)
 
     def compute(
         self, request: Request, block_ids: BlockIds, tokens: int, layers: tuple[int, int]

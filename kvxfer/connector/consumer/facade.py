@@ -37,6 +37,7 @@ from kvxfer.connector.consumer.sessions import ProducerSession, ProducerSessions
 from kvxfer.connector.registration import CacheRegistration
 from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.stats import TransferStats
+from kvxfer.connector.timeline import mark
 from kvxfer.execute import resolve_backend
 from kvxfer.plan import DEFAULT_STAGING_SLOTS, CostModel, PairPlan, check_side, plan_pairs_into
 from kvxfer.plan.cost import Chunking
@@ -252,6 +253,7 @@ class KVConsumer:
         budget = self._timeout_s if timeout is None else timeout
         now = time.monotonic()
         fetch = Fetch(handle, ids, num_tokens, start_token, now + budget, now, streamed=streamed)
+        mark(fetch.timeline, "fetch_asked")
         fetch.fence = self._copier.fence()  # on the caller's (the engine's) current stream
         self._loop.post(lambda: self._machine.start(fetch, self._pairs))
         return handle

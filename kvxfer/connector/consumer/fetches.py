@@ -20,6 +20,7 @@ import numpy as np
 
 from kvxfer.connector.consumer.results import FetchHandle
 from kvxfer.connector.consumer.states import ChunkEvent, ChunkState, next_state
+from kvxfer.connector.timeline import mark, merge
 from kvxfer.plan.fitting import ChunkCut, FittedPair
 from kvxfer.plan.heads import HeadRoute
 from kvxfer.plan.program import CellCopy
@@ -78,6 +79,9 @@ class Fetch:
     active: dict[int, int] = field(default_factory=dict)  # by producer rank
     waiting: list[Chunk] = field(default_factory=list)  # ready, waiting for a staging slot
     unsettled: int = 0  # chunks neither done nor failed
+    # The request's timeline as this rank sees it (`kvxfer.connector.timeline`): its own
+    # events and the producers' (with their `ChunkReady`).
+    timeline: dict[str, float] = field(default_factory=dict)
 
     @property
     def request_id(self) -> str:
@@ -115,6 +119,7 @@ class Fetch:
         if state is was:
             return state
         chunk._state = state
+        self._note(chunk, event)
         rank = chunk.pair.src_rank
         self.active[rank] += state.active - was.active
         if state.settled:
@@ -125,6 +130,16 @@ class Fetch:
             if len(queue) > 1 and queue[-2].chunk_id > chunk.chunk_id:
                 self.queued[rank] = deque(sorted(queue, key=lambda c: c.chunk_id))
         return state
+
+    def _note(self, chunk: Chunk, event: ChunkEvent) -> None:
+        """Keep the fetch's timeline: the producer's events with its answer, the first read's
+        start and the last read's landing."""
+        if event is ChunkEvent.OFFERED and chunk.ready is not None:
+            merge(self.timeline, chunk.ready.timeline)
+        elif event is ChunkEvent.READ:
+            mark(self.timeline, "first_byte_read")
+        elif event is ChunkEvent.LANDED:
+            mark(self.timeline, "last_byte_read")
 
     def chunks_in(self, state: ChunkState) -> list[Chunk]:
         """Its chunks in `state`."""

@@ -47,6 +47,7 @@ from kvxfer.connector.messages import (
 )
 from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.stats import TransferRecord, TransferStats
+from kvxfer.connector.timeline import mark
 from kvxfer.plan.fitting import FittedPair
 from kvxfer.plan.layout import STAGING_REGION, blocks_of_tokens
 from kvxfer.plan.reads import chunk_read_program, landing_bytes
@@ -447,6 +448,7 @@ class FetchMachine:
             for block in blocks_of_tokens(fetch.block_ids, block_size, chunk.start, chunk.end)
         }
         done = fetch.chunks_in(ChunkState.DONE)
+        mark(fetch.timeline, "fetch_done")
         return TransferResult(
             ok=not failed,
             failed_block_ids=sorted(failed_ids),
@@ -455,6 +457,7 @@ class FetchMachine:
             strategy=",".join(sorted({p.plan.strategy for p in fetch.pairs})),
             seconds=time.monotonic() - fetch.began,
             errors=fetch.errors,
+            timeline=dict(fetch.timeline),
         )
 
     def _sessions(self) -> ProducerSessions:

@@ -23,6 +23,10 @@ class TransferResult:
         strategy: the strategies used, comma-separated when pairs differ.
         seconds: wall time of the fetch.
         errors: what went wrong, for logs.
+        timeline: the request's events as far as this rank saw them
+            (`kvxfer.connector.timeline`): the producers' (the prefill's, sent with the
+            chunks) and this fetch's own (`fetch_asked`, `first_byte_read`,
+            `last_byte_read`, `fetch_done`), in wall-clock seconds.
     """
 
     ok: bool
@@ -32,6 +36,7 @@ class TransferResult:
     strategy: str
     seconds: float
     errors: list[str] = field(default_factory=list)
+    timeline: dict[str, float] = field(default_factory=dict)
 
 
 class FetchHandle:
