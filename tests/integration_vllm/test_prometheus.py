@@ -33,6 +33,7 @@ from pd_engines import (
 from prometheus_client import REGISTRY
 
 from kvxfer.connector import TransferResult
+from kvxfer.connector.timeline import PHASES
 from kvxfer.integrations.vllm import KvxferConnector, KvxferConnectorStats
 
 # The longest wait for the engines in this module.
@@ -47,6 +48,7 @@ COUNTERS = {
 }
 SECONDS = "vllm:kvxfer_transfer_time_seconds"
 DESCRIPTORS = "vllm:kvxfer_num_descriptors"
+PHASE_SECONDS = "vllm:kvxfer_request_phase_seconds"
 DECODE_TP = 2
 REQUEST_TIMEOUT_S = 6  # the prefill side expires a request nobody loads after this
 # What vLLM's toy proxy, vllm-router's NIXL mode and llm-d's nixlv2 sidecar send a prefill
@@ -100,11 +102,13 @@ def test_recorded_results_reach_the_registry_with_vllm_labels(model, clean_regis
     config = vllm_config(model, _spec())
     # Two decode workers' intervals, from TransferResults as WorkerSide records them.
     first, second = KvxferConnectorStats(), KvxferConnectorStats()
-    first.record(TransferResult(True, [], 4096, 3, "pack+unpack", 0.004))
+    timeline = {"fetch_asked": 10.0, "fetch_done": 10.004}
+    first.record(TransferResult(True, [], 4096, 3, "pack+unpack", 0.004, [], timeline), "r1")
     first.record(TransferResult(False, [7, 8], 0, 0, "", 0.0, ["peer gone"]))
     second.record(TransferResult(True, [], 1 << 20, 40, "direct", 0.3))
     second.record_expired(2)
     second.record_streamed()
+    second.record_phases({"kvxfer": 0.002, "total": 0.03})  # the decode scheduler's
     # vLLM's KVOutputAggregator merges the workers; the frontend rebuilds from the dict.
     payload = KvxferConnector.build_kv_connector_stats(first.aggregate(second).to_dict())
     assert payload is not None
@@ -117,6 +121,8 @@ def test_recorded_results_reach_the_registry_with_vllm_labels(model, clean_regis
         "streamed": 1,
         "transfer_seconds": [0.004, 0.3],
         "descriptors": [3, 40],
+        "timelines": [["r1", timeline]],
+        "phases": [["kvxfer", 0.002], ["total", 0.03]],
     }
     assert payload.reduce() == {
         "Transfers": 3,
@@ -128,6 +134,7 @@ def test_recorded_results_reach_the_registry_with_vllm_labels(model, clean_regis
         "P90 transfer ms": 270.4,
         "Avg descriptors": 21.5,
         "Throughput MB/s": 3.463,
+        "Avg kvxfer share ms": 2.0,
     }
 
     from vllm.v1.metrics.stats import SchedulerStats
@@ -153,6 +160,13 @@ def test_recorded_results_reach_the_registry_with_vllm_labels(model, clean_regis
         assert _value(f"{SECONDS}_bucket", {**engine1, "le": le}) == count, le
     for le, count in (("2.0", 0), ("4.0", 2), ("32.0", 2), ("64.0", 4), ("+Inf", 4)):
         assert _value(f"{DESCRIPTORS}_bucket", {**engine1, "le": le}) == count, le
+    # Phases: one series per phase; 2 ms lies in (1 ms, 2.5 ms].
+    kvxfer = {**engine1, "phase": "kvxfer"}
+    assert _value(f"{PHASE_SECONDS}_count", kvxfer) == 2.0
+    assert _value(f"{PHASE_SECONDS}_bucket", {**kvxfer, "le": "0.001"}) == 0.0
+    assert _value(f"{PHASE_SECONDS}_bucket", {**kvxfer, "le": "0.0025"}) == 2.0
+    assert _value(f"{PHASE_SECONDS}_sum", {**engine1, "phase": "total"}) == pytest.approx(0.06)
+    assert _value(f"{PHASE_SECONDS}_count", {**engine1, "phase": "read"}) == 0.0
     # Engine 0's series exist (created per engine, as vLLM's own) and stay at zero.
     engine0 = {"model_name": served, "engine": "0"}
     assert set(_series(engine0).values()) == {0.0}
@@ -259,7 +273,13 @@ def test_a_real_transfer_and_an_expired_request_on_vllms_endpoint(model, clean_r
         _run_until(lambda: len(params) == 2, [prefill], on_step=collect)
         # "a" goes on to the decode engine; "b" is never loaded and expires on the prefill side.
         decode.add("a", prompts["a"], max_tokens=2, params=params["a"])
-        _run_until(lambda: "a" in decode.finished_recving, [decode, prefill])
+        decoded: set[str] = set()
+
+        def decode_done(engine, outputs):
+            decoded.update(o.request_id for o in outputs if o.finish_reason is not None)
+
+        _run_until(lambda: "a" in decoded, [decode, prefill], on_step=decode_done)
+        assert "a" in decode.finished_recving
         assert decode.invalid_block_ids == []
         _run_until(lambda: {"a", "b"} <= prefill.finished_sending, [decode, prefill], timeout=60)
     finally:
@@ -294,6 +314,13 @@ def test_a_real_transfer_and_an_expired_request_on_vllms_endpoint(model, clean_r
         f"{DESCRIPTORS}_sum": sum(descriptors),
     }
     assert _value(f"{SECONDS}_bucket", {**labels, "le": "60.0"}) == DECODE_TP
+    # Request "a"'s timeline: every event seen (both engines', both decode ranks'), so every
+    # phase counted once, at its first token.
+    for phase in PHASES:
+        assert _value(f"{PHASE_SECONDS}_count", {**labels, "phase": phase}) == 1.0, phase
+    total = _value(f"{PHASE_SECONDS}_sum", {**labels, "phase": "total"})
+    kvxfer = _value(f"{PHASE_SECONDS}_sum", {**labels, "phase": "kvxfer"})
+    assert total is not None and kvxfer is not None and 0 < kvxfer < total
     logged: list[str] = []
     logging_side.log(log_fn=lambda fmt, *args: logged.append(fmt % args))
     (line,) = logged

@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvxfer.integrations.settings import ConnectorSettings
+from kvxfer.integrations.vllm.logs import log_through_vllm
 from kvxfer.integrations.vllm.metadata import KvxferConnectorMetadata
 from kvxfer.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.integrations.vllm.stats import KvxferConnectorStats, KvxferPromMetrics
@@ -49,6 +50,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        log_through_vllm()
         transfer = self._kv_transfer_config
         settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         engine_id = str(transfer.engine_id)
@@ -186,9 +188,19 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker_side().take_load_errors()
 
     def get_kv_connector_stats(self) -> KvxferConnectorStats | None:
-        """A worker's load counts since the last call (None if none, and on the scheduler,
-        which vLLM also asks)."""
-        return None if self._worker is None else self._worker.take_stats()
+        """A worker's load counts since the last call; the scheduler's: the phases of the
+        requests whose first token came (None if nothing happened)."""
+        if self._worker is not None:
+            return self._worker.take_stats()
+        if self._scheduler is None:
+            return None
+        finished = self._scheduler.take_phases()
+        if not finished:
+            return None
+        stats = KvxferConnectorStats()
+        for phases in finished:
+            stats.record_phases(phases)
+        return stats
 
     def shutdown(self) -> None:
         """Close the worker's producer and consumers (unregistering from the bootstrap

@@ -124,6 +124,9 @@ class SendSpec:
     # hit): the worker marks each attention layer ready as the step writes it (`save_kv_layer`)
     # and the whole request at the step's end (`wait_for_save`). None: computed, offered whole.
     ready_tokens: int | None = None
+    # The prefill scheduler's events of the request (`kvxfer.connector.timeline`), published
+    # with it for the decode engine's timeline.
+    timeline: dict[str, float] = field(default_factory=dict)
 
     @property
     def offered_as(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvxfer.integrations.bootstrap import BootstrapServer
@@ -18,6 +19,7 @@ from kvxfer.integrations.vllm.metadata import (
     SendSpec,
     StreamStep,
 )
+from kvxfer.integrations.vllm.timelines import RequestTimelines
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -99,6 +101,10 @@ class SchedulerSide:
         self._streaming: dict[str, SendSpec] = {}  # offered while computing, not finished
         self._stream_tables: dict[str, list[list[int]]] = {}  # their block tables so far
         self._stream_steps: list[StreamStep] = []
+        # Prefill: each request to hand over's events here (its arrival, when first scheduled),
+        # sent with its publish. Decode: the timelines of the requests it loads.
+        self._prefill_events: dict[str, dict[str, float]] = {}
+        self._timelines = RequestTimelines()
 
     def on_new_request(self, request: Request) -> None:
         """Prefill of a model with recurrent state (Mamba layers): drop the prompt's last
@@ -146,6 +152,11 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if self._streams and _streamable(request):
             self._stream_candidates[request.request_id] = request
+        if params and params.get("do_remote_decode"):
+            self._prefill_events.setdefault(
+                request.request_id,
+                {"arrived": float(request.arrival_time), "prefill_scheduled": time.time()},
+            )
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request
@@ -155,6 +166,7 @@ class SchedulerSide:
             self._aborts.append(remote)
             return
         self._loading[request.request_id] = remote
+        self._timelines.load_started(request)
         num_tokens = _remote_tokens(request, self._has_state)
         self._loads.append(
             LoadSpec(
@@ -177,6 +189,7 @@ class SchedulerSide:
         self._fail_preempted(scheduler_output)
         self._offer_streams(scheduler_output)
         self._advance_streams(scheduler_output)
+        self._timelines.step_scheduled(scheduler_output)
         metadata = KvxferConnectorMetadata(
             loads=self._loads,
             sends=self._sends,
@@ -213,7 +226,12 @@ class SchedulerSide:
             tables = _block_tables(new.block_ids)
             params = request.kv_transfer_params or {}
             send = SendSpec(
-                new.req_id, tables, prompt, params["transfer_id"], new.num_computed_tokens
+                new.req_id,
+                tables,
+                prompt,
+                params["transfer_id"],
+                new.num_computed_tokens,
+                self._prefill_timeline(new.req_id),
             )
             self._sends.append(send)
             self._streaming[new.req_id], self._stream_tables[new.req_id] = send, tables
@@ -242,8 +260,21 @@ class SchedulerSide:
         return self._streaming.pop(request_id, None)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._timelines.connector_output(output)
         for request_id in output.finished_recving or ():
             self._loading.pop(request_id, None)
+
+    def take_phases(self) -> list[dict[str, float]]:
+        """Decode: the phases of the loaded requests whose first token came since the last
+        call (`RequestTimelines`)."""
+        return self._timelines.take_phases()
+
+    def _prefill_timeline(self, request_id: str) -> dict[str, float]:
+        """The prefill's events of a request it hands over, for its publish: its arrival
+        here (the decode engine's timeline keeps the earlier of the two engines' arrivals: the
+        front's request in, whether it asked both engines at once or one after the other) and
+        when it was first scheduled."""
+        return dict(self._prefill_events.get(request_id, {}))
 
     def request_finished(
         self, request: Request, block_ids: list[int] | tuple[list[int], ...]
@@ -254,6 +285,8 @@ class SchedulerSide:
 
         tables = _block_tables(block_ids)
         params = request.kv_transfer_params
+        self._timelines.request_finished(request.request_id)
+        timeline = self._prefill_events.pop(request.request_id, {})
         if not params:
             return False, None
         if not params.get("do_remote_decode"):
@@ -288,7 +321,9 @@ class SchedulerSide:
             # The decode engine was sent the prompt, not this answer: it asks for the prompt's
             # tokens, which a prefill that went on decoding (`max_tokens` > 1) passed.
             num_tokens = min(num_tokens, request.num_prompt_tokens)
-        self._sends.append(SendSpec(request.request_id, tables, num_tokens, published))
+        self._sends.append(
+            SendSpec(request.request_id, tables, num_tokens, published, timeline=timeline)
+        )
         return True, self._handed(published or request.request_id, tables, num_tokens)
 
     def _finish_stream(

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvxfer.connector import TransferResult
+from kvxfer.connector.timeline import PHASES
 
 # Per load on one decode rank. 1 ms (a few blocks on RDMA) to 60 s (`fetch_timeout_s`'s
 # default); vLLM's NIXL and Mooncake connectors use 5 ms to 5 s.
@@ -42,6 +43,26 @@ TRANSFER_SECONDS_BUCKETS = (
 # in one operation per rank pair, so the low end is resolved finely; the top matches vLLM's
 # NIXL and Mooncake buckets (up to 50k), which direct block-by-block copies reach.
 DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 10000, 50000)
+# A request's phases (`kvxfer.connector.timeline.PHASES`): 0.5 ms (a handoff between two
+# scheduler steps) to a minute (a long prompt's prefill under load).
+PHASE_SECONDS_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 
 
 @dataclass
@@ -53,7 +74,10 @@ class KvxferConnectorStats(KVConnectorStats):
     (of the ok loads), `expired` (prefill ranks: requests released at `request_timeout_s`
     because not every decode rank reported done), `streamed` (prefill ranks: requests offered
     while their prefill computed, docs/vllm.md "Streaming the prefill"), and per ok load, in order,
-    `transfer_seconds` and `descriptors` (transport operations).
+    `transfer_seconds` and `descriptors` (transport operations). `timelines` (decode ranks):
+    per finished load, `[vLLM's request id, its timeline]` (`kvxfer.connector.timeline`), for
+    the decode scheduler, which adds its own events; `phases` (the decode scheduler): per
+    request whose first token came, `[phase, seconds]` for each phase its timeline spans.
     """
 
     def __post_init__(self) -> None:
@@ -73,10 +97,14 @@ class KvxferConnectorStats(KVConnectorStats):
             "streamed": 0,
             "transfer_seconds": [],
             "descriptors": [],
+            "timelines": [],
+            "phases": [],
         }
 
-    def record(self, result: TransferResult) -> None:
-        """Count one finished load."""
+    def record(self, result: TransferResult, request_id: str | None = None) -> None:
+        """Count one finished load (of vLLM's `request_id`: its timeline is kept too)."""
+        if request_id is not None and result.timeline:
+            self.data["timelines"].append([request_id, dict(result.timeline)])
         self.data["transfers"] += 1
         if result.ok:
             self.data["bytes"] += result.bytes
@@ -88,6 +116,10 @@ class KvxferConnectorStats(KVConnectorStats):
     def record_expired(self, count: int) -> None:
         """Count requests a prefill rank released at their deadline."""
         self.data["expired"] += count
+
+    def record_phases(self, phases: dict[str, float]) -> None:
+        """Add one request's phases (the decode scheduler, at its first token)."""
+        self.data["phases"].extend([phase, seconds] for phase, seconds in phases.items())
 
     def record_streamed(self) -> None:
         """Count a request a prefill rank offered while computing it."""
@@ -108,6 +140,7 @@ class KvxferConnectorStats(KVConnectorStats):
         descriptors = np.asarray(self.data["descriptors"], dtype=np.float64)
         ok = len(seconds)
         total_seconds = float(seconds.sum())
+        shares = [s for phase, s in self.data.get("phases", ()) if phase == "kvxfer"]
         return {
             "Transfers": self.data["transfers"],
             "Failed transfers": self.data["failures"],
@@ -120,11 +153,16 @@ class KvxferConnectorStats(KVConnectorStats):
             "Throughput MB/s": (
                 round(self.data["bytes"] / total_seconds / 1e6, 3) if total_seconds else 0.0
             ),
+            # What the transfer added after the prefill's last layer (timeline phase `kvxfer`).
+            "Avg kvxfer share ms": round(float(np.mean(shares)) * 1e3, 3) if shares else 0.0,
         }
 
     def is_empty(self) -> bool:
         """Whether nothing was recorded."""
-        return not (self.data["transfers"] or self.data["expired"] or self.data.get("streamed"))
+        data = self.data
+        return not (
+            data["transfers"] or data["expired"] or data.get("streamed") or data.get("phases")
+        )
 
 
 class KvxferPromMetrics(KVConnectorPromMetrics):
@@ -140,8 +178,11 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
       computed (one per prefill rank and request).
 
     Histograms, per ok load: `vllm:kvxfer_transfer_time_seconds` and
-    `vllm:kvxfer_num_descriptors` (transport operations). A decode engine reports loads, a
-    prefill engine expired requests.
+    `vllm:kvxfer_num_descriptors` (transport operations); per request whose KV was loaded, at
+    its first token, `vllm:kvxfer_request_phase_seconds{phase=...}`, one series per phase of
+    its timeline (`kvxfer.connector.timeline.PHASES`: `kvxfer` is the transfer's share, from
+    the prefill's last layer to the KV in the decode engine's cache). A decode engine reports
+    loads and phases, a prefill engine expired requests.
     """
 
     def __init__(
@@ -205,9 +246,26 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
                 DESCRIPTOR_BUCKETS,
             ),
         }
+        phase_metric = histogram_cls(
+            name="vllm:kvxfer_request_phase_seconds",
+            documentation=(
+                "Where a P/D request's time went, per phase of its timeline (phase=kvxfer: "
+                "the transfer's share). NOTE: tracked on the decode instance."
+            ),
+            buckets=PHASE_SECONDS_BUCKETS,
+            labelnames=[*labelnames, "phase"],
+        )
+        self.phases = {
+            engine: {phase: phase_metric.labels(*values, phase) for phase in PHASES}
+            for engine, values in per_engine_labelvalues.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Add one payload (`KvxferConnectorStats.data`) to engine `engine_idx`'s series."""
+        phases = self.phases[engine_idx]
+        for phase, seconds in transfer_stats_data.get("phases", ()):
+            if phase in phases:
+                phases[phase].observe(seconds)
         for key, per_engine in self.counters.items():
             count = transfer_stats_data.get(key, 0)
             if count:

@@ -267,7 +267,11 @@ class WorkerSide:
         tables = group_tables(self._tables_of, send.block_ids, send.num_tokens)
         try:
             self._producer.publish(
-                send.offered_as, tables, send.num_tokens, ready_tokens=send.ready_tokens
+                send.offered_as,
+                tables,
+                send.num_tokens,
+                ready_tokens=send.ready_tokens,
+                timeline=send.timeline,
             )
         except ValueError as exc:  # a router's transfer_id used twice: never the engine's end
             log.warning(
@@ -386,7 +390,7 @@ class WorkerSide:
             recving.add(load.spec.request_id)
             if load.aborted:
                 continue  # vLLM finished the request: its blocks are freed, not recomputed
-            self._stats.record(result)
+            self._stats.record(result, load.spec.request_id)
             if not result.ok:
                 self._remotes.load_failed(load.spec.remote)  # look it up before the next
                 log.warning(
