@@ -20,6 +20,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from kvxfer.ec import ECLoadError, item_key
 from kvxfer.integrations.vllm.geometry import tp_rank
+from kvxfer.integrations.vllm.logs import log_through_vllm
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -99,6 +100,7 @@ class KvxferECConnector(ECConnectorBase):
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config, role)
+        log_through_vllm()
         config = vllm_config.ec_transfer_config
         assert config is not None  # the base class refuses to start without it
         extra = dict(config.ec_connector_extra_config or {})
