@@ -16,7 +16,9 @@ which kvxfer serves streamed). Per configuration and concurrency: TTFT (sending 
 its first streamed token) and end-to-end latency (to its last), p50 and p90; output tokens per
 second over the set's wall time; and the prompt tokens the decode engine loaded rather than
 computed (its `prompt_tokens_by_source{external_kv_transfer}`), against the set's prompt
-tokens. Configurations:
+tokens; and `wrong_outputs`, the requests whose streamed text differs from one engine's at
+concurrency 1. Configurations (`one engine` runs whatever `--only` says: its outputs are the
+reference):
 
 - `one engine`: TP 1, blocks of 32;
 - `vLLM MooncakeConnector`: TP 1 / 32 both sides (`mooncake_protocol` tcp). Its worker asks
@@ -76,6 +78,8 @@ class Row:
     wall_s: float = 0.0
     prompt_tokens: int = 0
     loaded_tokens: float | None = None  # the decode's external_kv_transfer tokens; None: no decode
+    # Requests whose streamed text differs from one engine's (None: nothing to compare with).
+    wrong_outputs: int | None = None
     error: str | None = None
 
     def summary(self) -> dict[str, Any]:
@@ -95,6 +99,7 @@ class Row:
         out["output_tokens_per_s"] = round(len(self.ttft_ms) * MAX_TOKENS / self.wall_s, 1)
         out["prompt_tokens"] = self.prompt_tokens
         out["loaded_prompt_tokens"] = self.loaded_tokens
+        out["wrong_outputs"] = self.wrong_outputs
         return out
 
 
@@ -116,8 +121,18 @@ def prompts(vocab: int, repeats: int) -> list[list[int]]:
     return out
 
 
-def timed_stream(url: str, prompt: list[int]) -> tuple[float, float]:
-    """(TTFT, end-to-end latency) in ms of one streamed greedy completion at `url`."""
+@dataclass(frozen=True)
+class Streamed:
+    """One streamed completion: its times in ms and its text."""
+
+    ttft_ms: float
+    latency_ms: float
+    text: str
+
+
+def timed_stream(url: str, prompt: list[int]) -> Streamed:
+    """Time one streamed greedy completion at `url` (to its first token and to its last) and
+    gather its text."""
     host, port = url.removeprefix("http://").split(":")
     body = driver.completion_request(
         prompt, MODEL_NAME, MAX_TOKENS, 0, {"ignore_eos": True, "stream": True}
@@ -126,6 +141,7 @@ def timed_stream(url: str, prompt: list[int]) -> tuple[float, float]:
     connection = http.client.HTTPConnection(host, int(port), timeout=REQUEST_TIMEOUT)
     began = time.perf_counter()
     first = None
+    pieces: list[str] = []
     try:
         connection.request(
             "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
@@ -134,16 +150,18 @@ def timed_stream(url: str, prompt: list[int]) -> tuple[float, float]:
         if response.status != 200:
             raise driver.E2EError(f"{url}: HTTP {response.status}: {response.read()[:500]!r}")
         for line in response:
-            if first is None and line.startswith(b"data:") and b'"text"' in line:
-                first = time.perf_counter()
             if line.strip() == b"data: [DONE]":
                 break
+            if line.startswith(b"data:") and b'"text"' in line:
+                if first is None:
+                    first = time.perf_counter()
+                pieces.append(json.loads(line[len(b"data:") :])["choices"][0]["text"])
     finally:
         connection.close()
     if first is None:
         raise driver.E2EError(f"{url}: the stream carried no token")
     ended = time.perf_counter()
-    return (first - began) * 1e3, (ended - began) * 1e3
+    return Streamed((first - began) * 1e3, (ended - began) * 1e3, "".join(pieces))
 
 
 def loaded_tokens(decode: Server | None) -> float | None:
@@ -153,20 +171,32 @@ def loaded_tokens(decode: Server | None) -> float | None:
     return decode.metric(driver.TRANSFER_METRIC, driver.TRANSFER_SOURCE)
 
 
-def measure(row: Row, url: str, request_set: list[list[int]], decode: Server | None = None) -> None:
+def measure(
+    row: Row,
+    url: str,
+    request_set: list[list[int]],
+    decode: Server | None = None,
+    expected: list[str] | None = None,
+) -> list[str]:
     """Time every request of the set, `row.concurrency` in flight at a time (the next sent as
-    one ends), and count what the decode engine loaded meanwhile."""
+    one ends), count what the decode engine loaded meanwhile and the outputs that differ from
+    `expected` (one engine's); return the outputs."""
     before = loaded_tokens(decode)
     began = time.perf_counter()
+    texts = []
     with ThreadPoolExecutor(row.concurrency) as pool:
-        for ttft, latency in pool.map(lambda prompt: timed_stream(url, prompt), request_set):
-            row.ttft_ms.append(ttft)
-            row.latency_ms.append(latency)
+        for streamed in pool.map(lambda prompt: timed_stream(url, prompt), request_set):
+            row.ttft_ms.append(streamed.ttft_ms)
+            row.latency_ms.append(streamed.latency_ms)
+            texts.append(streamed.text)
     row.wall_s = time.perf_counter() - began
+    if expected is not None:
+        row.wrong_outputs = sum(got != want for got, want in zip(texts, expected, strict=True))
     row.prompt_tokens = sum(len(p) for p in request_set)
     after = loaded_tokens(decode)
     if before is not None and after is not None:
         row.loaded_tokens = after - before
+    return texts
 
 
 def _error_of(server: Server) -> str:
@@ -181,6 +211,17 @@ def _error_of(server: Server) -> str:
     return (errors[0] if errors else lines[-1] if lines else "no log").strip()[:400]
 
 
+def _failed_request(exc: Exception, servers: Sequence[Server]) -> str:
+    """Why a request failed with every server alive: the error, and the first ERROR line of
+    the servers' logs (an engine that failed a request says why there)."""
+    error = str(exc).splitlines()[0][:300]
+    for server in servers:
+        for line in driver.log_tail(server.launched.log, 2000).splitlines():
+            if " ERROR " in line:
+                return f"{error}; {server.name}: {line.strip()[:400]}"
+    return error
+
+
 # What a configuration's `start` returns: its servers (to stop), the front to call, and its
 # decode engine (None for one engine alone).
 Started = tuple[list[Server], Server, Server | None]
@@ -193,20 +234,25 @@ def run_config(
     start: Callable[[], Started],
     request_set: list[list[int]],
     concurrencies: Sequence[int],
+    expected: list[str],
 ) -> list[Row]:
     """Start a configuration's servers, warm them with one request, measure the set at every
     concurrency, stop them; an engine that dies or a request that fails becomes the error of
-    the rows not measured yet."""
+    the rows not measured yet. Outputs are compared with `expected`; when it is empty (the
+    first configuration, one engine) it takes the first measured outputs, and that
+    configuration's later concurrencies are compared with them."""
     rows = [Row(name, geometry, c) for c in concurrencies]
     servers: list[Server] = []
     try:
         servers, front, decode = start()
         timed_stream(front.url, request_set[0])
         for row in rows:
-            measure(row, front.url, request_set, decode)
+            texts = measure(row, front.url, request_set, decode, expected or None)
+            if not expected:
+                expected.extend(texts)
     except driver.E2EError as exc:
         dead = [s for s in servers if not s.alive()]
-        error = _error_of(dead[0]) if dead else str(exc).splitlines()[0][:400]
+        error = _error_of(dead[0]) if dead else _failed_request(exc, servers)
         for row in rows:
             if not row.wall_s:  # not measured to its end
                 row.error = error
@@ -281,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     model = make_tiny_model(run_dir / "model")
     request_set = prompts(vocabulary_size(model), args.repeats)
     rows: list[Row] = []
+    expected: list[str] = []  # one engine's outputs
 
     def one_engine() -> Started:
         engine = processes.start_engine("one-engine", model, tensor_parallel_size=1, block_size=32)
@@ -349,8 +396,12 @@ def main(argv: list[str] | None = None) -> int:
         ("kvxfer hetero", "TP 2 / 32 -> TP 1 / 64", kvxfer((2, 32), (1, 64), "2to1")),
     ]
     for name, geometry, start in configs:
-        if args.only is None or args.only in f"{name} {geometry}":
-            rows.extend(run_config(processes, name, geometry, start, request_set, args.concurrency))
+        if name == "one engine" or args.only is None or args.only in f"{name} {geometry}":
+            rows.extend(
+                run_config(
+                    processes, name, geometry, start, request_set, args.concurrency, expected
+                )
+            )
     missing = nixl_missing()
     nixl = Row("vLLM NixlConnector", "TP 1 / 32 -> TP 1 / 32", error=missing)
     if missing is None:
