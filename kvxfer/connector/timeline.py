@@ -16,7 +16,11 @@ one that comes out negative is counted as 0.
     first_layer_published   producer rank         its first KV offered as computed (a whole
                                                   request: its publish)
     last_layer_published    producer rank         the whole request computed, in every layer
+    decode_arrived          decode engine         the request reached the decode engine's API
+                                                  server (a router may send it there late)
+    load_ordered            decode scheduler      its blocks allocated, its load ordered
     fetch_asked             consumer rank         `KVConsumer.fetch` called
+    first_chunk_offered     consumer rank         the first `ChunkReady` came
     first_byte_read         consumer rank         the first read started
     last_byte_read          consumer rank         the last read landed
     fetch_done              consumer rank         every chunk in the cache (ok or not)
@@ -38,7 +42,10 @@ EVENTS = (
     "prefill_scheduled",
     "first_layer_published",
     "last_layer_published",
+    "decode_arrived",
+    "load_ordered",
     "fetch_asked",
+    "first_chunk_offered",
     "first_byte_read",
     "last_byte_read",
     "fetch_done",
@@ -56,7 +63,12 @@ PHASES: dict[str, tuple[str, str]] = {
     "prefill_wait": ("arrived", "prefill_scheduled"),
     "prefill_first_layer": ("prefill_scheduled", "first_layer_published"),
     "prefill_layers": ("first_layer_published", "last_layer_published"),
+    "decode_sent": ("arrived", "decode_arrived"),
+    "decode_wait": ("decode_arrived", "load_ordered"),
+    "load_to_fetch": ("load_ordered", "fetch_asked"),
     "fetch_wait": ("fetch_asked", "first_byte_read"),
+    "offer_wait": ("fetch_asked", "first_chunk_offered"),
+    "read_wait": ("first_chunk_offered", "first_byte_read"),
     "read": ("first_byte_read", "last_byte_read"),
     "publish_to_read": ("last_layer_published", "last_byte_read"),
     "copy": ("last_byte_read", "fetch_done"),

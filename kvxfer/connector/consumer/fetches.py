@@ -136,6 +136,7 @@ class Fetch:
         start and the last read's landing."""
         if event is ChunkEvent.OFFERED and chunk.ready is not None:
             merge(self.timeline, chunk.ready.timeline)
+            mark(self.timeline, "first_chunk_offered")
         elif event is ChunkEvent.READ:
             mark(self.timeline, "first_byte_read")
         elif event is ChunkEvent.LANDED:

@@ -42,7 +42,9 @@ class RequestTimelines:
         """The request's load was ordered (vLLM allocated its blocks)."""
         request_id = request.request_id
         self._requests[request_id] = request
-        self._timelines[request_id] = {"arrived": float(request.arrival_time)}
+        arrived = float(request.arrival_time)
+        self._timelines[request_id] = {"arrived": arrived, "decode_arrived": arrived}
+        mark(self._timelines[request_id], "load_ordered")
 
     def connector_output(self, output: KVConnectorOutput) -> None:
         """The workers' reports of one step: their loads' timelines, the loads finished."""
