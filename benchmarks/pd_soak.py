@@ -7,7 +7,8 @@ A prefill engine (TP 1, blocks of 32) and a decode engine (TP 2, blocks of 64) o
 build over the tiny model of `scripts/tiny_model.py`, behind kvxfer's P/D proxy, serve
 `--concurrency` clients for `--minutes`: each client sends greedy requests of mixed lengths
 (a pool of prompts of 20 to 1,500 tokens, 16 tokens generated each) one after another, and one
-request in ten is streamed and abandoned after its first token. Meanwhile, at fixed points of
+request in ten is streamed and abandoned after its first token; a client whose request
+failed waits half a second before its next. Meanwhile, at fixed points of
 the run, one fault each:
 
 - `prefill_killed`: the prefill engine's processes SIGKILLed, the engine started again on the
@@ -58,6 +59,9 @@ MAX_TOKENS = 16
 POOL = 24  # prompts in the pool
 LENGTHS = (20, 1500)  # prompt lengths, uniform between
 ABANDON_EVERY = 10  # one request in this many is streamed and abandoned
+# A client whose request failed waits this long before its next one, as a real client backs
+# off: without it, a fault's window is thousands of instant failures.
+RETRY_AFTER_S = 0.5
 FREEZE_S = 30.0
 # After a fault's engine serves again, loads may still fail for this long: requests the
 # fault caught finish failing (a decode's load of a killed prefill's request times out).
@@ -250,6 +254,7 @@ class Soak:
                         self.tally.failed_in_faults += 1
                     else:
                         self.tally.failed_outside.append(str(exc).splitlines()[0][:300])
+                self.stop.wait(RETRY_AFTER_S)
                 continue
             with self.tally.lock:
                 self.tally.completed += 1

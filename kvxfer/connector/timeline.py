@@ -3,8 +3,8 @@
 Times are wall-clock seconds (`time.time()`): the events of one request happen in three
 processes at least (the prefill engine, its workers, the decode engine's), whose monotonic
 clocks share no origin. On one host they agree; across hosts a phase that starts on one and
-ends on the other (`prefill_wait`, `publish_to_read`) is off by the hosts' clock offset, and
-one that comes out negative is counted as 0.
+ends on the other (`prefill_wait`, `read_tail`, `kvxfer`) is off by the hosts' clock offset,
+and one that comes out negative is counted as 0.
 
     event                   where                 when
     ----------------------  --------------------  ------------------------------------------
@@ -56,10 +56,12 @@ EVENTS = (
 # Events that end something: of several ranks' (or chunks'), the latest counts.
 LATEST = frozenset({"last_layer_published", "last_byte_read", "fetch_done"})
 
-# Phase -> (from event, to event). Those marked in KVXFER_PHASES are kvxfer's share of a
-# request's time: what the transfer adds after the prefill's last layer, up to the KV in the
-# decode engine's cache. The others are the engines' own (queues, compute, scheduling).
-PHASES: dict[str, tuple[str, str]] = {
+# Phase -> (from event, to event); a pair of "from" events starts at the later of the two.
+# Those in KVXFER_PHASES are kvxfer's share of a request's time: from when both the prefill's
+# last layer is computed and the decode engine asked for it, to the KV in the decode engine's
+# cache. The others are the engines' and the router's (queues, compute, scheduling).
+_READY = ("last_layer_published", "fetch_asked")  # the KV computed and asked for
+PHASES: dict[str, tuple[str | tuple[str, str], str]] = {
     "prefill_wait": ("arrived", "prefill_scheduled"),
     "prefill_first_layer": ("prefill_scheduled", "first_layer_published"),
     "prefill_layers": ("first_layer_published", "last_layer_published"),
@@ -70,14 +72,14 @@ PHASES: dict[str, tuple[str, str]] = {
     "offer_wait": ("fetch_asked", "first_chunk_offered"),
     "read_wait": ("first_chunk_offered", "first_byte_read"),
     "read": ("first_byte_read", "last_byte_read"),
-    "publish_to_read": ("last_layer_published", "last_byte_read"),
+    "read_tail": (_READY, "last_byte_read"),
     "copy": ("last_byte_read", "fetch_done"),
     "handoff": ("fetch_done", "decode_scheduled"),
     "decode_first_token": ("decode_scheduled", "first_token"),
-    "kvxfer": ("last_layer_published", "fetch_done"),
+    "kvxfer": (_READY, "fetch_done"),
     "total": ("arrived", "first_token"),
 }
-KVXFER_PHASES = ("publish_to_read", "copy", "kvxfer")
+KVXFER_PHASES = ("read_tail", "copy", "kvxfer")
 
 
 def merge(into: dict[str, float], events: Mapping[str, float]) -> dict[str, float]:
@@ -105,13 +107,14 @@ def mark(timeline: dict[str, float], event: str, when: float | None = None) -> N
 
 
 def phases(timeline: Mapping[str, float]) -> dict[str, float]:
-    """Every phase whose two events the timeline holds: its seconds (0 where clocks disagree
+    """Every phase whose events the timeline holds: its seconds (0 where clocks disagree
     enough to make it negative)."""
-    return {
-        phase: max(0.0, timeline[end] - timeline[start])
-        for phase, (start, end) in PHASES.items()
-        if start in timeline and end in timeline
-    }
+    spans = {}
+    for phase, (start, end) in PHASES.items():
+        starts = (start,) if isinstance(start, str) else start
+        if end in timeline and all(s in timeline for s in starts):
+            spans[phase] = max(0.0, timeline[end] - max(timeline[s] for s in starts))
+    return spans
 
 
 def describe(request_id: str, timeline: Mapping[str, float]) -> str:

@@ -38,6 +38,12 @@ def test_phases_span_the_events_the_timeline_holds_and_never_go_negative():
     assert set(phases(dict.fromkeys(EVENTS, 1.0))) == set(PHASES)
 
 
+def test_kvxfers_share_starts_once_the_kv_is_both_computed_and_asked_for():
+    asked_late = {"last_layer_published": 1.0, "fetch_asked": 1.5, "fetch_done": 1.75}
+    computed_late = {"last_layer_published": 1.5, "fetch_asked": 1.0, "fetch_done": 1.75}
+    assert phases(asked_late)["kvxfer"] == phases(computed_late)["kvxfer"] == 0.25
+
+
 def test_describe_lists_events_in_order_and_the_phases():
     line = describe("r1", {"fetch_asked": 1.0, "arrived": 0.5, "fetch_done": 1.25})
     assert line.startswith("request r1: events ms [arrived=+0.0 fetch_asked=+500.0")
@@ -81,4 +87,4 @@ def test_a_streamed_fetch_reports_the_prefills_events_and_its_own_in_order(rig):
     assert timeline["prefill_scheduled"] == scheduled  # the engine's event, as it gave it
     assert timeline["fetch_asked"] <= timeline["first_byte_read"] <= timeline["last_byte_read"]
     assert timeline["first_byte_read"] >= timeline["first_layer_published"]
-    assert set(phases(timeline)) >= {"read", "publish_to_read", "copy", "kvxfer"}
+    assert set(phases(timeline)) >= {"read", "read_tail", "copy", "kvxfer"}
