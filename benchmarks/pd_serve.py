@@ -11,8 +11,8 @@ tokens each; prompts of 128 to 4,000 tokens) over the tiny model of `scripts/tin
 started alone on the machine, warmed with one unrecorded request, measured at each
 `--concurrency` (that many requests in flight, the next sent as one ends) and stopped before
 the next. Each pair sits behind the same front, `vllm-router --vllm-pd-disaggregation
---kv-connector mooncake` (both engines asked at once, vLLM MooncakeConnector's convention,
-which kvxfer serves streamed). Per configuration and concurrency: TTFT (sending a request to
+--kv-connector mooncake` (vLLM MooncakeConnector's convention: the decode engine gets the
+request with a transfer id, once the prefill answered; kvxfer fetches it streamed). Per configuration and concurrency: TTFT (sending a request to
 its first streamed token) and end-to-end latency (to its last), p50 and p90; output tokens per
 second over the set's wall time; and the prompt tokens the decode engine loaded rather than
 computed (its `prompt_tokens_by_source{external_kv_transfer}`), against the set's prompt
@@ -337,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     def kvxfer(
         prefill: tuple[int, int], decode: tuple[int, int], label: str
     ) -> Callable[[], Started]:
-        """A kvxfer pair behind `vllm-router --kv-connector mooncake` (both engines asked at
-        once, the prefill streamed layer by layer)."""
+        """A kvxfer pair behind `vllm-router --kv-connector mooncake` (the prefill offered
+        layer by layer, the decode fetching streamed)."""
 
         def start() -> Started:
             bootstrap = free_port()
