@@ -12,13 +12,13 @@ started alone on the machine, warmed with one unrecorded request, measured at ea
 `--concurrency` (that many requests in flight, the next sent as one ends) and stopped before
 the next. Each pair sits behind the same front, `vllm-router --vllm-pd-disaggregation
 --kv-connector mooncake` (vLLM MooncakeConnector's convention: the decode engine gets the
-request with a transfer id, once the prefill answered; kvxfer fetches it streamed). Per configuration and concurrency: TTFT (sending a request to
-its first streamed token) and end-to-end latency (to its last), p50 and p90; output tokens per
-second over the set's wall time; and the prompt tokens the decode engine loaded rather than
-computed (its `prompt_tokens_by_source{external_kv_transfer}`), against the set's prompt
-tokens; and `wrong_outputs`, the requests whose streamed text differs from one engine's at
-concurrency 1. Configurations (`one engine` runs whatever `--only` says: its outputs are the
-reference):
+request with a transfer id, once the prefill answered; kvxfer fetches it streamed). Per
+configuration and concurrency: TTFT (sending a request to its first streamed token) and
+end-to-end latency (to its last), p50 and p90; output tokens per second over the set's wall
+time; the prompt tokens the decode engine loaded rather than computed (its
+`prompt_tokens_by_source{external_kv_transfer}`), against the set's prompt tokens; and
+`wrong_outputs`, the requests whose streamed text differs from one engine's at concurrency 1.
+Configurations (`one engine` runs whatever `--only` says: its outputs are the reference):
 
 - `one engine`: TP 1, blocks of 32;
 - `vLLM MooncakeConnector`: TP 1 / 32 both sides (`mooncake_protocol` tcp). Its worker asks
