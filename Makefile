@@ -84,9 +84,11 @@ $(VLLM_STAMP): pyproject.toml Makefile scripts/install-system-deps.sh
 	touch $(VLLM_STAMP)
 
 # vLLM's own Scheduler drives a prefill and a decode engine through kvxfer's connectors (CPU).
-# mypy here checks the integration against vLLM's real types (the main environment has none).
+# mypy here checks the integration against vLLM's real types (the main environment has none),
+# with a cache of its own: the two environments' torch differ, and one mypy crashes on the
+# other's cache.
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/mypy kvxfer/integrations
+	$(VLLM_VENV)/bin/mypy --cache-dir .mypy_cache-vllm kvxfer/integrations
 	$(VLLM_VENV)/bin/pytest -q tests/integration_vllm
 
 $(VLLM_CPU_STAMP): pyproject.toml Makefile scripts/install-system-deps.sh
@@ -134,4 +136,4 @@ bench: $(STAMP)
 		--benchmark-sort=name
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis .benchmarks
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache .mypy_cache-vllm .hypothesis .benchmarks

@@ -43,26 +43,9 @@ TRANSFER_SECONDS_BUCKETS = (
 # in one operation per rank pair, so the low end is resolved finely; the top matches vLLM's
 # NIXL and Mooncake buckets (up to 50k), which direct block-by-block copies reach.
 DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 10000, 50000)
-# A request's phases (`kvxfer.connector.timeline.PHASES`): 0.5 ms (a handoff between two
-# scheduler steps) to a minute (a long prompt's prefill under load).
-PHASE_SECONDS_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
+# A request's phases (`kvxfer.connector.timeline.PHASES`): from 0.5 ms (a handoff between two
+# scheduler steps) on, as the loads' own.
+PHASE_SECONDS_BUCKETS = (0.0005, *TRANSFER_SECONDS_BUCKETS)
 
 
 @dataclass
