@@ -40,7 +40,8 @@ import msgspec
 # chunk read from the cache is confirmed by `ChunkRead` -> `ChunkValid`. A version-7 consumer
 # would wait for a confirmation that never comes. `RequestsDone` reports a batch of requests
 # (it replaces `RequestDone`). 9: `KVCacheSpec` carries `fp8_rounding` (vLLM CPU attention's
-# fp8 write truncates), which a version-8 peer would drop (as in 3).
+# fp8 write truncates), which a version-8 peer would drop (as in 3). `ChunkReady.timeline` came
+# within 9: a record, not an order; a peer without it sends none and ignores it unread.
 PROTOCOL_VERSION = 9
 MAX_FRAME_BYTES = 8 << 20  # a chunk's block ids, even a 128k-token chunk's, under 1 MiB
 SESSION_FRAMES = 3  # [session id, payload, MAC]
