@@ -38,11 +38,13 @@ from pd_checks import (
     check_prompt,
     collect,
     idle,
+    once_at_least,
     one_prompt,
     prompt_ids,
 )
 from vllm_cpu_engines import MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MODEL_NAME, Processes, Server
 
+from kvxfer.connector.timeline import PHASES
 from kvxfer.integrations.pd_proxy import decode_body, prefill_body
 
 # The abandoned request's prompt, and the most tokens it may ask for: all the model's length
@@ -143,7 +145,8 @@ class GreedyCases:
 # What the routers' tests send: under a block, blocks and a part, over the chunk budget.
 ROUTED_CASES = tuple(c for c in CASES if c.length in (20, 3 * 64 + 17, 700))
 # Fronts other than the pair's own proxy (sequential flow), started in front of a pair; those
-# that send both engines the request at once (the concurrent flow).
+# that speak the concurrent flow (the decode engine sent the request with a transfer id:
+# kvxfer's proxy sends both engines the request at once, vllm-router once the prefill answered).
 CONCURRENT_FRONTS = ("vllm-router-mooncake", "proxy-concurrent")
 FRONTS: dict[str, Callable[[Processes, Pair], Server]] = {
     "vllm-router-nixl": lambda processes, pair: processes.start_router(
@@ -175,7 +178,7 @@ class TestPrefillTp1Block32ToDecodeTp2Block64(GreedyCases):
     ) -> None:
         """The same engines behind another front (`FRONTS`): `vllm-router` in its default mode
         (the prefill request first, then the decode request with the prefill's parameters:
-        kvxfer's sequential flow) and in its mooncake mode (both requests at once with a
+        kvxfer's sequential flow) and in its mooncake mode (the decode request with a
         `transfer_id` it mints, the prefill's engine id read from kvxfer's bootstrap `/query`:
         the concurrent flow), and kvxfer's proxy in its concurrent flow: the baseline's token
         ids, every prompt's KV loaded through kvxfer, no failed load."""
@@ -186,6 +189,32 @@ class TestPrefillTp1Block32ToDecodeTp2Block64(GreedyCases):
                 check_case(pair, baseline_outputs, case_prompts, case, entry, concurrent)
         finally:
             processes.stop([entry])
+
+    def test_every_loaded_request_is_timed_phase_by_phase(
+        self,
+        pair: Pair,
+        baseline_outputs: dict[str, Any],
+        case_prompts: list[list[int]],
+    ) -> None:
+        """The decode engine's `/metrics` counts each loaded request once in every phase of
+        its timeline (`kvxfer.connector.timeline.PHASES`: the prefill's events came with its
+        chunks, both decode ranks' with their stats), with kvxfer's share under the whole."""
+
+        def phase(name: str, part: str = "count") -> float:
+            metric = f"vllm:kvxfer_request_phase_seconds_{part}"
+            return pair.decode.metric(metric, f'phase="{name}"')
+
+        before = {name: phase(name) for name in PHASES}
+        total_before, share_before = phase("total", "sum"), phase("kvxfer", "sum")
+        for case in ROUTED_CASES:
+            check_case(pair, baseline_outputs, case_prompts, case)
+        loaded = len(ROUTED_CASES)
+        once_at_least(lambda: phase("total") - before["total"], loaded, "the phases' counts")
+        counted = {name: phase(name) - before[name] for name in PHASES}
+        assert counted == dict.fromkeys(PHASES, float(loaded)), counted
+        total, share = phase("total", "sum") - total_before, phase("kvxfer", "sum") - share_before
+        observe(case="timeline", requests=loaded, total_s=round(total, 3), kvxfer_s=round(share, 3))
+        assert 0 < share < total
 
 
 def stream_until_running(proxy: Server, prompt: list[int]) -> int:
