@@ -25,8 +25,8 @@ class TransferResult:
         errors: what went wrong, for logs.
         timeline: the request's events as far as this rank saw them
             (`kvxfer.connector.timeline`): the producers' (the prefill's, sent with the
-            chunks) and this fetch's own (`fetch_asked`, `first_byte_read`,
-            `last_byte_read`, `fetch_done`), in wall-clock seconds.
+            chunks) and this fetch's own (`fetch_asked`, `first_chunk_offered`,
+            `first_byte_read`, `last_byte_read`, `fetch_done`), in wall-clock seconds.
     """
 
     ok: bool
