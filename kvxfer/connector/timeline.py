@@ -57,9 +57,10 @@ EVENTS = (
 LATEST = frozenset({"last_layer_published", "last_byte_read", "fetch_done"})
 
 # Phase -> (from event, to event); a pair of "from" events starts at the later of the two.
-# Those in KVXFER_PHASES are kvxfer's share of a request's time: from when both the prefill's
-# last layer is computed and the decode engine asked for it, to the KV in the decode engine's
-# cache. The others are the engines' and the router's (queues, compute, scheduling).
+# `kvxfer` is kvxfer's share of a request's time (`read_tail` and `copy` its parts): from when
+# the prefill's last layer is computed and the decode engine asked for it, to the KV in the
+# decode engine's cache. The others are the engines' and the router's (queues, compute,
+# scheduling).
 _READY = ("last_layer_published", "fetch_asked")  # the KV computed and asked for
 PHASES: dict[str, tuple[str | tuple[str, str], str]] = {
     "prefill_wait": ("arrived", "prefill_scheduled"),
@@ -79,7 +80,6 @@ PHASES: dict[str, tuple[str | tuple[str, str], str]] = {
     "kvxfer": (_READY, "fetch_done"),
     "total": ("arrived", "first_token"),
 }
-KVXFER_PHASES = ("read_tail", "copy", "kvxfer")
 
 
 def merge(into: dict[str, float], events: Mapping[str, float]) -> dict[str, float]:

@@ -136,7 +136,7 @@ class KvxferConnectorStats(KVConnectorStats):
             "Throughput MB/s": (
                 round(self.data["bytes"] / total_seconds / 1e6, 3) if total_seconds else 0.0
             ),
-            # What the transfer added after the prefill's last layer (timeline phase `kvxfer`).
+            # What the transfer added once the KV was computed and asked for (phase `kvxfer`).
             "Avg kvxfer share ms": round(float(np.mean(shares)) * 1e3, 3) if shares else 0.0,
         }
 
@@ -164,8 +164,8 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
     `vllm:kvxfer_num_descriptors` (transport operations); per request whose KV was loaded, at
     its first token, `vllm:kvxfer_request_phase_seconds{phase=...}`, one series per phase of
     its timeline (`kvxfer.connector.timeline.PHASES`: `kvxfer` is the transfer's share, from
-    the prefill's last layer to the KV in the decode engine's cache). A decode engine reports
-    loads and phases, a prefill engine expired requests.
+    the later of the prefill's last layer and the decode's ask to the KV in its cache). A
+    decode engine reports loads and phases, a prefill engine expired requests.
     """
 
     def __init__(

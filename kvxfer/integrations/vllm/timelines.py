@@ -4,7 +4,8 @@ request's arrival, when vLLM scheduled it with its KV and when its first token w
 
 When a request's first token is there its phases go into the scheduler's statistics (vLLM's
 Prometheus endpoint: `vllm:kvxfer_request_phase_seconds`) and one debug line into the log
-(`kvxfer.integrations.vllm.timelines`, e.g. `VLLM_LOGGING_LEVEL=DEBUG`).
+(`kvxfer.integrations.vllm.timelines`, shown at `KVXFER_LOGGING_LEVEL=DEBUG`:
+`kvxfer.integrations.vllm.logs`).
 
 - `decode_scheduled`: the first scheduler step, after every worker reported the load finished,
   that schedules the request;
