@@ -91,7 +91,8 @@ _MAX_WAITING_PER_SESSION = 4096  # chunks waiting for their request to be publis
 # handshakes and sessions' silence (120 s): ten times a second is enough.
 _IDLE_TICK_S = 0.1
 # Ticks further apart than this mean the side channel's thread was not run meanwhile (its
-# ticks come every 10-100 ms): its peers' silence during that gap is not counted as theirs.
+# ticks come every 10-100 ms): its peers' silence during that gap is not counted as theirs,
+# nor is the gap counted against its published requests' deadlines.
 _AWAY_S = 1.0
 _MAX_FINISHED_PER_SESSION = 1024  # recent ids a session said it is done with
 
@@ -167,7 +168,9 @@ class KVProducer:
         staging_slots: slots in each pool: packed chunks awaiting their read per consumer, so
             how far this rank's packs may run ahead of a consumer's reads (1: each chunk is
             packed only once the previous one was read).
-        request_timeout_s: default deadline of a published request.
+        request_timeout_s: default deadline of a published request, counted while this
+            producer's side channel was run (a process the machine did not run for a while
+            does not drop what a decode engine still fetches the moment it runs again).
         session_timeout_s: a consumer session silent this long, counted while this producer's
             side channel was run, is dropped (its pool is reused once the holds of the chunks
             packed for it end: it may be frozen, not dead); consumers ping every `heartbeat_s`
@@ -650,6 +653,8 @@ class KVProducer:
         now = time.monotonic()
         away = now - self._ticked - _AWAY_S
         self._ticked = now
+        if away > 0:  # a request's deadline counts the time this side channel could serve it
+            self._requests.postpone(away)
         for request_id in self._requests.expired(now):
             self._release(request_id, "its deadline passed", expired=True)
         self._sessions.expire_challenges()

@@ -260,6 +260,13 @@ class RequestTable:
                 self._forget_old(time.monotonic())
             return False
 
+    def postpone(self, seconds: float) -> None:
+        """Move every deadline `seconds` later: the owner's clock thread was not run that long
+        (a request's deadline counts the time its producer could serve it)."""
+        with self._lock:
+            for request in self._live.values():
+                request.deadline += seconds
+
     def expired(self, now: float) -> list[str]:
         """Ids whose deadline passed."""
         with self._lock:

@@ -249,3 +249,29 @@ def test_silence_counts_only_while_the_producer_listened(producer_away):
     finally:
         consumer.close()
         producer.close()
+
+
+@pytest.mark.parametrize("producer_away", [True, False], ids=["producer-not-run", "producer-ran"])
+def test_a_deadline_counts_only_while_the_producer_could_serve(producer_away):
+    """A request published with a 5 s deadline whose 10 s passed while the producer's own
+    thread was not run (a loaded host; its decode engine still fetching) is kept; one whose
+    producer ran all along is released at its deadline."""
+    spec = SRC.spec(0)
+    producer = KVProducer(spec, allocate_kv_caches(spec), "prefill")
+    try:
+        producer.publish("r", np.array([3, 5]), 32, deadline_s=5.0)
+        done = threading.Event()
+
+        def gap_then_tick() -> None:
+            now = time.monotonic()
+            for request in producer._requests._live.values():
+                request.deadline = now - 5.0  # published 10 s ago, with 5 s
+            producer._ticked = now - 10.0 if producer_away else now
+            producer._on_tick()
+            done.set()
+
+        producer._server.post(gap_then_tick)
+        assert done.wait(60), "the side channel ran no posted work"
+        assert producer.expired_requests == int(not producer_away)
+    finally:
+        producer.close()
