@@ -37,15 +37,20 @@ def has_message(sock: zmq.Socket) -> bool:
     return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)
 
 
+def connection_events(monitor: zmq.Socket) -> list[int]:
+    """Every connection event waiting on `monitor` (a socket's `get_monitor_socket`), in
+    order: `zmq.EVENT_CONNECTED`, `EVENT_DISCONNECTED`, `EVENT_CLOSED`..., as it watches."""
+    events = []
+    while has_message(monitor):
+        events.append(int(recv_monitor_message(monitor, zmq.NOBLOCK)["event"]))
+    return events
+
+
 def connection_closed(monitor: zmq.Socket) -> bool:
     """Whether the socket `monitor` watches (`get_monitor_socket(zmq.EVENT_DISCONNECTED)`) lost
     its connection: its peer's process ended (the kernel closed its sockets) or it closed.
     Reads every event waiting."""
-    closed = False
-    while has_message(monitor):
-        event = recv_monitor_message(monitor, zmq.NOBLOCK)
-        closed = closed or event["event"] == zmq.EVENT_DISCONNECTED
-    return closed
+    return zmq.EVENT_DISCONNECTED in connection_events(monitor)
 
 
 def close_watched(sock: zmq.Socket, monitor: zmq.Socket) -> None:

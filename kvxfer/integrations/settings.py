@@ -51,16 +51,17 @@ class ConnectorSettings:
             worker's thread pool: loads from other prefill engines go on meanwhile).
         heartbeat_s: how often a decode rank sends each prefill rank it is connected to a
             heartbeat (libzmq's ZMTP PING) and a ping of its own.
-        peer_timeout_s: a prefill rank whose libzmq answers no heartbeat this long is dead
-            (a frozen process, a lost host; a killed one is found at once by its closed
-            connection): its loads fail at once with their blocks (vLLM recomputes them or
-            fails the requests, by `kv_load_failure_policy`), and the next load looks it up
-            again. libzmq's I/O threads answer heartbeats without the GIL, so a prefill rank
-            whose Python threads cannot run for a while (a C call holding its GIL, as vLLM
-            CPU workers' TP all-gather does for up to a minute on a loaded host) stays alive;
-            `fetch_timeout_s` bounds what it owes. 10 s by default: on 2 cores shared by a
-            prefill and a decode engine under load, libzmq's own threads went unanswered for
-            over 2 s (`docs/connectors.md`, "Failures").
+        peer_timeout_s: a prefill rank whose libzmq answers no heartbeat this long has its
+            connection opened again. If its address refuses (the process ended; a killed one
+            is found at once anyway, by its closed connection), it is dead: its loads fail at
+            once with their blocks (vLLM recomputes them or fails the requests, by
+            `kv_load_failure_policy`), and the next load looks it up again. If its kernel
+            accepts, the process exists, frozen or not run by a loaded machine (whole vLLM CPU
+            worker processes went unrun for 10-21 s under the real-engine suite on 2 cores):
+            what it had not answered is asked again once it runs, and `fetch_timeout_s` bounds
+            the wait. libzmq's I/O threads answer heartbeats without the GIL, so a prefill rank
+            whose Python threads cannot run (a C call holding its GIL, as vLLM CPU workers' TP
+            all-gather does for up to a minute on a loaded host) keeps its connection.
         session_timeout_s: a prefill rank drops a decode rank's session silent this long
             (counted while the prefill rank's side channel ran), and reuses its staging pool;
             the decode rank shakes hands again. It only reclaims memory (chunks leased to a

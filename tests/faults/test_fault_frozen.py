@@ -3,6 +3,7 @@ request, and a producer that resumes after a fetch gave up on it writes nothing 
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -127,3 +128,64 @@ def test_frozen_producer_resumed_after_the_fetch_failed_writes_nothing(rig, stra
     consumer.call("abort", big.request_id)  # the engine recomputes the failed blocks
     problems = leaks([producer], [consumer], timeout=10.0)
     assert not problems, problems
+
+
+def _ask_a_frozen_producer(rig, request: Request, mid_transfer: bool = False):
+    """A producer that published `request` is frozen, before a consumer (`peer_timeout_s` 1 s,
+    handshakes within 2 s) asks for it, or once the fetch is under way (`mid_transfer`: chunks
+    asked, offered, reading and confirming); until the consumer's libzmq gives up on the
+    connection. Returns the producer, the consumer and the destination ids."""
+    producer = rig.producer(PREFILL, options=SLOW_STAGING)
+    consumer = rig.consumer(DECODE, options={**SLOW, "peer_timeout_s": 1.0})
+    consumer.connect([producer.address], timeout=2.0)
+    producer.publish(request, BlockPool(PREFILL.num_blocks, 1).take(PREFILL.blocks_for(4096)))
+    ids = BlockPool(DECODE.num_blocks, 2).take(DECODE.blocks_for(4096))
+    if mid_transfer:
+        consumer.fetch(request, ids, timeout=120.0)
+        wait_for_progress(consumer, ids)
+        producer.freeze()
+    else:
+        producer.freeze()
+        consumer.fetch(request, ids, timeout=120.0)
+    lost = poll(lambda: consumer.report()["stats"]["sessions"], lambda n: n == 0, timeout=60.0)
+    assert lost == 0, "the consumer kept its session with a frozen producer"
+    return producer, consumer, ids
+
+
+@pytest.mark.parametrize("mid_transfer", [False, True], ids=["before-answering", "mid-transfer"])
+def test_a_producer_not_run_for_longer_than_the_peer_timeout_serves_once_it_runs(rig, mid_transfer):
+    """Silence is not death: a frozen producer looks like one a loaded machine does not run.
+    Its connection is dropped after `peer_timeout_s` of silence and opened again; its kernel
+    accepts, so the new handshake waits past its own deadline, within the fetch's, and once
+    the producer runs every chunk not in the cache yet is asked again (those reading once
+    their read settled): the fetch is exact, nothing failed."""
+    big = Request("big", 4096, seed=5)
+    producer, consumer, ids = _ask_a_frozen_producer(rig, big, mid_transfer)
+    time.sleep(4.0)  # twice the handshake's deadline: the reconnect outlives it
+    consumer.pump()
+    assert not any(k == "result" for k, _ in consumer.events), "the fetch gave up"
+    producer.thaw()
+    result = consumer.result(big.request_id, timeout=120.0 + 5)
+    assert result["ok"], result["errors"][:3]
+    consumer.model.settle(ids, big, result["failed_block_ids"])
+    bad = consumer.model.mismatches()
+    assert not bad, describe(bad, {"request": ids})
+    problems = leaks([producer], [consumer], timeout=10.0)
+    assert not problems, problems
+
+
+def test_a_frozen_producer_killed_fails_the_fetch_at_once(rig):
+    """Once the frozen producer is killed its address refuses the reconnect: the fetch fails
+    within seconds, not at its timeout (120 s), every block it wrote exact."""
+    big = Request("big", 4096, seed=6)
+    producer, consumer, ids = _ask_a_frozen_producer(rig, big)
+    producer.kill()
+    killed_at = time.monotonic()
+    result = consumer.result(big.request_id, timeout=120.0 + 5)
+    took = result["finished"] - killed_at
+    assert took <= 10.0, f"the fetch returned {took:.1f} s after the kill"
+    assert not result["ok"]
+    assert "refused the connection" in " ".join(map(str, result["errors"])), result["errors"]
+    consumer.model.settle(ids, big, result["failed_block_ids"])
+    bad = consumer.model.mismatches()
+    assert not bad, describe(bad, {"failed": result["failed_block_ids"], "request": ids})

@@ -11,11 +11,12 @@ loop thread (`loop.EventLoop`), which runs the sessions (`sessions.ProducerSessi
 fetches' chunks (`machine.FetchMachine`, the states in `states`); reads complete on the
 transport's completion thread, copies into the cache on a small pool (`copies.CacheCopier`).
 
-A producer whose connection closed (its process ended), or whose libzmq answered no heartbeat
-for `peer_timeout_s` (frozen, or its host lost), is declared dead: its chunks fail at once with
-their blocks, and the next fetch shakes hands with it again. A producer whose Python threads
-cannot run while its libzmq answers (a C call holding its GIL) is alive: what it owes it serves
-once it runs again, within the fetch's timeout (`sessions`).
+A producer is dead when its address refuses a connection (its process ended) or cannot be
+reached again (its host lost): its chunks fail at once with their blocks, and the next fetch
+shakes hands with it again. Silence alone is not death: a producer whose libzmq answered no
+heartbeat for `peer_timeout_s` has its connection opened again, and if its kernel accepts (the
+process exists, frozen or not run by a loaded machine) the chunks it had not answered are asked
+again once it runs, within the fetch's timeout (`sessions`).
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ class KVConsumer:
         backend: copy backend ("auto", "torch", "triton").
         timeout_s: default timeout of a fetch, in seconds.
         heartbeat_s: how often each producer is sent a heartbeat (libzmq's) and a ping.
-        peer_timeout_s: a producer whose libzmq answers no heartbeat this long is dead: its
-            chunks fail at once.
+        peer_timeout_s: a producer whose libzmq answers no heartbeat this long has its
+            connection opened again: refused, it is dead and its chunks fail at once; accepted,
+            its unanswered chunks are asked again once it answers, within their fetch's timeout.
         copy_workers: threads copying landed chunks into the cache (on CUDA they launch the
             copies on a side stream and wait for each one's event).
     """

@@ -153,20 +153,30 @@ class FetchMachine:
     # ---- what the sessions tell (SessionListener) ----------------------------------------
 
     def session_ended(self, session: ProducerSession, why: str) -> None:
-        """Fail every chunk asked on `session`."""
+        """Fail every chunk asked on `session` (but those whose read, under way, settles
+        first on a lost session: `_on_read_settled` asks them again)."""
         for fetch in list(self.fetches):
             for chunk in fetch.chunks:
-                if chunk.session is session:
+                if chunk.session is not session:
+                    continue
+                if not (session.lost and chunk.state is ChunkState.READING):
                     self._fail(chunk, f"producer {session.address} {why}")
 
     def session_forgotten(self, session: ProducerSession) -> None:
-        """The producer forgot the session (it restarted faster than a heartbeat notices):
-        chunks it had not served yet ask again on a new session; nothing of them was read."""
+        """The session was lost (the producer forgot it, or its connection dropped): chunks
+        not in the cache yet ask again on a new session, those reading once the read settled."""
         for fetch in self.fetches:
             for chunk in fetch.chunks:
-                if chunk.session is session and accepts(chunk.state, ChunkEvent.REQUEUE):
-                    chunk.session, chunk.ready = None, None
-                    self._advance(chunk, ChunkEvent.REQUEUE)
+                if chunk.session is not session or chunk.state is ChunkState.READING:
+                    continue
+                if accepts(chunk.state, ChunkEvent.REQUEUE):
+                    self._requeue(chunk)
+
+    def _requeue(self, chunk: Chunk) -> None:
+        """Ask for `chunk` again, from scratch: its slot (no read in it) is free again."""
+        self._release_slot(chunk)
+        chunk.session, chunk.ready, chunk.unpack = None, None, None
+        self._advance(chunk, ChunkEvent.REQUEUE)
 
     def answer(self, session: ProducerSession, message: Message) -> None:
         """A producer's answer about one chunk; answers the chunk no longer waits for (late,
@@ -324,6 +334,9 @@ class FetchMachine:
         if chunk.state is not ChunkState.READING:  # given up on while reading: freed now
             self.quarantine.discard(chunk)
             self._release_slot(chunk)
+            return
+        if chunk.session is not None and chunk.session.lost:
+            self._requeue(chunk)  # its session was lost meanwhile: the read tells nothing
             return
         if error is not None:
             self._fail(chunk, f"read failed: {error}")

@@ -9,15 +9,25 @@ staging slot size); every later message travels sealed (`[session, payload, MAC]
 
 This module keeps the sessions alive; what their messages mean for chunks is the fetch
 machine's, which it tells through a `SessionListener`. The rules:
-- a handshake not finished in its `timeout` fails the session;
-- a producer whose connection closed is dead at once, its chunks failed with their blocks: its
-  process ended or it closed its side channel (the kernel closes a killed process's socket),
-  or it stopped answering libzmq's heartbeats for `peer_timeout_s` (a frozen process, a lost
-  host). The heartbeats (ZMTP PING and PONG, every `heartbeat_s`) are sent and answered by
-  libzmq's I/O threads, which need no GIL: a producer whose Python threads cannot run, because
-  a C call elsewhere in its process holds the GIL (vLLM CPU workers' TP all-gather held it for
-  56-60 s under the real-engine suite), still answers them and stays alive; what it owes, it
-  serves once it runs again, or the fetch's own deadline ends it;
+- a producer is dead when its host says so, never for its silence alone: its address refused
+  a connection (nothing listens there: its process ended; libzmq's `EVENT_CLOSED` before a
+  connection), or a reconnect found no connection by its deadline (a lost host). Then the
+  chunks that relied on it fail at once with their blocks;
+- a live session whose connection dropped (the producer closed it, or its libzmq answered no
+  heartbeat for `peer_timeout_s`) is lost, not dead: the chunks it had not served yet are asked
+  again on a new session, whose connection tells which it was (refused: the process ended;
+  accepted by the producer's kernel: the process exists, frozen or not run by a loaded
+  machine, and the new handshake waits for it as long as the fetches that need it allow). A
+  silent producer and a starved one look the same from here: whole vLLM CPU worker processes
+  went unrun for 10-21 s under the real-engine suite on 2 cores, their libzmq threads
+  included, and a rule that failed their loads after 10 s of silence failed loads of live
+  engines; now their fetches wait for them within `fetch_timeout_s`. The heartbeats (ZMTP PING
+  and PONG, every `heartbeat_s`) are answered by libzmq's I/O threads, which need no GIL: a
+  producer whose Python threads cannot run (a C call holding its GIL, as vLLM CPU workers' TP
+  all-gather did for 56-60 s) keeps its connection and serves once it runs again;
+- a session that comes back from another process of the producer (another transport
+  endpoint: it restarted) cannot serve what the fetches begun before knew: their chunks fail;
+- a first handshake not finished in its `timeout` fails the session;
 - a live producer is also pinged every `heartbeat_s` by this loop: its answers keep the
   producer's side of the session fresh (it drops a consumer it has not heard from for its
   `session_timeout_s`), and say nothing about liveness here;
@@ -58,7 +68,7 @@ from kvxfer.connector.messages import (
     decode_terms,
     encode,
 )
-from kvxfer.connector.sidechannel import close_watched, connection_closed, has_message
+from kvxfer.connector.sidechannel import close_watched, connection_events, has_message
 from kvxfer.plan.layout import STAGING_REGION
 from kvxfer.session.protocol import Delivered, Opened, Rejected, Reply, SessionClient
 from kvxfer.spec import KVCacheSpec
@@ -74,6 +84,15 @@ _MAX_NOTICES = 4096  # done/abort notices kept per producer rank while it is unr
 # request, and none in the way of the fetches still running.
 _DONE_BATCH_S = 0.005
 _DONE_BATCH_MAX = 64
+# A session's connection events that decide whether its producer is there (`_on_connection_events`).
+_WATCHED_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+
+
+def _late_handshake(session: ProducerSession) -> str:
+    """Why a handshake past its deadline failed (`ProducerSessions.tick`)."""
+    if session.reconnect:
+        return "could not be reached again in time: its host is lost or unreachable"
+    return "did not answer the handshake in time"
 
 
 class SessionState(enum.Enum):
@@ -104,8 +123,19 @@ class ProducerSession:
     last_ping: float = 0.0
     error: str = ""
     died_at: float = float("inf")
-    lost: bool = False  # the producer forgot it (a restart): its unread chunks may ask anew
+    # The producer forgot it, or its connection dropped: its unread chunks may ask anew.
+    lost: bool = False
     opened: bool = False  # the handshake completed, with terms that passed the checks
+    # A reconnect's handshake outlives its deadline while its connection is up (the producer's
+    # process exists); a first handshake's deadline is the caller's.
+    reconnect: bool = False
+    connected: bool = False  # libzmq holds a connection to the producer's address now
+    # The session this one replaced: its producer's transport endpoint and when it died.
+    previous_endpoint: str = ""
+    previous_died_at: float = float("-inf")
+    # When the process that answers here replaced the one before (another endpoint): fetches
+    # begun earlier relied on what went with that one.
+    restarted_at: float = float("-inf")
 
     @property
     def rank(self) -> int:
@@ -134,6 +164,11 @@ class ProducerSession:
         self.src_places[STAGING_REGION] = (staging_key, 0)
         self.slot_bytes = terms.staging_slot_bytes
 
+    @property
+    def peer_endpoint(self) -> str:
+        """The producer's transport endpoint, once its terms came ("" before)."""
+        return self.peer.endpoint if self.peer is not None else ""
+
     def source(self, staging: RegionInfo | None) -> Peer:
         """The producer memory a chunk's read may touch: its staging slot `staging` (at key
         `num_layers`, as `src_places` maps it), or else its cache regions."""
@@ -151,8 +186,8 @@ class SessionListener(Protocol):
         """`session` is dead: fail every chunk that relied on it."""
 
     def session_forgotten(self, session: ProducerSession) -> None:
-        """The producer forgot `session` (it restarted): requeue the chunks it had not
-        served; the session ends right after."""
+        """`session` was lost (the producer forgot it, or its connection dropped): requeue
+        the chunks not in the cache yet; the session ends right after."""
 
     def answer(self, session: ProducerSession, message: Message) -> None:
         """The producer answered on `session` (a chunk's answer)."""
@@ -167,8 +202,8 @@ class ProducerSessions:
         engine_id: this decode engine's id.
         secret: the shared secret ("" for none).
         heartbeat_s: how often libzmq sends each producer a heartbeat, and this loop a ping.
-        peer_timeout_s: a producer whose libzmq answers no heartbeat for this long is dead
-            (its connection is closed).
+        peer_timeout_s: a producer whose libzmq answers no heartbeat for this long has its
+            connection dropped (its session is lost, and opened again).
         listener: told of ended and forgotten sessions and of answers.
     """
 
@@ -197,21 +232,30 @@ class ProducerSessions:
     # ---- opening -------------------------------------------------------------------------
 
     def open(
-        self, address: str, timeout: float, expect: KVCacheSpec | None = None
+        self,
+        address: str,
+        timeout: float,
+        expect: KVCacheSpec | None = None,
+        reconnect: bool = False,
     ) -> ProducerSession:
-        """Start a handshake with the producer at `address` (done within `timeout` seconds,
-        else the session fails); a reconnect later allows its handshake as long."""
+        """Start a handshake with the producer at `address`, done within `timeout` seconds or
+        the session fails (a `reconnect` fails then only if its connection is down); a
+        reconnect later allows its handshake as long."""
         self._handshake_timeout_s = max(self._handshake_timeout_s, timeout)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self._heartbeat_s * 1000)))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self._peer_timeout_s * 1000)))
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # No ZMTP greeting deadline of libzmq's own: a producer whose kernel accepted the
+        # connection but whose process is not run keeps it (the handshake's deadline rules).
+        sock.setsockopt(zmq.HANDSHAKE_IVL, 0)
+        monitor = sock.get_monitor_socket(_WATCHED_EVENTS)
         sock.connect(address)
         claim = encode(KVClaim(engine_id=self._engine_id, spec=self._spec))
         client = SessionClient(KV_SERVICE, self._secret, self._engine_id, claim)
         deadline = time.monotonic() + timeout
         session = ProducerSession(address, sock, monitor, client, deadline, expect)
+        session.reconnect = reconnect
         sock.send_multipart(client.hello())
         self._open[sock] = session
         self._monitors[monitor] = session
@@ -271,15 +315,21 @@ class ProducerSessions:
 
     def tick(self, now: float) -> None:
         """Fail late handshakes; ping the live producers when due (a dead one is found by its
-        closed connection: `_on_connection_events`)."""
+        connection's events: `_on_connection_events`)."""
         for session in list(self._open.values()):
-            if session.state is SessionState.CONNECTING and now > session.deadline:
-                self.fail(session, "did not answer the handshake in time")
+            if session.state is SessionState.CONNECTING and self._handshake_late(session, now):
+                self.fail(session, _late_handshake(session))
             elif session.state is SessionState.LIVE and self._ping_due(session, now):
                 session.last_ping = now
                 self.send(session, Ping())
         if self._done and now - self._done_since >= _DONE_BATCH_S:
             self.report_done()
+
+    @staticmethod
+    def _handshake_late(session: ProducerSession, now: float) -> bool:
+        """Past its deadline, unless a reconnect whose producer's host holds its connection
+        (the process exists: the fetches that wait for it bound the wait)."""
+        return now > session.deadline and not (session.reconnect and session.connected)
 
     def _ping_due(self, session: ProducerSession, now: float) -> bool:
         return now - session.last_ping >= self._heartbeat_s
@@ -298,6 +348,11 @@ class ProducerSessions:
                 return f"producer {session.address} {session.error}"
             self._reconnect(rank)  # shake hands again, as briefly as a peer may stay silent
             return None
+        if session.state is SessionState.LIVE and since < session.restarted_at:
+            return (
+                f"producer {session.address} restarted during the fetch (another process "
+                "answers there now): what it held went with the old one"
+            )
         return session if session.state is SessionState.LIVE else None
 
     def send(self, session: ProducerSession, message: Message) -> None:
@@ -384,15 +439,35 @@ class ProducerSessions:
         close_watched(session.sock, session.monitor)
 
     def _on_connection_events(self, session: ProducerSession) -> None:
-        """The session's connection closed: the producer's process ended (the kernel closed
-        its socket), it closed its side channel, or its libzmq answered no heartbeat for
-        `peer_timeout_s` (a frozen process, a lost host)."""
-        if connection_closed(session.monitor):  # a dead session's monitor is closed already
-            self.fail(
-                session,
-                "closed the connection, or answered no heartbeat for "
-                f"{self._peer_timeout_s:g} s: its process ended, is frozen or is unreachable",
-            )
+        """What libzmq did with the session's connection: connected; refused (`EVENT_CLOSED`:
+        nothing listens at the address, the producer's process ended: dead); dropped (the
+        producer closed it, or answered no heartbeat for `peer_timeout_s`: a live session is
+        lost, its unread chunks asked again on a new one, whose connection tells which)."""
+        for event in connection_events(session.monitor):
+            if session.state is SessionState.DEAD:
+                return  # its monitor is closed
+            if event == zmq.EVENT_CONNECTED:
+                session.connected = True
+            elif event == zmq.EVENT_CLOSED:
+                self.fail(
+                    session,
+                    "refused the connection: nothing listens at its address (its process ended)",
+                )
+            elif event == zmq.EVENT_DISCONNECTED:
+                session.connected = False
+                if session.state is SessionState.LIVE:
+                    self._lose(session)
+
+    def _lose(self, session: ProducerSession) -> None:
+        """The live session's connection dropped: the chunks the producer had not served yet
+        ask again on a new session (`_reconnect`), the rest fail with this one."""
+        session.lost = True
+        self._listener.session_forgotten(session)
+        self.fail(
+            session,
+            f"closed the connection or answered no heartbeat for {self._peer_timeout_s:g} s "
+            "(its process ended, or it is frozen or not run): connecting again",
+        )
 
     # ---- one session's frames ------------------------------------------------------------
 
@@ -425,6 +500,8 @@ class ProducerSessions:
                 "came back with another geometry; call connect() again to plan the new engine",
             )
             return
+        if session.previous_endpoint and session.previous_endpoint != session.peer_endpoint:
+            session.restarted_at = session.previous_died_at
         session.state, session.last_ping = SessionState.LIVE, time.monotonic()
         for notice in self._notices.pop(session.rank, []):
             self.send(session, notice)
@@ -437,6 +514,12 @@ class ProducerSessions:
             return
         if time.monotonic() - session.died_at < self._peer_timeout_s and not session.opened:
             return  # the last attempt failed a moment ago
-        fresh = self.open(session.address, self._handshake_timeout_s, session.spec)
+        fresh = self.open(session.address, self._handshake_timeout_s, session.spec, reconnect=True)
         fresh.spec = session.spec
+        if session.opened:
+            fresh.previous_endpoint, fresh.previous_died_at = session.peer_endpoint, session.died_at
+        else:  # a reconnect that failed: the last process seen is still the one before
+            fresh.previous_endpoint = session.previous_endpoint
+            fresh.previous_died_at = session.previous_died_at
+        fresh.restarted_at = session.restarted_at
         self.by_rank[rank] = fresh

@@ -9,8 +9,8 @@ Every chunk of a fetch goes through these states; nothing changes a chunk's stat
     queued       ask -> asked                                  fail -> failed
     asked        offered -> ready       requeue -> queued      fail -> failed
     ready        read -> reading        requeue -> queued      fail -> failed
-    reading      landed -> confirming                          fail -> failed
-    confirming   confirmed -> copying                          fail -> failed
+    reading      landed -> confirming   requeue -> queued      fail -> failed
+    confirming   confirmed -> copying   requeue -> queued      fail -> failed
     copying      copied -> done         copy_failed -> failed  fail -> copying (stays)
     done                                                       fail -> done (stays)
     failed                                                     fail -> failed (stays)
@@ -35,8 +35,10 @@ The events:
 - landed: the read settled without error while the session was live;
 - confirmed: the read settled within the staging hold, or `ChunkValid(ok=True)` came;
 - copied, copy_failed: the local copy into the cache finished, or raised;
-- requeue: the producer forgot the session (a restart faster than a heartbeat) before it
-  served the chunk: nothing of it was read, so it is asked for again on a new session;
+- requeue: the session was lost before the chunk reached the cache (the producer forgot it,
+  or its connection dropped: `sessions`): nothing of it is in the cache (reads land in a
+  staging slot), so it is asked for again on a new session. A chunk whose read is under way
+  is requeued once the read settled (its slot is not free before);
 - fail: given up on (timeout, cancel, abort, the producer's refusal or death, a bad answer, a
   failed read, the consumer closing).
 
@@ -113,8 +115,10 @@ TRANSITIONS: dict[tuple[ChunkState, ChunkEvent], ChunkState] = {
     (S.READY, E.REQUEUE): S.QUEUED,
     (S.READY, E.FAIL): S.FAILED,
     (S.READING, E.LANDED): S.CONFIRMING,
+    (S.READING, E.REQUEUE): S.QUEUED,
     (S.READING, E.FAIL): S.FAILED,
     (S.CONFIRMING, E.CONFIRMED): S.COPYING,
+    (S.CONFIRMING, E.REQUEUE): S.QUEUED,
     (S.CONFIRMING, E.FAIL): S.FAILED,
     (S.COPYING, E.COPIED): S.DONE,
     (S.COPYING, E.COPY_FAILED): S.FAILED,
