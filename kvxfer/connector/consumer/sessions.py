@@ -35,8 +35,9 @@ machine's, which it tells through a `SessionListener`. The rules:
   told to the listener first: chunks it had not served yet ask again on a new session;
 - done and abort notices for a producer that is not live wait (at most `_MAX_NOTICES`) until
   a new session is, and ask for one: a producer silent for a while still frees blocks early;
-- a dead session is opened again when a fetch or a notice needs it, at most once a
-  `peer_timeout_s` after a handshake that failed (a producer that stays away is not flooded),
+- a lost session is opened again at once; a dead one when a fetch or a notice needs it, at
+  most once a `peer_timeout_s` after a handshake that timed out (a producer that stays away
+  is not flooded; a refusal costs it nothing, and a restarted producer listens again),
   with as long for its handshake as the longest `connect` allowed (a starved producer answers
   a reconnect no faster than a connect), and only with the same producer geometry (else
   `connect` must plan the new engine).
@@ -130,6 +131,7 @@ class ProducerSession:
     # process exists); a first handshake's deadline is the caller's.
     reconnect: bool = False
     connected: bool = False  # libzmq holds a connection to the producer's address now
+    refused: bool = False  # its address refused a connection: nothing listened there then
     # The session this one replaced: its producer's transport endpoint and when it died.
     previous_endpoint: str = ""
     previous_died_at: float = float("-inf")
@@ -449,6 +451,7 @@ class ProducerSessions:
             if event == zmq.EVENT_CONNECTED:
                 session.connected = True
             elif event == zmq.EVENT_CLOSED:
+                session.refused = True
                 self.fail(
                     session,
                     "refused the connection: nothing listens at its address (its process ended)",
@@ -460,7 +463,9 @@ class ProducerSessions:
 
     def _lose(self, session: ProducerSession) -> None:
         """The live session's connection dropped: the chunks the producer had not served yet
-        ask again on a new session (`_reconnect`), the rest fail with this one."""
+        ask again on a new session, opened now: its connection's first events tell within
+        milliseconds whether the producer is gone (refused: dead, so the engine's owner looks
+        it up again before its next load) or there (accepted: the session waits for it)."""
         session.lost = True
         self._listener.session_forgotten(session)
         self.fail(
@@ -468,6 +473,8 @@ class ProducerSessions:
             f"closed the connection or answered no heartbeat for {self._peer_timeout_s:g} s "
             "(its process ended, or it is frozen or not run): connecting again",
         )
+        if session.spec is not None and self.by_rank.get(session.rank) is session:
+            self._reconnect(session.rank)
 
     # ---- one session's frames ------------------------------------------------------------
 
@@ -508,12 +515,14 @@ class ProducerSessions:
 
     def _reconnect(self, rank: int) -> None:
         """Shake hands again with producer `rank` if its session died (at most once a
-        `peer_timeout_s` after a handshake that failed)."""
+        `peer_timeout_s` after a handshake that timed out; at once after a refused one: a
+        refusal costs the producer's host nothing, and a restarted producer listens again)."""
         session = self.by_rank.get(rank)
         if session is None or session.state is not SessionState.DEAD:
             return
-        if time.monotonic() - session.died_at < self._peer_timeout_s and not session.opened:
-            return  # the last attempt failed a moment ago
+        recent = time.monotonic() - session.died_at < self._peer_timeout_s
+        if recent and not (session.opened or session.refused):
+            return  # the last attempt timed out a moment ago
         fresh = self.open(session.address, self._handshake_timeout_s, session.spec, reconnect=True)
         fresh.spec = session.spec
         if session.opened:
