@@ -63,6 +63,7 @@ from kvxfer.connector.requests import PublishedRequest, RequestTable
 from kvxfer.connector.sidechannel import SideChannelServer
 from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.streams import Fence, copies_inline, copy_stream_for
+from kvxfer.connector.turns import TickGaps
 from kvxfer.execute import resolve_backend, run_cell_copy, warm_up
 from kvxfer.plan import DEFAULT_STAGING_SLOTS, HeadRoute, check_pairable, route_pair
 from kvxfer.plan.program import (
@@ -90,10 +91,6 @@ _MAX_WAITING_PER_SESSION = 4096  # chunks waiting for their request to be publis
 # With no published request, held chunk or lease, the side channel's tick checks only
 # handshakes and sessions' silence (120 s): ten times a second is enough.
 _IDLE_TICK_S = 0.1
-# Ticks further apart than this mean the side channel's thread was not run meanwhile (its
-# ticks come every 10-100 ms): its peers' silence during that gap is not counted as theirs,
-# nor is the gap counted against its published requests' deadlines.
-_AWAY_S = 1.0
 _MAX_FINISHED_PER_SESSION = 1024  # recent ids a session said it is done with
 
 
@@ -215,7 +212,9 @@ class KVProducer:
         self._slot_bytes = StagingPool.slot_size(staging_bytes, staging_slots)
         self._request_timeout_s = request_timeout_s
         self._session_timeout_s = session_timeout_s
-        self._ticked = time.monotonic()  # the side channel's last tick (its thread only)
+        # The side channel's ticks (its thread only): a gap between two of them, a time it
+        # was not run, counts neither as its peers' silence nor against its requests' deadlines.
+        self._gaps = TickGaps()
         self._backend = resolve_backend(backend, caches[0].device)
         self._copy_stream = copy_stream_for(caches[0].device)
         self._fences: dict[str, Fence] = {}  # CUDA: by published request (see `publish`)
@@ -651,8 +650,7 @@ class KVProducer:
 
     def _on_tick(self) -> None:
         now = time.monotonic()
-        away = now - self._ticked - _AWAY_S
-        self._ticked = now
+        away = self._gaps.away(now)
         if away > 0:  # a request's deadline counts the time this side channel could serve it
             self._requests.postpone(away)
         for request_id in self._requests.expired(now):

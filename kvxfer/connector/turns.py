@@ -101,3 +101,27 @@ def other_threads(frames: int = 3) -> str:
             calls.append(f"{os.path.basename(summary.filename)}:{summary.lineno} {summary.name}")
         where.append(f"{names.get(ident, ident)} [{' < '.join(reversed(calls))}]")
     return "; ".join(where)
+
+
+class TickGaps:
+    """How long an event loop's thread was away between two ticks, beyond what its ticks
+    allow (they come every 10-100 ms while it runs): the time it was not run, which its
+    deadlines do not count. A producer's peers' silence and its published requests' deadlines,
+    a consumer's handshakes and fetches: a process the machine did not run for 20 s does not
+    give up, the moment it runs again, on what only its own absence made late.
+
+    Call `away` from the loop's thread, once a tick.
+    """
+
+    ALLOWED_S = 1.0
+    """A gap longer than this between ticks means the thread was not run meanwhile."""
+
+    def __init__(self) -> None:
+        self.ticked = time.monotonic()  # the last tick
+
+    def away(self, now: float) -> float:
+        """The seconds this thread was not run since the last tick (0 if it ran); the tick
+        at `now` is the last one from then on."""
+        gap = now - self.ticked - self.ALLOWED_S
+        self.ticked = now
+        return max(0.0, gap)

@@ -3,6 +3,7 @@ side-channel hygiene, handshake checks, lifecycle, staging pools, timeouts and s
 
 from __future__ import annotations
 
+import threading
 import time
 
 import msgspec
@@ -14,6 +15,7 @@ from kvxfer.connector import KVConsumer, KVProducer
 from kvxfer.connector.messages import KV_SERVICE, MAX_FRAME_BYTES, ChunkValid, KVClaim, encode
 from kvxfer.session import auth, wire
 from kvxfer.session.protocol import Opened, Reply, SessionClient
+from kvxfer.testing import poll
 
 SMALL = {"staging_bytes": 4096, "staging_slots": 2}
 
@@ -182,6 +184,56 @@ def test_a_consumer_of_another_model_is_refused_at_handshake(engines):
     with pytest.raises(ConnectionError, match="head_dim differs"):
         other.connect(engines.addresses)
     other.close()
+
+
+@pytest.mark.parametrize("consumer_away", [True, False], ids=["consumer-not-run", "consumer-ran"])
+def test_a_handshake_deadline_counts_only_while_the_consumer_ran(consumer_away):
+    """A handshake whose deadline passed while the consumer's own loop was not run (a loaded
+    host that ran neither side) still waits for the producer's answer; one whose consumer ran
+    all along and heard nothing has failed."""
+    from kvxfer.connector.consumer.sessions import SessionState
+
+    (spec,) = side_specs(1, heads=4, head_dim=16, num_blocks=8)
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # accepts, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    consumer = KVConsumer(spec, [np_empty(spec) for _ in range(spec.num_layers)], "decode")
+    outcome: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            consumer.connect([f"tcp://127.0.0.1:{port}"], timeout=60.0)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    connecting = threading.Thread(target=connect)
+    connecting.start()
+    try:
+        sessions = consumer._sessions
+        assert poll(lambda: list(sessions._open.values()), bool, timeout=60.0)
+        states: list[SessionState] = []
+        done = threading.Event()
+
+        def gap_then_tick() -> None:
+            now = time.monotonic()
+            for session in sessions._open.values():
+                session.deadline = now - 1.0  # passed
+            consumer._gaps.ticked = now - 10.0 if consumer_away else now
+            consumer._tick()
+            states.extend(s.state for s in [*sessions._open.values(), *sessions.by_rank.values()])
+            done.set()
+
+        consumer._loop.post(gap_then_tick)
+        assert done.wait(60), "the consumer's loop ran no posted work"
+        if consumer_away:
+            assert states == [SessionState.CONNECTING]
+        else:
+            connecting.join(60)
+            assert outcome and "did not answer the handshake in time" in str(outcome[0])
+    finally:
+        consumer.close()
+        connecting.join(60)
+        silent.close()
 
 
 def np_empty(spec):

@@ -226,7 +226,7 @@ def _silence_after_a_gap(producer: KVProducer, gap: float, producer_away: bool) 
         now = time.monotonic()
         for link in producer._sessions.open_sessions():
             link.last_heard = now - gap
-        producer._ticked = now - gap if producer_away else now
+        producer._gaps.ticked = now - gap if producer_away else now
         producer._on_tick()
         open_after.append(len(list(producer._sessions.open_sessions())))
         done.set()
@@ -266,7 +266,7 @@ def test_a_deadline_counts_only_while_the_producer_could_serve(producer_away):
             now = time.monotonic()
             for request in producer._requests._live.values():
                 request.deadline = now - 5.0  # published 10 s ago, with 5 s
-            producer._ticked = now - 10.0 if producer_away else now
+            producer._gaps.ticked = now - 10.0 if producer_away else now
             producer._on_tick()
             done.set()
 

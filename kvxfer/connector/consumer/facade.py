@@ -16,7 +16,9 @@ reached again (its host lost): its chunks fail at once with their blocks, and th
 shakes hands with it again. Silence alone is not death: a producer whose libzmq answered no
 heartbeat for `peer_timeout_s` has its connection opened again, and if its kernel accepts (the
 process exists, frozen or not run by a loaded machine) the chunks it had not answered are asked
-again once it runs, within the fetch's timeout (`sessions`).
+again once it runs, within the fetch's timeout (`sessions`). A handshake's and a fetch's timeout
+count only while this consumer's loop ran (`kvxfer.connector.turns.TickGaps`): a decode rank
+the machine did not run gives up on nobody for its own absence.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from kvxfer.connector.registration import CacheRegistration
 from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.stats import TransferStats
 from kvxfer.connector.timeline import mark
+from kvxfer.connector.turns import TickGaps
 from kvxfer.execute import resolve_backend
 from kvxfer.plan import DEFAULT_STAGING_SLOTS, CostModel, PairPlan, check_side, plan_pairs_into
 from kvxfer.plan.cost import Chunking
@@ -153,6 +156,7 @@ class KVConsumer:
             self._ctx, spec, engine_id, secret or "", heartbeat_s, peer_timeout_s, self._machine
         )
         self._machine.sessions = self._sessions
+        self._gaps = TickGaps()  # the loop's ticks (its thread only)
         self._closed = False
         self._loop.start()
 
@@ -332,6 +336,10 @@ class KVConsumer:
 
     def _tick(self) -> None:
         now = time.monotonic()
+        away = self._gaps.away(now)
+        if away > 0:  # the loop was not run: its own absence makes nobody late
+            self._sessions.postpone(away)
+            self._machine.postpone(away)
         for pending, done in list(self._connects):
             self._await_sessions(pending, done)
         self._sessions.tick(now)

@@ -129,6 +129,12 @@ class FetchMachine:
                 self._send_ready(fetch)
             self._finish_if_done(fetch)
 
+    def postpone(self, seconds: float) -> None:
+        """Move every fetch's deadline `seconds` later: the loop was not run that long (a
+        fetch's timeout counts the time this rank could move it)."""
+        for fetch in self.fetches:
+            fetch.deadline += seconds
+
     def ask_sweep(self) -> None:
         """Look at every fetch on the next turn, not only the stirred ones: for the rare
         events that no chunk's move announces (a fetch cancelled, a handshake awaited)."""

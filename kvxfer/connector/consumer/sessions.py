@@ -327,6 +327,13 @@ class ProducerSessions:
         if self._done and now - self._done_since >= _DONE_BATCH_S:
             self.report_done()
 
+    def postpone(self, seconds: float) -> None:
+        """Move every handshake's deadline `seconds` later: the loop was not run that long
+        (a handshake's deadline counts the time this rank could hear the answer)."""
+        for session in self._open.values():
+            if session.state is SessionState.CONNECTING:
+                session.deadline += seconds
+
     @staticmethod
     def _handshake_late(session: ProducerSession, now: float) -> bool:
         """Past its deadline, unless a reconnect whose producer's host holds its connection
