@@ -25,8 +25,9 @@ machine's, which it tells through a `SessionListener`. The rules:
   and PONG, every `heartbeat_s`) are answered by libzmq's I/O threads, which need no GIL: a
   producer whose Python threads cannot run (a C call holding its GIL, as vLLM CPU workers' TP
   all-gather did for 56-60 s) keeps its connection and serves once it runs again;
-- a session that comes back from another process of the producer (another transport
-  endpoint: it restarted) cannot serve what the fetches begun before knew: their chunks fail;
+- the chunks asked again go to whichever process answers at the address: one restarted there
+  serves what it publishes, and what it never publishes fails at the fetch's deadline (the
+  loss may be seen after a fetch began, so its begin cannot tell which process it relied on);
 - a first handshake not finished in its `timeout` fails the session;
 - a live producer is also pinged every `heartbeat_s` by this loop: its answers keep the
   producer's side of the session fresh (it drops a consumer it has not heard from for its
@@ -132,12 +133,6 @@ class ProducerSession:
     reconnect: bool = False
     connected: bool = False  # libzmq holds a connection to the producer's address now
     refused: bool = False  # its address refused a connection: nothing listened there then
-    # The session this one replaced: its producer's transport endpoint and when it died.
-    previous_endpoint: str = ""
-    previous_died_at: float = float("-inf")
-    # When the process that answers here replaced the one before (another endpoint): fetches
-    # begun earlier relied on what went with that one.
-    restarted_at: float = float("-inf")
 
     @property
     def rank(self) -> int:
@@ -165,11 +160,6 @@ class ProducerSession:
         self.src_places = {layer: (layer, 0) for layer in range(staging_key)}
         self.src_places[STAGING_REGION] = (staging_key, 0)
         self.slot_bytes = terms.staging_slot_bytes
-
-    @property
-    def peer_endpoint(self) -> str:
-        """The producer's transport endpoint, once its terms came ("" before)."""
-        return self.peer.endpoint if self.peer is not None else ""
 
     def source(self, staging: RegionInfo | None) -> Peer:
         """The producer memory a chunk's read may touch: its staging slot `staging` (at key
@@ -357,11 +347,6 @@ class ProducerSessions:
                 return f"producer {session.address} {session.error}"
             self._reconnect(rank)  # shake hands again, as briefly as a peer may stay silent
             return None
-        if session.state is SessionState.LIVE and since < session.restarted_at:
-            return (
-                f"producer {session.address} restarted during the fetch (another process "
-                "answers there now): what it held went with the old one"
-            )
         return session if session.state is SessionState.LIVE else None
 
     def send(self, session: ProducerSession, message: Message) -> None:
@@ -514,8 +499,6 @@ class ProducerSessions:
                 "came back with another geometry; call connect() again to plan the new engine",
             )
             return
-        if session.previous_endpoint and session.previous_endpoint != session.peer_endpoint:
-            session.restarted_at = session.previous_died_at
         session.state, session.last_ping = SessionState.LIVE, time.monotonic()
         for notice in self._notices.pop(session.rank, []):
             self.send(session, notice)
@@ -532,10 +515,4 @@ class ProducerSessions:
             return  # the last attempt timed out a moment ago
         fresh = self.open(session.address, self._handshake_timeout_s, session.spec, reconnect=True)
         fresh.spec = session.spec
-        if session.opened:
-            fresh.previous_endpoint, fresh.previous_died_at = session.peer_endpoint, session.died_at
-        else:  # a reconnect that failed: the last process seen is still the one before
-            fresh.previous_endpoint = session.previous_endpoint
-            fresh.previous_died_at = session.previous_died_at
-        fresh.restarted_at = session.restarted_at
         self.by_rank[rank] = fresh
