@@ -41,10 +41,15 @@ class ConnectorSettings:
         cost_model: a preset name ("rdma", "tcp_loopback") or a dict of `CostModel` fields.
         secret: shared secret decode ranks present at handshake.
         request_timeout_s: longest time a prefill engine holds a finished request's blocks
-            for decode engines before freeing them.
+            for decode engines before freeing them, counted while its side channel ran (a
+            prefill engine the machine does not run holds what its decode engines still fetch;
+            a decode engine that went away costs its blocks this long).
         fetch_timeout_s: longest time one request's load may take on a decode rank (connecting
             to its prefill engine included); its unfinished blocks are then reported as load
-            errors (vLLM recomputes them).
+            errors (vLLM recomputes them). A hang guard for a prefill rank that is there but
+            does not serve (frozen, hung, or not run by a loaded machine): a dead one fails
+            its loads at once. 300 s: with 60 s, a load of the real-engine suite failed behind
+            a prefill engine whose two worker processes the machine did not run for 48.6 s.
         handshake_timeout_s: longest wait for a prefill engine's ranks to answer a handshake,
             and for its ranks to be registered with its bootstrap service (a look-up and
             connect runs off the engine's step, a task per prefill engine and DP rank on the
@@ -84,7 +89,7 @@ class ConnectorSettings:
     cost_model: CostModel = field(default_factory=CostModel)
     secret: str | None = None
     request_timeout_s: float = 120.0
-    fetch_timeout_s: float = 60.0
+    fetch_timeout_s: float = 300.0
     handshake_timeout_s: float = 10.0
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 10.0

@@ -20,8 +20,8 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 from kvxfer.connector import TransferResult
 from kvxfer.connector.timeline import PHASES
 
-# Per load on one decode rank. 1 ms (a few blocks on RDMA) to 60 s (`fetch_timeout_s`'s
-# default); vLLM's NIXL and Mooncake connectors use 5 ms to 5 s.
+# Per load on one decode rank. 1 ms (a few blocks on RDMA) to 60 s, then `fetch_timeout_s`'s
+# default (300 s); vLLM's NIXL and Mooncake connectors use 5 ms to 5 s.
 TRANSFER_SECONDS_BUCKETS = (
     0.001,
     0.0025,
@@ -38,6 +38,7 @@ TRANSFER_SECONDS_BUCKETS = (
     10.0,
     30.0,
     60.0,
+    300.0,
 )
 # Transport operations (Mooncake descriptors) per load. kvxfer's pack strategies move a chunk
 # in one operation per rank pair, so the low end is resolved finely; the top matches vLLM's
