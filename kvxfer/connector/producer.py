@@ -660,6 +660,8 @@ class KVProducer:
             session = link.state
             if away > 0:  # this thread was not run: whoever it did not hear from was not heard
                 link.last_heard = min(now, link.last_heard + away)
+                for chunk in session.waiting:  # nor could it serve what waited
+                    chunk.deadline += away
             if now - link.last_heard > self._session_timeout_s:
                 self._end_session(session, "silent for too long")
                 continue

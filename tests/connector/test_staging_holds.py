@@ -275,3 +275,39 @@ def test_a_deadline_counts_only_while_the_producer_could_serve(producer_away):
         assert producer.expired_requests == int(not producer_away)
     finally:
         producer.close()
+
+
+@pytest.mark.parametrize("producer_away", [True, False], ids=["producer-not-run", "producer-ran"])
+def test_a_chunk_waits_for_its_publish_only_while_the_producer_could_serve(producer_away):
+    """A chunk asked with 5 s to wait for its request's publish, whose 10 s passed while the
+    producer's own thread was not run, still waits and is served at the publish; one whose
+    producer ran all along is answered that the request was not published in time."""
+    spec = SRC.spec(0)
+    producer = KVProducer(spec, allocate_kv_caches(spec), "prefill")
+    consumer = HandSession(producer.address)
+    try:
+        consumer.ask("r", 0, "direct", wait=5.0)
+        consumer.settled()
+        done = threading.Event()
+
+        def gap_then_tick() -> None:
+            now = time.monotonic()
+            for link in producer._sessions.open_sessions():
+                for chunk in link.state.waiting:
+                    chunk.deadline = now - 5.0  # asked 10 s ago, with 5 s
+            producer._gaps.ticked = now - 10.0 if producer_away else now
+            producer._on_tick()
+            done.set()
+
+        producer._server.post(gap_then_tick)
+        assert done.wait(60), "the side channel ran no posted work"
+        producer.publish("r", np.array([3, 5]), 32)
+        answer = consumer.receive()
+        if producer_away:
+            assert isinstance(answer, ChunkReady), answer
+        else:
+            assert isinstance(answer, ChunkFailed), answer
+            assert "not published within 5.0 s" in answer.reason
+    finally:
+        consumer.close()
+        producer.close()

@@ -35,6 +35,10 @@ CHUNKS = {
     "before-publish": {"staging_bytes": 8 << 20, "staging_slots": 2},
 }
 
+# A's fetch takes the default timeout: the chunks it asked for wait for the publish (and the
+# packs for their read) however long a loaded machine takes between the ask and the thaw.
+A_TIMEOUT_S = 300.0
+
 
 def _no(free_slots: int | None) -> bool:
     return free_slots == 0
@@ -61,13 +65,13 @@ def test_frozen_consumer_does_not_stall_another_consumer(rig, freeze_at):
 
     if freeze_at == "mid-transfer":
         producer.publish(big, src_ids[big.request_id])
-        a.fetch(big, a_ids, timeout=30.0)
+        a.fetch(big, a_ids, timeout=A_TIMEOUT_S)
         wait_for_progress(a, a_ids)
         a.freeze()
         a.pump()
         assert not any(k == "result" for k, _ in a.events), "the transfer ended before the freeze"
     else:
-        a.fetch(big, a_ids, timeout=30.0)
+        a.fetch(big, a_ids, timeout=A_TIMEOUT_S)
         waiting = poll(lambda: producer.report()["stats"]["waiting_chunks"], bool, timeout=120.0)
         assert waiting, "consumer A's requests never reached the producer"
         a.freeze()
