@@ -76,7 +76,7 @@ def run_pair(args: argparse.Namespace) -> None:
     import torch
 
     import kvxfer.connector.consumer.copies as copies_mod
-    import kvxfer.connector.producer as producer_mod
+    import kvxfer.connector.producer.packing as producer_mod
     from kvxfer.connector import KVConsumer, KVProducer
     from kvxfer.spec import allocate_kv_caches
     from kvxfer.testing.geometry import Geometry

@@ -219,3 +219,44 @@ def check_request_id(request_id: object, where: str) -> str:
             "shorter id (e.g. a hash of this one)"
         )
     return request_id
+
+
+def check_first_token(first_token: object, num_tokens: int, where: str) -> int:
+    """`first_token` (the first token whose KV a published request's blocks still hold) as an
+    int in `[0, num_tokens)`."""
+    if isinstance(first_token, bool) or not isinstance(first_token, (int, np.integer)):
+        raise ValueError(f"{where}: first_token must be an int, got {first_token!r}")
+    held_from = int(first_token)
+    if not 0 <= held_from < num_tokens:
+        raise ValueError(
+            f"{where}: first_token {held_from} is outside [0, num_tokens={num_tokens}); pass "
+            "the first token whose KV the blocks still hold (0 for all of them)"
+        )
+    return held_from
+
+
+def check_ready_tokens(ready_tokens: object, num_tokens: int | None, where: str) -> int:
+    """`ready_tokens` (how many of a request's first tokens are computed) as an int in
+    `[0, num_tokens]` (no upper bound when None)."""
+    if isinstance(ready_tokens, bool) or not isinstance(ready_tokens, (int, np.integer)):
+        raise ValueError(f"{where}: ready_tokens must be an int, got {ready_tokens!r}")
+    ready = int(ready_tokens)
+    if ready < 0 or (num_tokens is not None and ready > num_tokens):
+        raise ValueError(
+            f"{where}: ready_tokens {ready} is outside [0, num_tokens={num_tokens}]; pass how "
+            "many of the request's first tokens are computed"
+        )
+    return ready
+
+
+def check_marked_layers(layers: object, num_layers: int, where: str) -> int:
+    """`layers` (how many of a rank's layers, local and in order, wrote some tokens) as an
+    int in `[0, num_layers]`."""
+    if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)):
+        raise ValueError(f"{where}: layers must be an int or None, got {layers!r}")
+    if not 0 <= int(layers) <= num_layers:
+        raise ValueError(
+            f"{where}: layers {layers} is outside [0, {num_layers}]; pass how many of this "
+            "rank's layers (local, in order) have written the tokens"
+        )
+    return int(layers)

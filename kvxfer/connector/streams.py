@@ -137,7 +137,7 @@ class CudaCopyStream:
 
 
 # A CPU copy of at most this many bytes runs on the loop that asked for it: a producer's pack on
-# its side-channel thread (`KVProducer._pack_now`), a consumer's unpack on its loop
+# its side-channel thread (`Packer.pack_inline`), a consumer's unpack on its loop
 # (`CacheCopier.start`). A 16-token chunk's copy costs less than the two thread hand-overs a
 # worker costs it (the worker's wake-up, then its answer back to the loop). 4 MiB (0.6 ms of
 # copying, 512 tokens of 8 layers and 2 heads of 128) and not 1: sixteen 256-token requests at

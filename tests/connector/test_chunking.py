@@ -107,14 +107,14 @@ def test_a_forced_chunk_size_is_used_and_checked():
 def test_a_chunk_answer_carries_its_own_blocks_only(strategy):
     sent: list[ChunkReady] = []
     with rig(strategy, chunk_tokens=32) as (producer, consumer, scenario):
-        send = producer._send
+        send = producer._chunks.send
 
         def record(session, message):
             if isinstance(message, ChunkReady):
                 sent.append(message)
             send(session, message)
 
-        producer._send = record
+        producer._chunks.send = record
         consumer.connect([producer.address])
         _, result = fetch(consumer, scenario)
         assert result.ok, result.errors
@@ -149,14 +149,14 @@ def test_an_answer_outside_its_chunk_is_refused_before_any_read(tamper):
     its cache) gets the chunk failed, with its blocks listed and nothing written."""
     with rig("direct", chunk_tokens=64) as (producer, consumer, scenario):
         src_ids = scenario.src[0][2]
-        send = producer._send
+        send = producer._chunks.send
 
         def forge(session, message):
             if isinstance(message, ChunkReady) and message.chunk_id % 2 == 0:
                 message = TAMPER[tamper](message, np.asarray(src_ids))
             send(session, message)
 
-        producer._send = forge
+        producer._chunks.send = forge
         consumer.connect([producer.address])
         reads = []
         read = consumer.transport.read

@@ -11,9 +11,9 @@ import threading
 import pytest
 
 from kvxfer.connector import KVConsumer, KVProducer
-from kvxfer.connector import producer as producer_mod
 from kvxfer.connector import streams as streams_mod
 from kvxfer.connector.consumer import copies as copies_mod
+from kvxfer.connector.producer import packing as producer_mod
 from kvxfer.testing import make_scenario, side_specs
 
 NUM_TOKENS = 1024

@@ -16,7 +16,7 @@ import pytest
 from helpers import make_scenario, side_specs
 
 import kvxfer.connector.consumer.copies as copies_mod
-import kvxfer.connector.producer as producer_mod
+import kvxfer.connector.producer.packing as producer_mod
 import kvxfer.connector.streams as streams_mod
 from kvxfer.connector import KVConsumer, KVProducer
 from kvxfer.connector.streams import CudaCopyStream, InlineCopyStream, copy_stream_for

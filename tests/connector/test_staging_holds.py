@@ -14,7 +14,6 @@ import pytest
 import zmq
 
 from kvxfer.connector import KVProducer
-from kvxfer.connector import producer as producer_mod
 from kvxfer.connector import streams as streams_mod
 from kvxfer.connector.messages import (
     KV_SERVICE,
@@ -32,6 +31,8 @@ from kvxfer.connector.messages import (
     decode,
     encode,
 )
+from kvxfer.connector.producer import packing as producer_mod
+from kvxfer.connector.producer.states import ServedState
 from kvxfer.plan import DEFAULT_STAGING_SLOTS
 from kvxfer.session.protocol import Delivered, Opened, Reply, SessionClient
 from kvxfer.spec import allocate_kv_caches
@@ -293,7 +294,7 @@ def test_a_chunk_waits_for_its_publish_only_while_the_producer_could_serve(produ
         def gap_then_tick() -> None:
             now = time.monotonic()
             for link in producer._sessions.open_sessions():
-                for chunk in link.state.waiting:
+                for chunk in link.state.in_state(ServedState.WAITING):
                     chunk.deadline = now - 5.0  # asked 10 s ago, with 5 s
             producer._gaps.ticked = now - 10.0 if producer_away else now
             producer._on_tick()
@@ -308,6 +309,26 @@ def test_a_chunk_waits_for_its_publish_only_while_the_producer_could_serve(produ
         else:
             assert isinstance(answer, ChunkFailed), answer
             assert "not published within 5.0 s" in answer.reason
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_a_chunk_asked_again_gives_its_first_range_back():
+    """A consumer that asks for a chunk it was offered already (its newest ask stands) frees
+    the first offer's range: reading the second one leaves the whole pool free."""
+    spec = SRC.spec(0)
+    producer = KVProducer(spec, allocate_kv_caches(spec), "prefill")
+    consumer, _, _ = _offered(producer, wait=5.0)
+    try:
+        again = consumer.transfer("r", 1, "pack+unpack", wait=5.0)
+        assert isinstance(again, ChunkReady) and again.staging is not None
+        consumer.settled()
+        assert _leases(producer) == 1
+        consumer.send(StagingRead("r", 1))
+        consumer.settled()
+        assert _leases(producer) == 0
+        assert list(producer.staging_free_slots().values()) == [DEFAULT_STAGING_SLOTS]
     finally:
         consumer.close()
         producer.close()

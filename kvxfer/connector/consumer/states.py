@@ -55,6 +55,17 @@ from __future__ import annotations
 
 import enum
 
+from kvxfer.connector.transitions import IllegalTransition, look_up
+
+__all__ = [
+    "TRANSITIONS",
+    "ChunkEvent",
+    "ChunkState",
+    "IllegalTransition",
+    "accepts",
+    "next_state",
+]
+
 
 class ChunkState(enum.Enum):
     """Where one chunk of a fetch stands (the module's table)."""
@@ -130,11 +141,6 @@ TRANSITIONS: dict[tuple[ChunkState, ChunkEvent], ChunkState] = {
 del S, E
 
 
-class IllegalTransition(RuntimeError):
-    """A move the transition table does not list: a bug in the consumer, never a peer's fault
-    (peers' answers are checked against `accepts` before they move a chunk)."""
-
-
 def accepts(state: ChunkState, event: ChunkEvent) -> bool:
     """Whether `event` is a legal move from `state`."""
     return (state, event) in TRANSITIONS
@@ -146,9 +152,4 @@ def next_state(state: ChunkState, event: ChunkEvent) -> ChunkState:
     Raises:
         IllegalTransition: the table lists no such move.
     """
-    try:
-        return TRANSITIONS[state, event]
-    except KeyError:
-        raise IllegalTransition(
-            f"a chunk in state {state.value!r} cannot take event {event.value!r}"
-        ) from None
+    return look_up(TRANSITIONS, state, event, "a chunk")

@@ -1,0 +1,145 @@
+"""The producer's served-chunk state machine, without sockets: the transition table (every
+legal move, every illegal one raising, the table in the module's docstring being the table in
+its code), and a session's bookkeeping of each move (`ConsumerSession.advance`)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from kvxfer.connector.messages import TransferRequest
+from kvxfer.connector.producer import states as states_mod
+from kvxfer.connector.producer.sessions import ConsumerSession, ServedChunk
+from kvxfer.connector.producer.states import (
+    TRANSITIONS,
+    IllegalTransition,
+    ServedEvent,
+    ServedState,
+    next_state,
+)
+from kvxfer.testing.geometry import Geometry
+
+S, E = ServedState, ServedEvent
+
+LEGAL = [
+    (S.WAITING, E.PACK, S.PACKING),
+    (S.WAITING, E.OFFER, S.SETTLED),
+    (S.WAITING, E.FAIL, S.SETTLED),
+    (S.WAITING, E.FORGET, S.SETTLED),
+    (S.WAITING, E.END, S.SETTLED),
+    (S.PACKING, E.PACKED, S.LEASED),
+    (S.PACKING, E.FAIL, S.SETTLED),
+    (S.PACKING, E.FORGET, S.DROPPED),
+    (S.PACKING, E.END, S.DROPPED),
+    (S.DROPPED, E.PACKED, S.SETTLED),
+    (S.DROPPED, E.FAIL, S.SETTLED),
+    (S.LEASED, E.READ, S.SETTLED),
+    (S.LEASED, E.EXPIRE, S.SETTLED),
+    (S.LEASED, E.FORGET, S.SETTLED),
+    (S.LEASED, E.END, S.LEASED),
+]
+ILLEGAL = [
+    (state, event)
+    for state, event in itertools.product(ServedState, ServedEvent)
+    if (state, event) not in {(s, e) for s, e, _ in LEGAL}
+]
+
+
+@pytest.mark.parametrize(("state", "event", "after"), LEGAL, ids=lambda x: x.value)
+def test_every_legal_move(state, event, after):
+    assert next_state(state, event) is after
+
+
+def test_the_table_has_exactly_the_legal_moves():
+    assert {(s, e): after for s, e, after in LEGAL} == TRANSITIONS
+
+
+@pytest.mark.parametrize(("state", "event"), ILLEGAL, ids=lambda x: x.value)
+def test_every_other_move_raises(state, event):
+    with pytest.raises(IllegalTransition, match=f"{state.value!r} cannot take event"):
+        next_state(state, event)
+
+
+def test_the_docstring_table_is_the_table():
+    rows = re.findall(r"^    (\w+) {2,}(.*)$", states_mod.__doc__ or "", re.MULTILINE)
+    documented = {}
+    for state, moves in rows:
+        if state == "state":
+            continue  # the header
+        for event, after in re.findall(r"(\w+) -> (\w+)", moves):
+            documented[ServedState(state), ServedEvent(event)] = ServedState(after)
+    assert documented == TRANSITIONS
+
+
+def test_a_pack_under_way_is_never_cut_short():
+    # The pack writes the session's staging until it ends: whatever happens meanwhile, only
+    # its end (packed, or its failure) settles it.
+    for event in (E.FORGET, E.END):
+        assert next_state(S.PACKING, event) is S.DROPPED
+    assert {e for e in ServedEvent if (S.DROPPED, e) in TRANSITIONS} == {E.PACKED, E.FAIL}
+
+
+def test_a_leased_range_outlives_its_session():
+    assert next_state(S.LEASED, E.END) is S.LEASED
+    assert next_state(S.LEASED, E.EXPIRE) is S.SETTLED
+
+
+# ---- a session's bookkeeping ---------------------------------------------------------------
+
+
+def _session() -> ConsumerSession:
+    dst = Geometry(tp=1, heads=2, block_size=32, layout="HND", layers=2, head_dim=64, num_blocks=4)
+    return ConsumerSession("s", "decode", dst.spec(0), None, ThreadPoolExecutor(1))
+
+
+def _chunk(chunk_id: int, request_id: str = "r") -> ServedChunk:
+    ask = TransferRequest(
+        request_id=request_id,
+        chunk_id=chunk_id,
+        num_tokens=32,
+        token_start=0,
+        token_end=32,
+        layer_start=0,
+        layer_end=1,
+        strategy="pack",
+        wait_seconds=5.0,
+    )
+    return ServedChunk(ask, 0.0, 5.0)
+
+
+def test_advance_counts_each_state_and_a_settled_chunk_leaves():
+    session = _session()
+    chunks = [_chunk(i) for i in range(3)]
+    for chunk in chunks:
+        assert session.add(chunk) is None
+    assert session.counts[S.WAITING] == 3
+    session.advance(chunks[0], E.PACK)
+    session.advance(chunks[0], E.PACKED)
+    chunks[0].expires = 9.0
+    session.advance(chunks[1], E.OFFER)
+    assert session.counts[S.WAITING] == 1 and session.counts[S.LEASED] == 1
+    assert session.in_state(S.WAITING) == [chunks[2]]
+    assert list(session.chunks.values()) == [chunks[0], chunks[2]]  # the offered one left
+    assert session.held_until() == 9.0
+    session.advance(chunks[0], E.READ)
+    assert session.held_until() == 0.0 and session.counts[S.LEASED] == 0
+    with pytest.raises(IllegalTransition):
+        session.advance(chunks[2], E.PACKED)
+
+
+def test_a_chunk_asked_again_replaces_the_first_ask():
+    # The first ask's record, packing, is handed back for the caller to forget (dropped: its
+    # range goes back when its pack ends); it settles without touching the newer record.
+    session = _session()
+    first, again = _chunk(0), _chunk(0)
+    session.add(first)
+    session.advance(first, E.PACK)
+    assert session.add(again) is first
+    session.advance(first, E.FORGET)
+    assert session.chunks == {("r", 0): again}
+    session.advance(first, E.PACKED)
+    assert first.state is S.SETTLED and session.chunks == {("r", 0): again}
+    assert session.counts[S.DROPPED] == 0 and session.counts[S.WAITING] == 1
