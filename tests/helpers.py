@@ -9,9 +9,11 @@ this module: tests/conftest.py puts its folder on sys.path.
 
 from __future__ import annotations
 
+import enum
 import fcntl
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -78,3 +80,15 @@ __all__ = [
     "shared_result",
     "side_specs",
 ]
+
+
+def documented_moves(doc: str | None, states: type[enum.Enum], events: type[enum.Enum]) -> dict:
+    """The transition table a state module's docstring draws (rows of `state  event -> next`),
+    as the module's `TRANSITIONS` maps it: (state, event) -> next state."""
+    documented = {}
+    for state, moves in re.findall(r"^    (\w+) {2,}(.*)$", doc or "", re.MULTILINE):
+        if state == "state":
+            continue  # the header
+        for event, after in re.findall(r"(\w+) -> (\w+)", moves):
+            documented[states(state), events(event)] = states(after)
+    return documented

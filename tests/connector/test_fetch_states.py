@@ -6,13 +6,12 @@ with stand-ins for the sessions, the transport and the copier (each step run by 
 from __future__ import annotations
 
 import itertools
-import re
 import time
 from concurrent.futures import Future
 
 import numpy as np
 import pytest
-from helpers import side_specs
+from helpers import documented_moves, side_specs
 
 from kvxfer.connector.consumer import FetchHandle
 from kvxfer.connector.consumer import states as states_mod
@@ -96,14 +95,7 @@ def test_every_other_move_raises(state, event):
 
 
 def test_the_docstring_table_is_the_table():
-    rows = re.findall(r"^    (\w+) {2,}(.*)$", states_mod.__doc__ or "", re.MULTILINE)
-    documented = {}
-    for state, moves in rows:
-        if state == "state":
-            continue  # the header
-        for event, after in re.findall(r"(\w+) -> (\w+)", moves):
-            documented[ChunkState(state), ChunkEvent(event)] = ChunkState(after)
-    assert documented == TRANSITIONS
+    assert documented_moves(states_mod.__doc__, ChunkState, ChunkEvent) == TRANSITIONS
 
 
 def test_a_failure_while_copying_waits_for_the_copy():

@@ -5,10 +5,10 @@ its code), and a session's bookkeeping of each move (`ConsumerSession.advance`).
 from __future__ import annotations
 
 import itertools
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from helpers import documented_moves
 
 from kvxfer.connector.messages import TransferRequest
 from kvxfer.connector.producer import states as states_mod
@@ -64,14 +64,7 @@ def test_every_other_move_raises(state, event):
 
 
 def test_the_docstring_table_is_the_table():
-    rows = re.findall(r"^    (\w+) {2,}(.*)$", states_mod.__doc__ or "", re.MULTILINE)
-    documented = {}
-    for state, moves in rows:
-        if state == "state":
-            continue  # the header
-        for event, after in re.findall(r"(\w+) -> (\w+)", moves):
-            documented[ServedState(state), ServedEvent(event)] = ServedState(after)
-    assert documented == TRANSITIONS
+    assert documented_moves(states_mod.__doc__, ServedState, ServedEvent) == TRANSITIONS
 
 
 def test_a_pack_under_way_is_never_cut_short():
