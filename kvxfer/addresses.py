@@ -1,12 +1,14 @@
 """Checks of network addresses given by users and peers (hosts, side-channel addresses,
-transport endpoints) with errors that say the fix. Standard library only: the bootstrap
-service, which imports no torch, checks registrations with them; `kvxfer.validation`
-re-exports them beside its checks of caches and block tables."""
+transport endpoints) with errors that say the fix, and free local ports (`free_port`).
+Standard library only: the bootstrap service, which imports no torch, checks registrations with
+them; `kvxfer.validation` re-exports them beside its checks of caches and block tables."""
 
 from __future__ import annotations
 
 import ipaddress
+import random
 import re
+import socket
 
 _LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z")
 
@@ -178,3 +180,48 @@ def check_transport_endpoint(endpoint: object) -> str:
             "host and a port in 1..65535, e.g. 127.0.0.1:15321"
         )
     return endpoint
+
+
+LOCAL_HOST = "127.0.0.1"
+# Ports handed out by `free_port`: see its docstring.
+PORTS = (20000, 32767)
+_handed_out: set[int] = set()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now, outside the kernel's ephemeral range,
+    never handed out before by this process (for the servers that tests, scripts and the demo
+    start).
+
+    Ports are handed out below the kernel's ephemeral range (32768-60999 by default): the kernel's
+    own choices (port 0, which vLLM's internal sockets and Mooncake's take) never land there, so a
+    port chosen here and bound a moment later by a server cannot be taken meanwhile. From the
+    kernel's choice, an engine's bootstrap port was taken by another engine starting beside it
+    ("Address already in use"). Mooncake picks 15000-17000: above that.
+
+    Raises:
+        RuntimeError: 1,000 tries found none.
+    """
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randint(*PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((LOCAL_HOST, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {PORTS} after 1,000 tries")
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports (`free_port`)."""
+    return [free_port() for _ in range(count)]
+
+
+def unused_address() -> str:
+    """A side-channel address nothing listens on: `tcp://127.0.0.1:<free_port()>`."""
+    return f"tcp://{LOCAL_HOST}:{free_port()}"

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
-import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import vllm_e2e_driver as driver
+
+from kvxfer.addresses import free_port
 
 HOST = "127.0.0.1"
 MODEL_NAME = "tiny-qwen2"
@@ -39,33 +39,6 @@ ENGINE_ENV = {
     "no_proxy": f"{HOST},localhost",
     "NO_PROXY": f"{HOST},localhost",
 }
-
-
-# Ports handed out below the kernel's ephemeral range (32768-60999 by default): the kernel's
-# own choices (port 0, which vLLM's internal sockets and Mooncake's take) never land there, so
-# a port chosen here and bound a moment later by an engine cannot be taken meanwhile. From the
-# kernel's choice, an engine's bootstrap port was taken by another engine starting beside it
-# ("Address already in use"). Mooncake picks 15000-17000: above that.
-_PORTS = (20000, 32767)
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now, outside the kernel's ephemeral range, never handed
-    out before by this process."""
-    rng = random.Random()
-    for _ in range(1000):
-        port = rng.randint(*_PORTS)
-        if port in _handed_out:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((HOST, port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise driver.E2EError(f"no free port in {_PORTS} after 1,000 tries")
 
 
 @dataclasses.dataclass

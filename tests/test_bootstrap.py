@@ -9,7 +9,6 @@ import hmac
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 import pytest
 
+from kvxfer.addresses import free_port
 from kvxfer.integrations.bootstrap import (
     PROOF_HEADER,
     BootstrapClient,
@@ -53,12 +53,6 @@ def server():
 @pytest.fixture()
 def client(server):
     return BootstrapClient(server.address, timeout_s=5)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _raw(server, method, path, body=None, headers=None):
@@ -206,7 +200,7 @@ def test_entries_expire_without_renewal():
 
 
 def test_registration_waits_for_the_service_renews_and_unregisters():
-    port = _free_port()
+    port = free_port()
     info = _worker(tp=0, ttl_s=0.6)  # renewed every 0.2 s
     registration = Registration(BootstrapClient(f"127.0.0.1:{port}", timeout_s=1), info).start()
     try:
@@ -245,7 +239,7 @@ def test_lookup_waits_for_ranks_that_register_late(server, client):
 
 
 def test_unreachable_service_is_a_clear_error():
-    client = BootstrapClient(f"127.0.0.1:{_free_port()}", timeout_s=1)
+    client = BootstrapClient(f"127.0.0.1:{free_port()}", timeout_s=1)
     with pytest.raises(BootstrapUnavailable, match=r"did not answer GET /v1/health"):
         client.health()
     with pytest.raises(LookupError, match=r"not found through the bootstrap service"):
@@ -397,7 +391,7 @@ def test_the_package_imports_neither_torch_nor_zeromq():
 
 
 def test_python_dash_m_serves_until_interrupted():
-    port = _free_port()
+    port = free_port()
     service = subprocess.Popen(
         [sys.executable, "-m", "kvxfer.integrations.bootstrap", "--port", str(port)],
         stdout=subprocess.PIPE,

@@ -21,6 +21,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from kvxfer.addresses import free_ports
+
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_sglang_e2e.sh"
 
@@ -134,22 +136,6 @@ FAKE_ROUTER = textwrap.dedent(
 )
 
 
-def _free_ports(count: int) -> list[int]:
-    """Free ports below the ephemeral range (where other tests' outgoing connections would
-    take a port released here), from a start of this process's own."""
-    found: list[int] = []
-    for port in range(21000 + os.getpid() % 4000, 30000):
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        found.append(port)
-        if len(found) == count:
-            return found
-    raise RuntimeError("no free ports in 21000-30000")
-
-
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     site = tmp_path / "site"
     for package, module, text in (
@@ -163,7 +149,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     (tmp_path / "record").mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_SGLANG", "KVXFER"))}
     names = ("BASELINE_PORT", "PREFILL_PORT", "DECODE_PORT", "ROUTER_PORT", "BOOTSTRAP_PORT")
-    env.update(zip(names, map(str, _free_ports(len(names))), strict=True))
+    env.update(zip(names, map(str, free_ports(len(names))), strict=True))
     env.update(
         PYTHON=sys.executable,
         PYTHONPATH=str(site),

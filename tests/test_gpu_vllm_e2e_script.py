@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from kvxfer.addresses import free_ports
 from kvxfer.integrations.pd_proxy import make_server as make_proxy
 
 ROOT = Path(__file__).parents[1]
@@ -394,7 +395,7 @@ def test_wait_and_ports(servers):
     port = int(url.rsplit(":", 1)[1])
     with pytest.raises(e2e.E2EError, match=rf"already listens on 127\.0\.0\.1:\[{port}\]"):
         e2e.check_ports_free([port])
-    closed = _free_ports(1)[0]
+    closed = free_ports(1)[0]
     e2e.check_ports_free([closed])
     with pytest.raises(e2e.E2EError, match=r"did not answer within 0\.2 s"):
         e2e.wait_ready(f"http://127.0.0.1:{closed}/health", timeout=0.2)
@@ -430,16 +431,6 @@ FAKE_PYTEST_MAIN = textwrap.dedent(
     sys.exit(1 if failing else 0)
     """
 )
-
-
-def _free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def _bindable(port):
@@ -494,7 +485,7 @@ def _script_env(tmp_path, *, fake_gpu=True, fake_vllm=True, **extra):
         (tmp_path / "record").mkdir()
         env["FAKE_VLLM_RECORD"] = str(tmp_path / "record")
     env["PYTHONPATH"] = os.pathsep.join(path)
-    ports = _free_ports(4)
+    ports = free_ports(4)
     names = ("BASELINE_PORT", "PREFILL_PORT", "DECODE_PORT", "PROXY_PORT")
     env.update(zip(names, map(str, ports), strict=True))
     # The prefill side channel's port, and the decode's 100 above it, both free.

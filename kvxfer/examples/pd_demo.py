@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import socket
 import sys
 import time
 import traceback
@@ -28,6 +27,7 @@ from typing import Any, TextIO
 import numpy as np
 import torch
 
+from kvxfer.addresses import free_port
 from kvxfer.examples.model import ModelConfig, ShardedModel, init_weights
 from kvxfer.logs import filtered_stderr, set_mooncake_log_level
 from kvxfer.spec import KVCacheSpec, allocate_kv_caches
@@ -246,12 +246,6 @@ def decode_rank(options: dict, rank: int, port: int, addresses: list[str], first
         conn.send({"error": traceback.format_exc()})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class _Progress:
     """The demo's stages as one tqdm bar on a terminal (`stream` a TTY); nothing otherwise."""
 
@@ -311,7 +305,7 @@ def run_demo(options: DemoOptions, progress: TextIO | None = None) -> dict[str, 
         stages.done()
 
         stages.start(f"prefill: {options.prefill_tp} ranks prefill {options.prompt_tokens} tokens")
-        port = _free_port()
+        port = free_port()
         prefill = []
         for rank in range(options.prefill_tp):
             parent, child = ctx.Pipe()
@@ -327,7 +321,7 @@ def run_demo(options: DemoOptions, progress: TextIO | None = None) -> dict[str, 
         stages.done()
 
         stages.start(f"decode: {options.decode_tp} ranks start and shake hands")
-        port = _free_port()
+        port = free_port()
         addresses = [m["address"] for m in ready]
         decode = []
         for rank in range(options.decode_tp):

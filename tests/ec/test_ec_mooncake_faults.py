@@ -13,7 +13,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -28,6 +27,7 @@ from ec_cases import (
     zero_dim_items,
 )
 
+from kvxfer.addresses import unused_address
 from kvxfer.ec import ECConnectorFactory, ECLoadError
 from kvxfer.testing import POISON
 from kvxfer.testing.processes import start_child
@@ -75,12 +75,6 @@ def _consumer(addresses, **config):
     return ECConnectorFactory.create("MooncakeECConnector", "consumer", config)
 
 
-def _free_address() -> str:
-    with socket.socket() as s:  # a port nothing listens on once this closes
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
 def _timed(fn, *args):
     t0 = time.monotonic()
     result = fn(*args)
@@ -97,7 +91,7 @@ def test_frozen_and_missing_producers_are_skipped_and_the_others_serve(processes
     proc_a, address_a = _producer(processes, picks=range(0, 6))
     _, address_b = _producer(processes, picks=range(6, 12))
     a_item, b_item = HASHES[0], HASHES[6]
-    addresses = [_free_address(), address_a, address_b]
+    addresses = [unused_address(), address_a, address_b]
     skip_s, load_timeout_s = 10.0, 120.0
     config = {"query_timeout_s": 1.0, "retry_after_s": skip_s, "timeout_s": load_timeout_s}
     with _consumer(addresses, **PATIENT) as patient, _consumer(addresses, **config) as consumer:
@@ -224,7 +218,7 @@ def test_an_item_held_by_a_later_producer_is_found_when_the_first_is_frozen(proc
 
 def test_only_missing_producers_answer_false_fast_and_loads_fail_clearly():
     config = {"query_timeout_s": 0.3, "timeout_s": 120.0}
-    with _consumer([_free_address(), _free_address()], **config) as consumer:
+    with _consumer([unused_address(), unused_address()], **config) as consumer:
         found, seconds = _timed(consumer.has, HASHES[0])  # at the query's timeout, not the load's
         assert found is False and seconds < config["timeout_s"] / 2, seconds
         with pytest.raises(ECLoadError, match="no producer could serve"):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,18 +21,14 @@ import pytest
 import torch
 from ranks import POISON_BYTE, WAIT_S, RankConfig, global_kv, heads_of, run_rank
 
+from kvxfer.addresses import free_port
+
 POISON_WORD = POISON_BYTE << 8 | POISON_BYTE  # a poisoned bf16, as the int16 it is read as
 # How long a rank may take to answer (start, import SGLang, transfer): a guard against a hang
 # only, since a rank that exits is seen at once. A loaded machine stalls processes for seconds.
 RANK_HANG_S = 600.0
 
 TOKENS = 100  # not a whole number of pages: the last page is partial on both sides
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _model(path: Path, kv_heads: int) -> str:
@@ -80,7 +75,7 @@ def bootstrap_port() -> Iterator[int]:
     load_plugins()  # before importing get_kv_class: the plugin's hook rebinds it
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
-    port = _free_port()
+    port = free_port()
     server = get_kv_class(TransferBackend("kvxfer"), KVClassType.BOOTSTRAP_SERVER)(
         host="127.0.0.1", port=port
     )
@@ -137,7 +132,7 @@ def _run_pair(
     ctx = _rank_context()
     configs = []
     pool_tokens = 512
-    dist_port = _free_port()  # the prefill's process groups, where a case builds them
+    dist_port = free_port()  # the prefill's process groups, where a case builds them
     for side, (role, (tp, page)) in enumerate((("prefill", prefill), ("decode", decode))):
         pages = _pages(-(-TOKENS // page), pool_tokens // page, seed=room + tp)
         stages = pp_size if role == "prefill" else 1

@@ -12,7 +12,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 from typing import Any, ClassVar
 
@@ -20,6 +19,7 @@ import pytest
 import torch
 from pd_engines import MULTIMODAL_MODEL, free_port_base, write_model
 
+from kvxfer.addresses import unused_address
 from kvxfer.ec import ECConnectorFactory
 from kvxfer.ec.shared_storage import SharedStorageECConnector
 from kvxfer.testing.signals import freeze
@@ -356,12 +356,6 @@ def _producer_main(items: dict[str, torch.Tensor], conn) -> None:
     producer.close()
 
 
-def _dead_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
 def test_a_frozen_producer_never_stalls_the_scheduler(model_dir, monkeypatch):
     """Producer A (SIGSTOPped) holds img-a, producer B holds img-b, a third address has no
     process: every `schedule()` returns at once, img-b is loaded bit for bit from B, img-a is
@@ -386,7 +380,7 @@ def test_a_frozen_producer_never_stalls_the_scheduler(model_dir, monkeypatch):
         query_s, load_s = 10.0, 120.0
         extra = {
             "backend": "MooncakeECConnector",
-            "producer_addresses": [_dead_address(), *addresses],
+            "producer_addresses": [unused_address(), *addresses],
             "recv_bytes": 1 << 20,
             "query_timeout_s": query_s,
             "timeout_s": load_s,
