@@ -1,4 +1,5 @@
-"""The prefill engines a decode worker loads from (`kvxfer.integrations.vllm.remotes`), without
+"""The prefill engines a decode worker loads from (`kvxfer.integrations.vllm.remotes` and
+`connections`), without
 sockets or threads: a remote engine's connection changes only through the transition table,
 and `RemoteEngines` applies the reconnect rules of its module docstring, driven here by fake
 consumers, a fake bootstrap look-up and background work that runs when the test says so.
@@ -14,18 +15,17 @@ from typing import Any
 
 import pytest
 
-from kvxfer.integrations.vllm.loads import Load
-from kvxfer.integrations.vllm.metadata import LoadSpec, RemoteEngine
-from kvxfer.integrations.vllm.remotes import (
+from kvxfer.integrations.vllm.connections import (
     TRANSITIONS,
     Connection,
     Event,
     IllegalTransition,
     Remote,
-    RemoteEngines,
-    Route,
     next_state,
 )
+from kvxfer.integrations.vllm.loads import Load
+from kvxfer.integrations.vllm.metadata import LoadSpec, RemoteEngine, Route
+from kvxfer.integrations.vllm.remotes import RemoteEngines
 
 BOOTSTRAP = "http://10.0.0.1:5690"
 AT_A = ("tcp://10.0.0.2:7000", "tcp://10.0.0.2:7001")  # two producer ranks
@@ -73,6 +73,7 @@ class Consumer:
         return self.dead
 
     def close(self) -> None:
+        assert not self.closed, "closed twice"
         self.closed = True
 
 
@@ -96,9 +97,14 @@ class Engines:
         self.created.append(Consumer(self.fail))
         return self.created[-1]
 
-    def _look_up(self, bootstrap: str, engine_id: str, dp_rank: int):
+    def _look_up(self, bootstrap: str, engine_id: str, dp_rank: int | None):
         assert bootstrap == BOOTSTRAP
         self.looked_up += 1
+        if dp_rank is None:  # the engine id's only DP rank, as the bootstrap client finds it
+            ranks = [rank for engine, rank in self.registered if engine == engine_id]
+            if len(ranks) != 1:
+                raise LookupError(f"engine {engine_id!r} has DP ranks {ranks}")
+            (dp_rank,) = ranks
         if (engine_id, dp_rank) not in self.registered:
             raise LookupError(f"engine {engine_id!r} DP rank {dp_rank} not found")
         addresses, generation = self.registered[engine_id, dp_rank]
@@ -130,7 +136,7 @@ class Engines:
                 return
 
 
-def _engine(engine_id: str = "prefill", dp_rank: int = 0) -> RemoteEngine:
+def _engine(engine_id: str = "prefill", dp_rank: int | None = 0) -> RemoteEngine:
     return RemoteEngine(engine_id, dp_rank, BOOTSTRAP)
 
 
@@ -146,7 +152,10 @@ def test_every_change_the_table_does_not_list_raises() -> None:
         if (state, event) in TRANSITIONS:
             assert next_state(state, event) is TRANSITIONS[state, event]
         else:
-            with pytest.raises(IllegalTransition, match=f"{event.value!r} in state"):
+            with pytest.raises(
+                IllegalTransition,
+                match=f"in state {state.value!r} cannot take event {event.value!r}",
+            ):
                 next_state(state, event)
     assert not any(state is Connection.RETIRED for state, _ in TRANSITIONS)  # no way back
     # Only a connect's outcome leaves CONNECTING (a failed load there changes nothing).
@@ -156,12 +165,16 @@ def test_every_change_the_table_does_not_list_raises() -> None:
 
 def test_a_remote_refuses_an_outcome_it_did_not_wait_for() -> None:
     remote = Remote("prefill", 0)
-    with pytest.raises(IllegalTransition, match=r"engine prefill \(DP rank 0\): 'connected'"):
+    with pytest.raises(
+        IllegalTransition, match=r"engine prefill \(DP rank 0\): .* cannot take event 'connected'"
+    ):
         remote.on_connected(Route(BOOTSTRAP), AT_A, None, None)
-    with pytest.raises(IllegalTransition, match="'retire' in state 'new'"):
+    with pytest.raises(IllegalTransition, match="in state 'new' cannot take event 'retire'"):
         remote.retire()
     remote.start_connect(Route(BOOTSTRAP))
-    with pytest.raises(IllegalTransition, match="'connect' in state 'connecting'"):
+    with pytest.raises(
+        IllegalTransition, match="in state 'connecting' cannot take event 'connect'"
+    ):
         remote.start_connect(Route(BOOTSTRAP))
     assert remote.state is Connection.CONNECTING  # a refused change changes nothing
 
@@ -300,6 +313,60 @@ def test_an_engine_found_where_another_was_retires_the_other() -> None:
     assert old.state is Connection.RETIRED
     assert [str(r) for r in engines.remotes.known()] == ["new (DP rank 0)"]
     assert engines.created[0].closed and not engines.created[1].closed
+
+
+def test_one_engine_named_with_and_without_its_dp_rank_shares_one_consumer() -> None:
+    """kvxfer's proxy names the prefill's DP rank, vllm-router's mooncake mode names the engine
+    id only: switching between them looks the engine up, and creates, connects and closes
+    nothing."""
+    engines = Engines()
+    engines.registered["prefill", 0] = (AT_A, "g1")
+    engines.load(_engine(dp_rank=0), "r1")
+    engines.settle()
+    unnamed = engines.load(_engine(dp_rank=None), "r2")
+    engines.settle()
+    again = engines.load(_engine(dp_rank=0), "r3")  # ready at once: no connect
+    assert not engines.pool.queued
+    engines.load(_engine(dp_rank=None), "r4")
+    (consumer,) = engines.created
+    assert consumer.connects == [[[a] for a in AT_A]] and not consumer.closed
+    assert engines.looked_up == 1  # the second name needs no look-up
+    assert [load.spec.request_id for load in engines.fetched] == ["r1", "r2", "r3", "r4"]
+    assert unnamed in engines.fetched and again in engines.fetched
+    assert sorted(str(r) for r in engines.remotes.known()) == [
+        "prefill (DP rank 0)",
+        "prefill (its DP rank)",
+    ]
+    engines.remotes.close()
+    assert consumer.closed  # once: the fake refuses a second close
+
+
+def test_a_shared_consumer_is_never_connected_elsewhere_in_place() -> None:
+    """The engine restarted elsewhere: the remote that finds it first connects a consumer of
+    its own; the other keeps the shared one until it looks the engine up itself, and the one
+    no remote holds any more is closed."""
+    engines = Engines()
+    engines.registered["prefill", 0] = (AT_A, "g1")
+    engines.load(_engine(dp_rank=0), "r1")
+    engines.settle()
+    engines.load(_engine(dp_rank=None), "r2")
+    engines.settle()
+    engines.registered["prefill", 0] = (AT_B, "g2")
+    engines.remotes.load_failed(_engine(dp_rank=None))
+    engines.load(_engine(dp_rank=None), "r3")
+    engines.settle()
+    first, second = engines.created
+    assert first.connects == [[[a] for a in AT_A]] and not first.closed  # DP rank 0 holds it
+    assert second.connects == [[[a] for a in AT_B]]
+    engines.remotes.load_failed(_engine(dp_rank=0))
+    engines.load(_engine(dp_rank=0), "r4")
+    engines.settle()
+    assert [load.spec.request_id for load in engines.fetched] == ["r1", "r2", "r3", "r4"]
+    (remote_0,) = [r for r in engines.remotes.known() if r.dp_rank == 0]
+    assert remote_0.consumer is not None and remote_0.connected == AT_B
+    assert [c.closed for c in engines.created] == [
+        remote_0.consumer is not c for c in (first, second)
+    ]
 
 
 def test_aborts_are_sent_at_once_or_by_the_connect_they_wait_for() -> None:

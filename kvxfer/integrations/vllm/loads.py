@@ -14,8 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvxfer.connector import GroupedFetch, TransferResult
-from kvxfer.integrations.vllm.metadata import AbortSpec, LoadSpec
-from kvxfer.integrations.vllm.remotes import Route
+from kvxfer.integrations.vllm.metadata import AbortSpec, LoadSpec, Route
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """What the scheduler side tells the worker side each step (vLLM's connector metadata), and where
-a decode request's KV lies (`RemoteEngine`, read from its `kv_transfer_params`)."""
+a decode request's KV lies (`RemoteEngine`, read from its `kv_transfer_params`, and the `Route`
+to its ranks)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,25 @@ class RemoteEngine:
         where = self.bootstrap_addr or f"{self.host}:{self.port}"
         rank = "its DP rank" if self.dp_rank is None else f"DP rank {self.dp_rank}"
         return f"{self.engine_id} ({rank}, {where})"
+
+
+@dataclass(frozen=True)
+class Route:
+    """How a remote engine's ranks are found: through a bootstrap service (the prefill
+    engine's parameters name one), or at fixed addresses (parameters that name none)."""
+
+    bootstrap: str | None
+    addresses: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, remote: RemoteEngine) -> Route:
+        """The route a request's parameters name."""
+        if remote.bootstrap_addr is not None:
+            return cls(remote.bootstrap_addr)
+        return cls(None, remote.fixed_addresses())
+
+    def __str__(self) -> str:
+        return self.bootstrap or ", ".join(self.addresses)
 
 
 def _count(params: dict[str, Any], key: str, default: int | None, *, lowest: int) -> int | None:

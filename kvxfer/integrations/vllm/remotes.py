@@ -1,16 +1,6 @@
-"""The prefill engines a decode worker loads from: a `Remote` per DP rank of a prefill engine,
-whose connection moves through an explicit state machine (`Connection`, one table of
-`TRANSITIONS`; any other change raises `IllegalTransition`), and `RemoteEngines`, which looks
-them up and connects them off the engine's thread.
-
-    NEW                              --connect-->      CONNECTING
-    CONNECTING                       --connected-->    CONNECTED
-    CONNECTING                       --failed-->       DISCONNECTED
-    CONNECTED                        --load failed-->  STALE
-    CONNECTED, STALE, DISCONNECTED   --connect-->      CONNECTING
-    CONNECTED, STALE, DISCONNECTED   --retire-->       RETIRED
-
-(a failed load changes nothing in CONNECTING, STALE or DISCONNECTED).
+"""The prefill engines a decode worker loads from: `RemoteEngines` keeps a `Remote` per DP rank
+of a prefill engine (`kvxfer.integrations.vllm.connections`: its connection's state machine),
+looks them up and connects them off the engine's thread.
 
 - Connecting runs on the worker's thread pool, one task per remote engine while it connects:
   looking its ranks up in its bootstrap service, then creating and connecting its
@@ -30,6 +20,14 @@ them up and connects them off the engine's thread.
 - An engine found where other engines were connected retires them (RETIRED): they restarted
   under a new engine id (vLLM's default), so nothing of theirs comes back. A remote that never
   connected, whose connect failed and for which nothing waits, is forgotten (RETIRED) too.
+- One engine named two ways, with its DP rank (a router that passes the prefill's answer on)
+  and without (vllm-router's mooncake mode names the engine id only: its only DP rank), is
+  two remotes sharing one consumer: the second takes the first's as it is when the first is
+  ready, without a look-up. Otherwise each switch between two routers would look the engine
+  up, create a Mooncake engine, connect it and retire the other: seconds per worker on 2
+  cores, past `handshake_timeout_s` on a loaded one. A consumer is closed once no remote holds
+  it; a shared one is never connected elsewhere in place (a remote whose look-up found other
+  registrations connects a consumer of its own).
 - Aborts that wait for a connect are sent by the connect's task itself, the moment it is
   connected: the decode engine may not step again, and nothing else would send them.
 """
@@ -37,17 +35,16 @@ them up and connects them off the engine's thread.
 from __future__ import annotations
 
 import concurrent.futures
-import enum
 import logging
 import queue
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvxfer.integrations.bootstrap import BootstrapClient
-from kvxfer.integrations.vllm.metadata import RemoteEngine
+from kvxfer.integrations.vllm.connections import Connection, Fingerprint, Remote
+from kvxfer.integrations.vllm.metadata import RemoteEngine, Route
 
 if TYPE_CHECKING:
     from kvxfer.connector import GroupedConsumer
@@ -56,216 +53,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BACKGROUND_THREADS = 32  # connects in flight at once (one per remote engine), and retirements
-Fingerprint = tuple[tuple[str, str], ...]  # (address, generation) per rank, from the service
 # How a remote's ranks are looked up: (bootstrap address, engine id, DP rank) -> each rank's
 # side channels (`rank_channels`) and the registrations they come from.
 LookUp = Callable[[str, str, int | None], tuple[tuple[str, ...], Fingerprint]]
-
-
-class Connection(enum.Enum):
-    """Where a remote engine's connection stands."""
-
-    NEW = "new"  # created: nothing connected, no connect in flight
-    CONNECTING = "connecting"  # a look-up and connect in flight on the pool
-    CONNECTED = "connected"  # its consumer serves the ranks it was connected to
-    STALE = "stale"  # connected, but a load failed since: look it up again before the next
-    DISCONNECTED = "disconnected"  # its last connect failed; its consumer, if any, is kept
-    RETIRED = "retired"  # forgotten: replaced by another engine, or never connected
-
-
-class Event(enum.Enum):
-    """What happens to a remote engine's connection."""
-
-    CONNECT = "connect"  # a connect starts
-    CONNECTED = "connected"  # the connect in flight succeeded
-    FAILED = "failed"  # the connect in flight failed
-    LOAD_FAILED = "load failed"  # a load from the engine failed
-    RETIRE = "retire"  # the engine is forgotten
-
-
-_C, _E = Connection, Event
-TRANSITIONS: Mapping[tuple[Connection, Event], Connection] = {
-    (_C.NEW, _E.CONNECT): _C.CONNECTING,
-    (_C.CONNECTED, _E.CONNECT): _C.CONNECTING,
-    (_C.STALE, _E.CONNECT): _C.CONNECTING,
-    (_C.DISCONNECTED, _E.CONNECT): _C.CONNECTING,
-    (_C.CONNECTING, _E.CONNECTED): _C.CONNECTED,
-    (_C.CONNECTING, _E.FAILED): _C.DISCONNECTED,
-    (_C.CONNECTED, _E.LOAD_FAILED): _C.STALE,
-    (_C.STALE, _E.LOAD_FAILED): _C.STALE,
-    # While a connect is in flight, its outcome decides; a disconnected engine connects again
-    # before its next load anyway.
-    (_C.CONNECTING, _E.LOAD_FAILED): _C.CONNECTING,
-    (_C.DISCONNECTED, _E.LOAD_FAILED): _C.DISCONNECTED,
-    (_C.CONNECTED, _E.RETIRE): _C.RETIRED,
-    (_C.STALE, _E.RETIRE): _C.RETIRED,
-    (_C.DISCONNECTED, _E.RETIRE): _C.RETIRED,
-}
-
-
-class IllegalTransition(RuntimeError):
-    """A remote engine's connection was asked to change in a way `TRANSITIONS` does not list:
-    a bug in the worker, never a network condition."""
-
-
-def next_state(state: Connection, event: Event) -> Connection:
-    """The state `event` moves `state` to.
-
-    Raises:
-        IllegalTransition: `TRANSITIONS` has no such change.
-    """
-    try:
-        return TRANSITIONS[state, event]
-    except KeyError:
-        raise IllegalTransition(f"{event.value!r} in state {state.value!r}") from None
-
-
-@dataclass(frozen=True)
-class Route:
-    """How a remote engine's ranks are found: through a bootstrap service (the prefill
-    engine's parameters name one), or at fixed addresses (parameters that name none)."""
-
-    bootstrap: str | None
-    addresses: tuple[str, ...] = ()
-
-    @classmethod
-    def of(cls, remote: RemoteEngine) -> Route:
-        """The route a request's parameters name."""
-        if remote.bootstrap_addr is not None:
-            return cls(remote.bootstrap_addr)
-        return cls(None, remote.fixed_addresses())
-
-    def __str__(self) -> str:
-        return self.bootstrap or ", ".join(self.addresses)
-
-
-@dataclass(eq=False)
-class Remote:
-    """One DP rank of a prefill engine this worker loads from. Only the engine's thread
-    touches it, but for `aborts`; its state changes only through `TRANSITIONS`.
-
-    Attributes:
-        consumer: its `GroupedConsumer`, once a connect created one.
-        connected: the ranks `consumer` is connected to, each rank's side channels
-            (`rank_channels`): set while CONNECTED or STALE, kept while CONNECTING.
-        route: how `connected` was found.
-        fingerprint: the registrations `connected` came from (None: unknown).
-        seen_at: where the engine was last connected (to retire engines it replaced).
-        connecting: the route of the connect in flight (CONNECTING only).
-        waiting: loads waiting for the connect in flight.
-        aborts: aborts waiting for a connect, with their routes: the connect's task sends
-            them (the pool's threads touch them: guarded by `_aborts_lock`).
-    """
-
-    engine_id: str
-    dp_rank: int | None  # None: the engine id's only DP rank, found through the bootstrap
-    consumer: GroupedConsumer | None = None
-    connected: tuple[str, ...] | None = None
-    route: Route | None = None
-    fingerprint: Fingerprint | None = None
-    seen_at: tuple[str, ...] = ()
-    connecting: Route | None = None
-    waiting: list[Load] = field(default_factory=list)
-    aborts: list[tuple[Route, str]] = field(default_factory=list)
-    _state: Connection = field(default=Connection.NEW, init=False)
-    _aborts_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
-
-    @property
-    def state(self) -> Connection:
-        """Where its connection stands (changed by the methods below, through the table)."""
-        return self._state
-
-    @property
-    def key(self) -> tuple[str, int | None]:
-        """(engine id, DP rank)."""
-        return self.engine_id, self.dp_rank
-
-    def __str__(self) -> str:
-        rank = "its DP rank" if self.dp_rank is None else f"DP rank {self.dp_rank}"
-        return f"{self.engine_id} ({rank})"
-
-    def ready(self, route: Route) -> bool:
-        """Whether its consumer serves `route` as it is, with no connect in flight: for fixed
-        addresses, connected to them; for a bootstrap route, connected to what it found there,
-        no load failed since and no producer rank lost (a restarted worker registers new
-        ports: look it up again first)."""
-        if self.state not in (Connection.CONNECTED, Connection.STALE):
-            return False
-        if route.bootstrap is None:
-            return self.connected == route.addresses
-        return (
-            self.state is Connection.CONNECTED
-            and self.route == route
-            and every_session_alive(self.consumer)
-        )
-
-    def start_connect(self, route: Route) -> None:
-        """A connect along `route` starts."""
-        self._move(Event.CONNECT)
-        self.connecting = route
-
-    def on_connected(
-        self,
-        route: Route,
-        addresses: tuple[str, ...],
-        fingerprint: Fingerprint | None,
-        consumer: GroupedConsumer | None,
-    ) -> None:
-        """The connect in flight connected `consumer` to `addresses` (found along `route`,
-        from the registrations `fingerprint` when it looked them up)."""
-        self._move(Event.CONNECTED)
-        self.connecting, self.connected = None, addresses
-        if self.seen_at and self.seen_at != addresses:
-            log.info(
-                "kvxfer: engine %s is now at %s (was %s): connected again",
-                self,
-                ", ".join(addresses),
-                ", ".join(self.seen_at),
-            )
-        self.consumer, self.seen_at, self.route = consumer, addresses, route
-        if fingerprint is not None:
-            self.fingerprint = fingerprint
-        elif self.fingerprint and tuple(a for a, _ in self.fingerprint) != addresses:
-            self.fingerprint = None  # connected elsewhere: its registrations unknown
-
-    def on_failed(self) -> None:
-        """The connect in flight failed."""
-        self._move(Event.FAILED)
-        self.connecting, self.connected = None, None
-
-    def load_failed(self) -> None:
-        """A load from this engine failed: look it up again before the next one."""
-        self._move(Event.LOAD_FAILED)
-
-    def retire(self) -> None:
-        """Forget the engine."""
-        self._move(Event.RETIRE)
-
-    def add_abort(self, route: Route, remote_request_id: str) -> None:
-        """An abort to send once connected along `route`."""
-        with self._aborts_lock:
-            self.aborts.append((route, remote_request_id))
-
-    def take_aborts(self, route: Route) -> list[str]:
-        """Remove and return the aborts waiting for a connect along `route`."""
-        with self._aborts_lock:
-            mine = [rid for where, rid in self.aborts if where == route]
-            self.aborts = [(where, rid) for where, rid in self.aborts if where != route]
-        return mine
-
-    def next_route(self) -> Route | None:
-        """The route of the next connect that something waits for: the last waiting load's,
-        else the last waiting abort's (None: nothing waits)."""
-        if self.waiting:
-            return self.waiting[-1].route
-        with self._aborts_lock:
-            return self.aborts[-1][0] if self.aborts else None
-
-    def _move(self, event: Event) -> None:
-        try:
-            self._state = next_state(self._state, event)
-        except IllegalTransition as exc:
-            raise IllegalTransition(f"kvxfer: engine {self}: {exc}") from None
 
 
 @dataclass
@@ -338,11 +128,39 @@ class RemoteEngines:
         if remote.state is Connection.CONNECTING:
             return
         consumer = remote.consumer
+        alias = self._alias(remote, route) if consumer is None else None
+        remote.start_connect(route)
+        if alias is not None:  # connected as it is: no look-up, no handshake
+            found = _Outcome(remote, route, alias.seen_at, alias.fingerprint, alias.consumer, None)
+            self._outcomes.put(found)
+            return
+        shared = consumer is not None and self._held_by_another(consumer, remote)
         if consumer is None:
             consumer, self._spare = self._spare, None
         current = (remote.connected, remote.fingerprint)
-        remote.start_connect(route)
-        self._in_background(self._connect_task, remote, consumer, route, current)
+        self._in_background(self._connect_task, remote, consumer, route, current, shared)
+
+    def _alias(self, remote: Remote, route: Route) -> Remote | None:
+        """A remote ready along `route` that is `remote`'s engine named the other way (one
+        of the two without its DP rank). vLLM's engine ids are per DP rank (`_dp<rank>`
+        suffixed), so both name the same ranks, which that remote's consumer is connected to
+        and has lost none of: `remote` shares it without looking the engine up (a starved
+        prefill engine's bootstrap service may not answer in time)."""
+        for other in self._remotes.values():
+            if (
+                other is not remote
+                and other.engine_id == remote.engine_id
+                and None in (other.dp_rank, remote.dp_rank)
+                and other.ready(route)
+            ):
+                return other
+        return None
+
+    def _held_by_another(self, consumer: GroupedConsumer, remote: Remote | None = None) -> bool:
+        """Whether a remote other than `remote`, or the spare, holds `consumer`."""
+        return consumer is self._spare or any(
+            r.consumer is consumer for r in self._remotes.values() if r is not remote
+        )
 
     def abort(self, where: RemoteEngine, remote_request_id: str) -> None:
         """Tell the engine `where` names that vLLM gave up `remote_request_id`: at once when
@@ -400,9 +218,9 @@ class RemoteEngines:
                 consumers.append(self._outcomes.get_nowait().consumer)
             except queue.Empty:
                 break
-        for consumer in consumers:
-            if consumer is not None:
-                consumer.close()
+        # Once each: remotes may share one.
+        for consumer in {id(c): c for c in consumers if c is not None}.values():
+            consumer.close()
         self._remotes.clear()
 
     # ---- the engine's thread ----
@@ -420,7 +238,10 @@ class RemoteEngines:
             outcome.error,
         )
         if error is None:
+            before = remote.consumer
             remote.on_connected(route, outcome.addresses, outcome.fingerprint, consumer)
+            if before is not consumer:  # it held a shared one, connected elsewhere now
+                self._close_unheld(before)
             self._retire_others(remote)
         else:
             remote.on_failed()
@@ -463,6 +284,8 @@ class RemoteEngines:
         for other in list(self._remotes.values()):
             if other is remote or other.state is Connection.CONNECTING or other.waiting:
                 continue
+            if other.consumer is not None and other.consumer is remote.consumer:
+                continue  # the same engine named the other way (`_alias`)
             if set(other.seen_at) & set(remote.seen_at):
                 other.retire()
                 del self._remotes[other.key]
@@ -472,8 +295,12 @@ class RemoteEngines:
                     other,
                     ", ".join(remote.seen_at),
                 )
-                if other.consumer is not None:  # fails its fetches still running, if any
-                    self._in_background(other.consumer.close)
+                self._close_unheld(other.consumer)  # fails its fetches still running, if any
+
+    def _close_unheld(self, consumer: GroupedConsumer | None) -> None:
+        """Close `consumer` in the background unless a remote or the spare still holds it."""
+        if consumer is not None and not self._held_by_another(consumer):
+            self._in_background(consumer.close)
 
     def _in_background(self, target: Callable[..., Any], *args: Any) -> None:
         self._tasks.append(self._pool.submit(target, *args))
@@ -486,12 +313,14 @@ class RemoteEngines:
         consumer: GroupedConsumer | None,
         route: Route,
         current: tuple[tuple[str, ...] | None, Fingerprint | None],
+        shared: bool,
     ) -> None:
         """Find `remote`'s ranks along `route` (its bootstrap service), then connect
         `consumer` (created first if None) to them, unless it is connected to them already
         (`current`: its addresses, and the registrations they came from, if known: a new
         generation at the same addresses is a restart, connected again); hand the outcome to
-        the engine's thread, which owns `remote`."""
+        the engine's thread, which owns `remote`. A `shared` consumer (another remote holds
+        it) is used as it is or not at all: a new one is connected instead."""
         addresses, fingerprint, error = route.addresses, None, None
         connected, known = current
         try:
@@ -499,16 +328,19 @@ class RemoteEngines:
                 addresses, fingerprint = self._look_up(
                     route.bootstrap, remote.engine_id, remote.dp_rank
                 )
-            if consumer is None:
-                consumer = self._new_consumer()
             same = fingerprint is None or known is None or fingerprint == known
             if connected != addresses or not same:
+                if consumer is None or shared:
+                    consumer, shared = self._new_consumer(), False
                 consumer.connect(
                     [split_channels(a) for a in addresses], timeout=self._handshake_timeout_s
                 )
+            assert consumer is not None  # connected: it has one
             self._send_aborts_along(remote, route, consumer)
         except Exception as exc:
             error = exc
+            if shared:  # another remote's: never this one's spare
+                consumer = None
         self._outcomes.put(_Outcome(remote, route, addresses, fingerprint, consumer, error))
 
     def _send_aborts_along(self, remote: Remote, route: Route, consumer: GroupedConsumer) -> None:
@@ -542,17 +374,6 @@ def look_up_ranks(
         tuple(rank_channels(w.group_addresses or [w.address]) for w in workers),
         tuple((w.address, w.generation) for w in workers),
     )
-
-
-def every_session_alive(consumer: GroupedConsumer | None) -> bool:
-    """Whether `consumer` has lost no producer rank in any group (a dead session: the rank
-    went silent or restarted). Its monitoring snapshots take no lock and make no call."""
-    if consumer is None:
-        return False
-    try:
-        return consumer.dead_sessions() == 0
-    except Exception:  # a snapshot taken while the consumer changes: look up again
-        return False
 
 
 def rank_channels(addresses: list[str]) -> str:

@@ -36,6 +36,7 @@ from kvxfer.integrations.vllm.cache_groups import (
     group_tables,
     layer_positions,
 )
+from kvxfer.integrations.vllm.connections import Remote
 from kvxfer.integrations.vllm.geometry import (
     attention_backends,
     attention_scales,
@@ -49,7 +50,7 @@ from kvxfer.integrations.vllm.metadata import (
     SendSpec,
     StreamStep,
 )
-from kvxfer.integrations.vllm.remotes import Remote, RemoteEngines, look_up_ranks
+from kvxfer.integrations.vllm.remotes import RemoteEngines, look_up_ranks
 from kvxfer.integrations.vllm.scheduler import data_parallel_rank
 from kvxfer.integrations.vllm.sends import Sends
 from kvxfer.integrations.vllm.stats import KvxferConnectorStats
