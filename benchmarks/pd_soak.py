@@ -28,7 +28,10 @@ a fault are counted (`failed_in_faults`), not checked; a request that fails outs
 window is an error (`failed_outside_faults`).
 
 The last line printed is one JSON object (with `--json`) with the keys `requests`, `faults`,
-`wrong_outputs`, `stuck`, `leaked_blocks`, `spurious_dead`, and the details. The exit code is 1
+`wrong_outputs`, `stuck`, `leaked_blocks`, `spurious_dead`, and the details (each fault's start
+and recovery, and the first five wrong outputs: the first token that differs, when the request
+ran and whether a fault's window overlapped it, seconds since the clients started). The exit
+code is 1
 when any of the last four, or `failed_outside_faults`, is not 0. It never asserts a speed.
 """
 
@@ -122,6 +125,7 @@ class Soak:
         self.failed_before: dict[str, float] = {}  # per decode process: its counter's last read
         self.spurious = 0.0
         self.stop = threading.Event()
+        self.started = time.monotonic()  # when the clients started (set by `run`)
 
     # ---- the reference --------------------------------------------------------------------
 
@@ -222,7 +226,13 @@ class Soak:
             self._start(self.decode)
             self._wait(self.decode)
         served = time.monotonic()
-        self.faults.append({"kind": kind, "seconds": round(served - began, 1)})
+        self.faults.append(
+            {
+                "kind": kind,
+                "began_s": round(began - self.started, 1),
+                "seconds": round(served - began, 1),
+            }
+        )
         self.stop.wait(SETTLE_S)
         self._forget_failures()
         window[1] = time.monotonic()
@@ -261,7 +271,31 @@ class Soak:
                 if prompt in invariant:
                     self.tally.compared += 1
                     if tokens != reference[prompt]:
-                        self.tally.wrong.append({"prompt": prompt, "tokens": tokens})
+                        self.tally.wrong.append(
+                            self._wrong(prompt, tokens, reference[prompt], began)
+                        )
+
+    def _wrong(
+        self, prompt: int, tokens: list[int], expected: list[int], began: float
+    ) -> dict[str, Any]:
+        """What tells a wrong output's cause: the first token that differs (the first: its
+        KV was wrong; a later one: a near tie the batch broke otherwise), when it ran
+        (seconds since the clients started) and whether a fault's window overlapped it."""
+        ended = time.monotonic()
+        first = next(
+            (i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b),
+            min(len(tokens), len(expected)),
+        )
+        return {
+            "prompt": prompt,
+            "prompt_tokens": len(self.pool[prompt]),
+            "first_different_token": first,
+            "tokens": tokens,
+            "expected": expected,
+            "began_s": round(began - self.started, 1),
+            "ended_s": round(ended - self.started, 1),
+            "in_fault_window": self.in_window(began, ended),
+        }
 
     def _complete(self, prompt: list[int]) -> list[int]:
         body = driver.completion_request(prompt, MODEL_NAME, MAX_TOKENS, 0, {"ignore_eos": True})
@@ -316,7 +350,7 @@ class Soak:
         reference, invariant = self.reference()
         self.start_pair()
         duration = minutes * 60
-        began = time.monotonic()
+        began = self.started = time.monotonic()
         with ThreadPoolExecutor(self.concurrency) as clients:
             for i in range(self.concurrency):
                 clients.submit(self.client, i, reference, invariant)

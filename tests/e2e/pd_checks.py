@@ -10,6 +10,7 @@ Prompts are token ids of chosen lengths, greedy, `ignore_eos`, so every output h
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -207,9 +208,11 @@ def check_prompt(
         "seconds": round(seconds, 1),
     }
     observe(**observation)
-    assert loaded == loads, f"the decode engine loaded {loaded} tokens, not {loads}"
-    assert transfers == pair.decode_tp, "one finished kvxfer load per decode rank"
-    assert counters.failed_since() == 0, "a kvxfer load failed (its blocks were recomputed)"
+    # Each message carries the whole observation: CI shows the failure, not the summary.
+    seen = json.dumps(observation)
+    assert loaded == loads, f"the decode engine loaded {loaded} tokens, not {loads}: {seen}"
+    assert transfers == pair.decode_tp, f"one finished kvxfer load per decode rank: {seen}"
+    assert counters.failed_since() == 0, f"a kvxfer load failed (recomputed): {seen}"
     assert (streamed >= 1) == concurrent, f"prefill streamed {streamed} times ({concurrent=})"
     assert comparison.ok or not compare_tokens, "\n".join(comparison.problems)
     return observation

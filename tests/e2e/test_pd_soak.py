@@ -42,6 +42,6 @@ def test_a_short_soak_with_faults_keeps_every_output_and_leaks_nothing(tmp_path)
     ]
     assert result["completed"] > 0 and result["compared"] > 0
     for key in ("wrong_outputs", "stuck", "leaked_blocks", "spurious_dead"):
-        assert result[key] == 0, (key, result)
+        assert result[key] == 0, f"{key}: {json.dumps(result)}"  # whole: CI shows the message
     assert result["failed_outside_faults"] == 0, result["errors"]
     assert done.returncode == 0, done.stderr[-3000:]
