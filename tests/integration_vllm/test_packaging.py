@@ -1,5 +1,5 @@
 """kvxfer's core never imports vLLM: only the `kvxfer.integrations.vllm` package does (extra
-`kvxfer[vllm]`); nor SGLang: only `kvxfer.integrations.sglang.conn` does (extra
+`kvxfer[vllm]`); nor SGLang: only `kvxfer.integrations.sglang.conn` and `.manager` do (extra
 `kvxfer[sglang]`; this environment has no SGLang)."""
 
 from __future__ import annotations
@@ -21,7 +21,11 @@ def walk(path, prefix):
 names = list(walk(kvxfer.__path__[0], "kvxfer."))
 names += list(walk(kvxfer.kernels.__path__[0], "kvxfer.kernels."))
 assert "kvxfer.integrations.vllm.worker" in names and "kvxfer.kernels.copy_cells" in names, names
-needs_an_engine = ("kvxfer.integrations.vllm", "kvxfer.integrations.sglang.conn")
+needs_an_engine = (
+    "kvxfer.integrations.vllm",
+    "kvxfer.integrations.sglang.conn",
+    "kvxfer.integrations.sglang.manager",
+)
 for name in names:
     if not name.startswith(needs_an_engine):
         importlib.import_module(name)

@@ -1,0 +1,551 @@
+"""kvxfer's SGLang transfer manager (`KvxferKVManager`, on SGLang's `CommonKVManager`): each
+rank's `KVProducer` or `KVConsumer`, the control messages over SGLang's ZeroMQ sockets, and what
+it keeps per request (`kvxfer.integrations.sglang.conn` has the flow, and the sender and
+receiver that drive it); with the settings and the model facts it reads from SGLang."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.common.conn import (
+    ABORT_TAG,
+    AbortNotification,
+    CommonKVManager,
+    PrefillServerInfo,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+from kvxfer.connector import FetchHandle, KVConsumer, KVProducer
+from kvxfer.integrations.settings import ConnectorSettings
+from kvxfer.integrations.sglang.geometry import SGLangModel, kv_dtype_name, sglang_cache
+from kvxfer.spec import DTYPE_ITEMSIZE
+
+log = logging.getLogger(__name__)
+
+REG, HELLO, META, READY = b"KVXFER_REG", b"KVXFER_HELLO", b"KVXFER_META", b"KVXFER_READY"
+_MAX_ABORTED_ROOMS = 100_000  # recent decode aborts a prefill rank remembers
+CONFIG_ENV = "KVXFER_CONFIG"  # JSON of kvxfer's connector settings (docs/sglang.md)
+
+
+def load_settings() -> ConnectorSettings:
+    """kvxfer's settings for SGLang, from `KVXFER_CONFIG` (JSON, the keys of vLLM's
+    `kv_connector_extra_config`; SGLang has no per-backend configuration)."""
+    raw = os.environ.get(CONFIG_ENV, "")
+    try:
+        extra = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{CONFIG_ENV}: not JSON ({exc}); pass an object of settings") from None
+    return ConnectorSettings.from_extra_config(extra)
+
+
+def model_of(server_args: Any, kv_args: KVArgs, is_mla: bool) -> SGLangModel:
+    """What the pool's pointers do not say, from SGLang's `ModelConfig`.
+
+    Raises:
+        ValueError: hybrid state (Mamba, sliding window...) or draft buffers, naming the model
+            kind: kvxfer's SGLang backend moves full-attention KV only.
+    """
+    from sglang.srt.configs.model_config import ModelConfig
+
+    state_types = list(getattr(kv_args, "state_types", None) or [])
+    if state_types:
+        kinds = ", ".join(str(getattr(t, "value", t)) for t in state_types)
+        raise ValueError(
+            f"this model keeps hybrid state ({kinds}) beside its KV cache; kvxfer's SGLang "
+            "backend moves full-attention KV only: serve it with another transfer backend"
+        )
+    if getattr(kv_args, "num_draft_entries", 0):
+        raise ValueError(
+            "speculative decoding's draft KV is not moved by kvxfer's SGLang backend: run "
+            "without a draft model, or with another transfer backend"
+        )
+    config = ModelConfig.from_server_args(server_args)
+    dtype = kv_dtype_name(kv_args.kv_cache_dtype_str, config.dtype)
+    if is_mla:
+        # The latent width (kv_lora_rank + qk_rope_head_dim) is the pool's row.
+        head_dim = kv_args.kv_item_lens[0] // (kv_args.page_size * DTYPE_ITEMSIZE[dtype])
+        return SGLangModel(1, head_dim, config.num_hidden_layers, dtype, mla=True)
+    return SGLangModel(
+        config.get_total_num_kv_heads(), config.head_dim, config.num_hidden_layers, dtype
+    )
+
+
+@dataclass
+class _Sent:
+    """What a prefill rank was given of a request so far (its chunks' pages and tokens)."""
+
+    pages: list[np.ndarray] = field(default_factory=list)
+    tokens: int = 0
+
+
+@dataclass
+class DecodeLoad:
+    """A decode rank's request: where it goes, and how its fetch stands."""
+
+    key: str
+    pages: np.ndarray
+    aux_index: int
+    prefix: int
+    num_tokens: int | None = None
+    aux: bytes | None = None
+    handle: FetchHandle | None = None
+    aborted: bool = False  # never start its fetch: SGLang may give its pages away
+
+
+class KvxferKVManager(CommonKVManager):
+    """One rank's kvxfer endpoint inside SGLang: a `KVProducer` (prefill) or `KVConsumer`s, one
+    per prefill DP group it reads (decode), over SGLang's pool, plus the listener of SGLang's
+    control socket (the module docstring)."""
+
+    # The pages of a failed or aborted load are held until its fetch ended (no late byte lands
+    # in a page SGLang gave to another request): `is_abort_release_safe`.
+    supports_deferred_decode_kv_release = True
+    # SGLang's status messages (a prefill's failure, to its decode ranks) carry their reason,
+    # under a tag of their own beside kvxfer's frames.
+    kv_status_msg_tag = b"KVXFER_STATUS"
+    kv_status_msg_carries_reason = True
+
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: Any,
+        is_mla_backend: bool | None = False,
+    ) -> None:
+        super().__init__(args, disaggregation_mode, server_args, bool(is_mla_backend))
+        self.settings = load_settings()
+        self.host = os.environ.get("KVXFER_HOST") or self.local_ip
+        prefill = disaggregation_mode == DisaggregationMode.PREFILL
+        if not prefill and self.pp_size > 1:
+            raise ValueError(
+                "kvxfer's SGLang backend: decode pipeline parallelism is not supported; "
+                "serve the decode engine with --pp-size 1 (the prefill may use any)"
+            )
+        model = model_of(server_args, args, bool(is_mla_backend))
+        self.spec, self.caches = sglang_cache(
+            args.kv_data_ptrs,
+            args.kv_data_lens,
+            args.kv_item_lens,
+            args.page_size,
+            model,
+            tp_size=self.attn_tp_size,
+            tp_rank=self.attn_tp_rank,
+            pp_size=self.pp_size,
+            pp_rank=self.pp_rank,
+            layer_start=getattr(args, "prefill_start_layer", 0) or 0,
+            device=_pool_device(server_args, args),
+        )
+        self._lock = threading.Lock()
+        self.producer: KVProducer | None = None
+        self._sent: dict[int, _Sent] = {}
+        self._published: set[int] = set()  # rooms on the producer, not released yet
+        self._aborted_rooms: OrderedDict[int, None] = OrderedDict()  # SGLang ABORT notices
+        self._expired_seen = 0
+        self._consumers: dict[str, KVConsumer | Exception] = {}
+        self._hellos: dict[str, dict[int, str]] = {}
+        self._expected: dict[str, int] = {}
+        self._loads: dict[int, DecodeLoad] = {}
+        self._early_aborts: dict[str, set[int]] = {}  # rooms aborted before their group connected
+        if prefill:
+            self.engine_id = f"sglang-prefill-{uuid.uuid4().hex[:12]}"
+            self.producer = self._new_producer()
+            handle = self._on_prefill_message
+        else:
+            host = getattr(server_args, "host", "127.0.0.1")
+            port = getattr(server_args, "port", 0)
+            self.engine_id = f"sglang-decode-{host}:{port}-dp{self.attn_dp_rank}"
+            self._start_heartbeat_checker_thread()
+            handle = self._on_decode_message
+        listener = threading.Thread(target=self._listen, args=(handle,), name="kvxfer-sglang")
+        listener.daemon = True
+        listener.start()
+
+    def _listen(self, handle: Callable[[list[bytes]], None]) -> None:
+        """Serve the control messages on the PULL socket Common bound: `handle` each; a bad
+        one is logged, and the next served."""
+        recv = self._make_worker_recv(self.server_socket)
+        while True:
+            msg = recv()
+            if msg is None:
+                continue
+            try:
+                handle(msg)
+            except Exception:
+                log.exception("kvxfer: bad control message %r", msg[:1])
+
+    # ---- prefill ------------------------------------------------------------------------
+
+    def _new_producer(self) -> KVProducer:
+        s = self.settings
+        return KVProducer(
+            self.spec,
+            self.caches,
+            self.engine_id,
+            host=self.host,
+            release=self._released,
+            **s.producer_options(s.transport_protocol().protocol),
+        )
+
+    def _on_prefill_message(self, msg: list[bytes]) -> None:
+        """A decode rank's registration (`REG`: answered with this rank's `HELLO`), its
+        metadata (`META`), or SGLang's ABORT notice."""
+        if msg[0] == REG:
+            key, ip, port = (part.decode() for part in msg[1:4])
+            rank = self.pp_rank * self.attn_tp_size + self.attn_tp_rank
+            assert self.producer is not None
+            parts = [HELLO, key.encode(), str(rank).encode(), self.producer.address.encode()]
+            self._send_multipart_locked(f"tcp://{ip}:{port}", parts)
+        elif msg[0] == META:
+            self._note_reader(msg)
+        elif msg[0] == ABORT_TAG:
+            notice = AbortNotification.from_zmq(msg)
+            if notice is not None:
+                reason = "the decode engine aborted the request"
+                self.give_up(notice.room, reason)
+                self.record_failure(notice.room, reason)
+                self.update_status(notice.room, KVPoll.Failed)
+
+    def _note_reader(self, msg: list[bytes]) -> None:
+        """A decode rank will read the request (`META`): once every one of the decode engine's
+        ranks did, the sender is `WaitingForInput`."""
+        room, ip, port, required, prefix = (part.decode() for part in msg[1:6])
+        reader = SimpleNamespace(
+            endpoint=ip, dst_port=int(port), is_dummy=False, required_dst_info_num=int(required)
+        )
+        readers = self.transfer_infos.setdefault(int(room), {})
+        readers[(ip, int(port))] = reader
+        self.req_to_decode_prefix_len[int(room)] = int(prefix)
+        if len(readers) == int(required):
+            self.update_status(int(room), KVPoll.WaitingForInput)
+
+    def add_transfer_request(
+        self,
+        bootstrap_room: int,
+        kv_indices: Any,
+        index_slice: slice,
+        is_last_chunk: bool,
+        aux_index: int | None = None,
+        state_indices: Any = None,
+        num_kv_tokens: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """A chunk of the request's pages is computed (`CommonKVSender.send`); the last one
+        publishes the request and tells its decode ranks."""
+        wait_event = kwargs.get("wait_event")
+        if wait_event is not None:
+            wait_event.synchronize()  # an early send's pages are written on another stream
+        pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        with self._lock:
+            sent = self._sent.setdefault(bootstrap_room, _Sent())
+            sent.pages.append(pages)
+            tokens = len(pages) * self.spec.block_size if num_kv_tokens is None else num_kv_tokens
+            sent.tokens += tokens
+        if not is_last_chunk:
+            return
+        with self._lock:
+            if bootstrap_room in self._aborted_rooms:
+                return  # its decode gave it up: never published (the status says Failed)
+            self._published.add(bootstrap_room)
+        prefix = self.req_to_decode_prefix_len.get(bootstrap_room, 0)
+        num_tokens = prefix + sent.tokens
+        table = np.concatenate(
+            [np.zeros(prefix // self.spec.block_size, dtype=np.int64), *sent.pages]
+        )
+        assert self.producer is not None
+        try:
+            self.producer.publish(
+                str(bootstrap_room), table, num_tokens, first_token=prefix,
+                deadline_s=self.settings.request_timeout_s,
+            )  # fmt: skip
+        except ValueError as exc:
+            self.record_failure(bootstrap_room, f"kvxfer: {exc}")
+            self.update_status(bootstrap_room, KVPoll.Failed)
+            return
+        self.update_status(bootstrap_room, KVPoll.Transferring)
+        aux = self._aux_row(aux_index) if self._serves_aux() and aux_index is not None else b""
+        parts = [READY, str(bootstrap_room).encode(), str(num_tokens).encode(), aux]
+        for ip, port in self.transfer_infos.get(bootstrap_room, {}):
+            self._send_multipart_locked(f"tcp://{ip}:{port}", parts)
+
+    def give_up(self, room: int, reason: str) -> None:
+        """Nobody may read the request any more (SGLang's decode gave it up: its abort, a
+        failure or its waiting timeout; or the prefill aborted it). Published: its producer
+        fails it, and once `fail` returns no read of the pages is confirmed and no pack of them
+        offered, so SGLang may free the pages at once; not yet: it is never published."""
+        with self._lock:
+            self._aborted_rooms[room] = None
+            while len(self._aborted_rooms) > _MAX_ABORTED_ROOMS:
+                self._aborted_rooms.popitem(last=False)
+            published = room in self._published
+            self._sent.pop(room, None)
+        if published:
+            assert self.producer is not None
+            self.producer.fail(str(room), reason)
+
+    def _serves_aux(self) -> bool:
+        """The last stage's ranks send the aux row (each sampled the same first token, as SGLang's
+        TP ranks do): a decode rank takes the first, so no single prefill rank is needed."""
+        return self.pp_rank == self.pp_size - 1
+
+    def _aux_row(self, index: int) -> bytes:
+        """Row `index` of every metadata buffer, back to back."""
+        a = self.kv_args
+        return b"".join(
+            ctypes.string_at(ptr + index * n, n)
+            for ptr, n in zip(a.aux_data_ptrs, a.aux_item_lens, strict=True)
+        )
+
+    def _released(self, request_id: str) -> None:
+        """(the producer's side-channel thread) Every decode rank confirmed its reads, its
+        engine aborted it, or its deadline passed: SGLang may free the pages."""
+        room = int(request_id)
+        with self._lock:
+            self._sent.pop(room, None)
+            self._published.discard(room)
+        assert self.producer is not None
+        expired = self.producer.expired_requests
+        if expired > self._expired_seen:
+            self._expired_seen = expired
+            self.record_failure(
+                room,
+                f"kvxfer: no decode rank finished reading the request within "
+                f"{self.settings.request_timeout_s:.0f} s (request_timeout_s)",
+            )
+            self.update_status(room, KVPoll.Failed)
+        else:
+            self.update_status(room, KVPoll.Success)
+
+    # ---- decode -------------------------------------------------------------------------
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """SGLang's look-up of the prefill engine, without its refusals of a different page
+        size or TP ratio: kvxfer bridges both. The dtype must still match: this backend does
+        not convert (docs/sglang.md, "Not supported, and refused at start with the reason")."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        import requests
+
+        url = (
+            f"http://{bootstrap_addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
+            "&target_tp_rank=-1&target_pp_rank=-1"
+        )
+        try:
+            response = requests.get(url, timeout=5)
+        except Exception as exc:
+            log.error("kvxfer: bootstrap server %s: %s", bootstrap_addr, exc)
+            return False
+        if response.status_code != 200:
+            return False
+        info = PrefillServerInfo(**response.json())
+        if info.kv_cache_dtype is not None and info.kv_cache_dtype != self.kv_cache_dtype_str:
+            raise RuntimeError(
+                f"KV cache dtype mismatch: prefill {info.kv_cache_dtype}, decode "
+                f"{self.kv_cache_dtype_str}; kvxfer's SGLang backend does not convert KV dtypes "
+                "(it does not read SGLang's scales yet): pass the same --kv-cache-dtype to both "
+                "engines"
+            )
+        if info.attn_cp_size != 1:
+            raise RuntimeError(
+                f"prefill context parallelism ({info.attn_cp_size}) is not supported by "
+                "kvxfer's SGLang backend: serve the prefill with CP 1"
+            )
+        self._resolve_rank_mapping(info)
+        self.prefill_info_table[bootstrap_addr] = info
+        return True
+
+    def _resolve_rank_mapping(self, info: PrefillServerInfo) -> None:
+        """Every decode rank talks to every rank of the prefill DP group: kvxfer plans which
+        heads and layers each pair moves (SGLang's mapping divides TP sizes)."""
+        info.target_tp_rank = 0
+        info.target_tp_ranks = list(range(info.attn_tp_size))
+        info.target_cp_ranks = [0]
+        info.target_pp_ranks = list(range(info.pp_size))
+        info.required_dst_info_num = self.attn_tp_size * self.pp_size
+        info.required_prefill_response_num = 1
+
+    def build_receiver_registration_message(self) -> list[bytes]:
+        """Unused: `KvxferKVReceiver` sends its own registration (it names its DP group)."""
+        return []
+
+    def build_receiver_metadata_message(self, **kwargs: Any) -> list[bytes]:
+        """`META`: which decode rank reads the request, and how many of them will."""
+        return [
+            META,
+            str(kwargs["bootstrap_room"]).encode(),
+            self.local_ip.encode(),
+            str(self.rank_port).encode(),
+            str(kwargs["required_dst_info_num"]).encode(),
+            str(kwargs.get("decode_prefix_len") or 0).encode(),
+        ]
+
+    def start_group(self, key: str, count: int) -> bool:
+        """Whether to register with the prefill DP group `key` (`count` ranks to hear `HELLO`
+        from): not yet done, or its last connection failed (a restarted engine is met again
+        by the next request; the failed one reported the error)."""
+        with self._lock:
+            if isinstance(self._consumers.get(key), Exception):
+                del self._consumers[key]
+                self._hellos.pop(key, None)
+                self._expected.pop(key, None)
+            if key in self._consumers or key in self._expected:
+                return False
+            self._expected[key] = count
+            return True
+
+    def _on_decode_message(self, msg: list[bytes]) -> None:
+        """A prefill rank's `HELLO`, its `READY` (the request published), or SGLang's status
+        message (a prefill's failure, with its reason)."""
+        if msg[0] == HELLO:
+            self._hello(msg[1].decode(), int(msg[2]), msg[3].decode())
+        elif msg[0] == READY:
+            self._ready(int(msg[1]), int(msg[2]), msg[3])
+        else:
+            parsed = self.parse_kv_status_message(msg)
+            if parsed is not None:
+                room, status, rank, reason = parsed
+                self.apply_prefill_status(
+                    bootstrap_room=room, status=status, prefill_rank=rank, failure_reason=reason
+                )
+
+    def _hello(self, key: str, rank: int, address: str) -> None:
+        with self._lock:
+            hellos = self._hellos.setdefault(key, {})
+            hellos[rank] = address
+            complete = len(hellos) == self._expected.get(key, -1) and key not in self._consumers
+        if complete:
+            addresses = [hellos[r] for r in sorted(hellos)]
+            threading.Thread(target=self._connect_group, args=(key, addresses), daemon=True).start()
+
+    def _connect_group(self, key: str, addresses: list[str]) -> None:
+        """Connect a consumer to every rank of a prefill DP group (the handshake plans every
+        pair), off the scheduler's thread."""
+        s = self.settings
+        result: KVConsumer | Exception
+        try:
+            consumer = KVConsumer(
+                self.spec, self.caches, self.engine_id, host=self.host,
+                **s.consumer_options(s.transport_protocol().protocol),
+            )  # fmt: skip
+            consumer.connect(addresses, timeout=s.handshake_timeout_s)
+            result = consumer
+        except Exception as exc:
+            log.error("kvxfer: connecting to prefill ranks %s failed: %s", addresses, exc)
+            result = exc
+        with self._lock:
+            self._consumers[key] = result
+            aborted = self._early_aborts.pop(key, set())
+        if isinstance(result, KVConsumer):
+            for room in aborted:
+                result.abort(str(room))
+        for room in [r for r, load in list(self._loads.items()) if load.key == key]:
+            self._start_fetch(room)
+
+    def abort_load(self, key: str, room: int) -> None:
+        """This engine will never read the request: tell the prefill DP group's producers
+        (at once, or once connected: they free its pages) and stop its fetch here."""
+        with self._lock:
+            load = self._loads.get(room)
+            if load is not None:
+                load.aborted = True
+            consumer = self._consumers.get(key)
+            if consumer is None:
+                self._early_aborts.setdefault(key, set()).add(room)
+        if isinstance(consumer, KVConsumer):
+            consumer.abort(str(room))
+
+    def consumer_of(self, key: str) -> KVConsumer | Exception | None:
+        """The prefill DP group's consumer, its connection error, or None while connecting."""
+        with self._lock:
+            return self._consumers.get(key)
+
+    def add_load(self, room: int, load: DecodeLoad) -> None:
+        """The decode rank's pages for a request, recorded before its metadata goes out (so
+        the prefill's `READY` always finds it)."""
+        with self._lock:
+            self._loads[room] = load
+
+    def load_of(self, room: int) -> DecodeLoad | None:
+        """The request's load on this rank, if any."""
+        with self._lock:
+            return self._loads.get(room)
+
+    def drop_load(self, room: int) -> None:
+        """Forget the request's load (the receiver is cleared)."""
+        with self._lock:
+            self._loads.pop(room, None)
+
+    def _ready(self, room: int, num_tokens: int, aux: bytes) -> None:
+        with self._lock:
+            load = self._loads.get(room)
+            if load is None:
+                return  # cleared meanwhile (an abort): nothing to fetch
+            load.num_tokens = num_tokens
+            if aux and load.aux is None:
+                load.aux = aux
+        self._start_fetch(room)
+
+    def _start_fetch(self, room: int) -> None:
+        """Fetch the request once its pages, its token count and a connected consumer are
+        all here (they arrive in any order)."""
+        with self._lock:
+            load = self._loads.get(room)
+            if load is None or not load.key or load.num_tokens is None or load.handle:
+                return
+            if load.aborted:
+                return
+            consumer = self._consumers.get(load.key)
+            if not isinstance(consumer, KVConsumer):
+                return
+            table = np.concatenate(
+                [np.zeros(load.prefix // self.spec.block_size, dtype=np.int64), load.pages]
+            )
+            load.handle = consumer.fetch(
+                str(room), table, load.num_tokens, start_token=load.prefix,
+                timeout=self.settings.fetch_timeout_s,
+            )  # fmt: skip
+
+    def write_aux(self, load: DecodeLoad) -> None:
+        """The prefill's aux row into this rank's row `load.aux_index`.
+
+        Raises:
+            ValueError: the rows differ in size (engines with different metadata buffers).
+        """
+        a = self.kv_args
+        assert load.aux is not None
+        if len(load.aux) != sum(a.aux_item_lens):
+            raise ValueError(
+                f"the prefill's aux row has {len(load.aux)} bytes, this engine's "
+                f"{sum(a.aux_item_lens)}: serve both engines with the same model and options"
+            )
+        offset = 0
+        for ptr, n in zip(a.aux_data_ptrs, a.aux_item_lens, strict=True):
+            ctypes.memmove(ptr + load.aux_index * n, load.aux[offset : offset + n], n)
+            offset += n
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        """SGLang released an aborted or failed load's pages: forget the load too."""
+        super().clear_deferred_abort_state(bootstrap_room)
+        self.drop_load(bootstrap_room)
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """Whether an aborted or failed load's pages may go to another request: its fetch
+        ended (kvxfer reports a fetch only after its last read), or it never started."""
+        load = self.load_of(bootstrap_room)
+        return load is None or load.handle is None or load.handle.done()
+
+
+def _pool_device(server_args: Any, kv_args: KVArgs) -> str:
+    device = getattr(server_args, "device", None) or "cuda"
+    return f"cuda:{kv_args.gpu_id}" if device == "cuda" else str(device)
