@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kvxfer.kernels import KVBuffer, gather_kv_torch, scatter_kv_torch, wire_kv_buffer
-from kvxfer.kernels.layout import canonical_kv_view
+from kvxfer.kernels.buffers import canonical_kv_view
 
 LAYERS, HEADS, MOVED, HEAD_DIM = 8, 4, 2, 128  # the prefill rank's heads, the decode rank's
 SRC_BLOCK, DST_BLOCK = 16, 32

@@ -1,5 +1,12 @@
 """kvxfer.kernels: gather, scatter and remap of paged KV caches, in Triton and in torch."""
 
+from kvxfer.kernels.buffers import (
+    KVBuffer,
+    StackedLayers,
+    canonical_kv_view,
+    check_cell_copy,
+    wire_kv_buffer,
+)
 from kvxfer.kernels.copy_cells import (
     CellCopyLaunch,
     check_launchable,
@@ -9,13 +16,6 @@ from kvxfer.kernels.copy_cells import (
 )
 from kvxfer.kernels.copy_cells_torch import copy_cells_torch
 from kvxfer.kernels.gather_kv import gather_kv, gather_kv_torch
-from kvxfer.kernels.layout import (
-    KVBuffer,
-    StackedLayers,
-    canonical_kv_view,
-    check_cell_copy,
-    wire_kv_buffer,
-)
 from kvxfer.kernels.remap_kv import remap_kv, remap_kv_torch
 from kvxfer.kernels.scatter_kv import scatter_kv, scatter_kv_torch
 

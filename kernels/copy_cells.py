@@ -38,16 +38,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kvxfer.kernels.convert import KIND_NONE, KINDS, scale_mode
-from kvxfer.kernels.convert import from_float32 as _from_float32
-from kvxfer.kernels.convert import to_float32 as _to_float32
-from kvxfer.kernels.layout import (
+from kvxfer.kernels.buffers import (
     KVBuffer,
     StackedLayers,
     canonical_kv_view,
     check_copy_pair,
     check_layers,
 )
+from kvxfer.kernels.convert import KIND_NONE, KINDS, scale_mode
+from kvxfer.kernels.convert import from_float32 as _from_float32
+from kvxfer.kernels.convert import to_float32 as _to_float32
 
 # The interpreter is chosen when `triton.jit` decorates, i.e. when this module is imported.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -20,8 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvxfer.kernels.convert import convert_torch, scale_mode
-from kvxfer.kernels.layout import (
+from kvxfer.kernels.buffers import (
     KVBuffer,
     StackedLayers,
     canonical_kv_view,
@@ -29,6 +28,7 @@ from kvxfer.kernels.layout import (
     check_copy_pair,
     check_layers,
 )
+from kvxfer.kernels.convert import convert_torch, scale_mode
 from kvxfer.layout import cell_planes
 
 # A CPU gather of more bytes a layer than this runs in torch: its `index_select` gathers 2 MiB

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from kvxfer.kernels.buffers import KVBuffer
 from kvxfer.kernels.copy_cells import copy_cells
 from kvxfer.kernels.copy_cells_torch import copy_cells_torch
-from kvxfer.kernels.layout import KVBuffer
 
 
 def _check(staged: KVBuffer, cache: KVBuffer) -> None:

@@ -23,7 +23,7 @@ from kvxfer.kernels import (
     scatter_kv,
     scatter_kv_torch,
 )
-from kvxfer.plan.layout import PagedView
+from kvxfer.plan.paged import PagedView
 from kvxfer.plan.program import CellCopy
 from kvxfer.spec import TORCH_DTYPES
 

@@ -26,7 +26,7 @@ from kvxfer.plan import (
     check_side,
     plan_pairs,
 )
-from kvxfer.plan.layout import STAGING_REGION
+from kvxfer.plan.paged import STAGING_REGION
 from kvxfer.spec import KVCacheSpec
 from kvxfer.transport import LocalTransport, Region
 from kvxfer.validation import check_block_ids, check_caches, check_token_range

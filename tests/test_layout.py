@@ -21,7 +21,7 @@ from kvxfer.layout import (
     canonical_view,
     layer_shape,
 )
-from kvxfer.plan.layout import BlockGeometry
+from kvxfer.plan.paged import BlockGeometry
 from kvxfer.reference import random_global_kv, rank_heads, write_rank_cells
 
 B, S, H, D = 3, 5, 2, 4  # blocks, slots (block_size), heads per rank, head_dim: all distinct

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvxfer.plan import STRATEGIES, Segments, build_program, coalesce, plan_pairs
 from kvxfer.plan import segments as segments_module
-from kvxfer.plan.layout import (
+from kvxfer.plan.paged import (
     BlockGeometry,
     cache_view,
     moved_bytes,

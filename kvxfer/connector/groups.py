@@ -41,7 +41,7 @@ from kvxfer.connector.consumer import FetchHandle, KVConsumer, TransferResult
 from kvxfer.connector.producer import KVProducer
 from kvxfer.connector.timeline import merge
 from kvxfer.plan import PairPlan
-from kvxfer.plan.layout import blocks_of_tokens
+from kvxfer.plan.paged import blocks_of_tokens
 from kvxfer.spec import KVCacheSpec
 from kvxfer.validation import (
     check_num_tokens,

@@ -17,7 +17,7 @@ from kvxfer.plan.heads import (
     route_pair,
     routes_into,
 )
-from kvxfer.plan.layout import BlockGeometry, PagedView
+from kvxfer.plan.paged import BlockGeometry, PagedView
 from kvxfer.plan.pairs import PairPlan, check_pairable, check_side, plan_pairs, plan_pairs_into
 from kvxfer.plan.program import (
     STRATEGIES,

@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 
 from kvxfer.plan.heads import HeadRoute
-from kvxfer.plan.layout import moved_bytes
+from kvxfer.plan.paged import moved_bytes
 from kvxfer.plan.program import (
     CellCopy,
     ProgramShape,

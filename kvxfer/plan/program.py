@@ -41,7 +41,7 @@ import numpy as np
 
 from kvxfer.layout import is_cpu_placement
 from kvxfer.plan.heads import HeadRoute
-from kvxfer.plan.layout import (
+from kvxfer.plan.paged import (
     BlockGeometry,
     PagedView,
     cache_view,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvxfer.plan.layout import PagedView
+from kvxfer.plan.paged import PagedView
 
 _AXES = ("plane", "chunk", "slot", "head")
 

@@ -49,7 +49,7 @@ from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.stats import TransferRecord, TransferStats
 from kvxfer.connector.timeline import mark
 from kvxfer.plan.fitting import FittedPair
-from kvxfer.plan.layout import STAGING_REGION, blocks_of_tokens
+from kvxfer.plan.paged import STAGING_REGION, blocks_of_tokens
 from kvxfer.plan.reads import chunk_read_program, landing_bytes
 from kvxfer.spec import KVCacheSpec
 from kvxfer.transport.base import Transport

@@ -71,7 +71,7 @@ from kvxfer.connector.messages import (
     encode,
 )
 from kvxfer.connector.sidechannel import close_watched, connection_events, has_message
-from kvxfer.plan.layout import STAGING_REGION
+from kvxfer.plan.paged import STAGING_REGION
 from kvxfer.session.protocol import Delivered, Opened, Rejected, Reply, SessionClient
 from kvxfer.spec import KVCacheSpec
 from kvxfer.transport.base import Peer, Region

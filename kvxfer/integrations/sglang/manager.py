@@ -29,7 +29,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from kvxfer.connector import FetchHandle, KVConsumer, KVProducer
 from kvxfer.integrations.settings import ConnectorSettings
-from kvxfer.integrations.sglang.geometry import SGLangModel, kv_dtype_name, sglang_cache
+from kvxfer.integrations.sglang.pools import SGLangModel, kv_dtype_name, sglang_cache
 from kvxfer.spec import DTYPE_ITEMSIZE
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 # Each layer's attention backend (`get_name()`) and, on CPU attention, its instruction set, as
-# `kvxfer.integrations.vllm.geometry.attention_backends` reads them from vLLM.
+# `kvxfer.integrations.vllm.engine_config.attention_backends` reads them from vLLM.
 Backends = dict[str, tuple[str, str | None]]
 
 

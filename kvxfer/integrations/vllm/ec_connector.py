@@ -19,7 +19,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from kvxfer.ec import ECLoadError, item_key
-from kvxfer.integrations.vllm.geometry import tp_rank
+from kvxfer.integrations.vllm.engine_config import tp_rank
 from kvxfer.integrations.vllm.logs import log_through_vllm
 
 if TYPE_CHECKING:

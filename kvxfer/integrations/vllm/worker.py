@@ -37,7 +37,7 @@ from kvxfer.integrations.vllm.cache_groups import (
     layer_positions,
 )
 from kvxfer.integrations.vllm.connections import Remote
-from kvxfer.integrations.vllm.geometry import (
+from kvxfer.integrations.vllm.engine_config import (
     attention_backends,
     attention_scales,
     engine_geometry,

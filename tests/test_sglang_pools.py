@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvxfer.integrations.sglang.geometry import SGLangModel, heads_held, kv_dtype_name, sglang_cache
+from kvxfer.integrations.sglang.pools import SGLangModel, heads_held, kv_dtype_name, sglang_cache
 
 LAYERS, HEADS, DIM, PAGE, ROWS = 2, 4, 8, 16, 80
 MODEL = SGLangModel(total_kv_heads=8, head_dim=DIM, total_layers=LAYERS, dtype="bfloat16")
