@@ -1,11 +1,8 @@
-"""The names the tests have imported from here since before `kvxfer.testing` existed.
-
-Everything lives in `kvxfer.testing` (geometries, poisoned memory, scenarios) and
-`kvxfer.testing.strategies` (Hypothesis strategies); new tests import from there. Also here:
-`shared_result`, a value computed once for a whole parallel run. The Triton
-tests in tests/triton, which run in their own pytest invocation (see the Makefile), also import
-this module: tests/conftest.py puts its folder on sys.path.
-"""
+"""What several test files share that is not part of `kvxfer.testing` (geometries, poisoned
+memory, scenarios; its `strategies` for Hypothesis): `shared_result`, a value computed once for
+a whole parallel run; `run_quick_benchmark`; `documented_moves`, the transition table a state
+module's docstring draws. tests/conftest.py puts this folder on sys.path (the Triton tests in
+tests/triton, run in their own pytest invocation, see the Makefile, import it too)."""
 
 from __future__ import annotations
 
@@ -22,17 +19,6 @@ from typing import Any
 
 import pytest
 
-from kvxfer.testing import POISON, Scenario, bits, make_scenario, side_specs
-from kvxfer.testing.geometry import random_block_table as block_table
-from kvxfer.testing.strategies import (
-    assert_fed_once,
-    geometries,
-    geometry_specs,
-    pp_geometries,
-    reshard_random_geometry,
-)
-
-POISON_BYTE = POISON
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -66,20 +52,7 @@ def shared_result(factory: pytest.TempPathFactory, name: str, compute: Callable[
         return value
 
 
-__all__ = [
-    "POISON_BYTE",
-    "Scenario",
-    "assert_fed_once",
-    "bits",
-    "block_table",
-    "geometries",
-    "geometry_specs",
-    "make_scenario",
-    "pp_geometries",
-    "reshard_random_geometry",
-    "shared_result",
-    "side_specs",
-]
+__all__ = ["documented_moves", "run_quick_benchmark", "shared_result"]
 
 
 def documented_moves(doc: str | None, states: type[enum.Enum], events: type[enum.Enum]) -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import geometries, geometry_specs, make_scenario, side_specs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +20,8 @@ from kvxfer import KVCacheSpec, reshard
 from kvxfer.layout import canonical_shape, canonical_view, cell_planes, plane_views
 from kvxfer.plan import plan_pairs, strategies_for
 from kvxfer.reference import random_global_kv, write_rank_cells
+from kvxfer.testing import make_scenario, side_specs
+from kvxfer.testing.strategies import geometries, geometry_specs
 
 AMX = "amx_tiles"
 

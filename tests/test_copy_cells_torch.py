@@ -11,12 +11,12 @@ import importlib
 import numpy as np
 import pytest
 import torch
-from helpers import POISON_BYTE, bits, side_specs
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from kvxfer import allocate_kv_caches
 from kvxfer.kernels import KVBuffer, gather_kv_torch, scatter_kv_torch, wire_kv_buffer
 from kvxfer.reference import random_global_kv, write_rank_cells
+from kvxfer.testing import POISON, bits, side_specs
 
 TOKENS = 11  # a partial last block
 
@@ -32,7 +32,7 @@ def _spec(layout: str = "HND", num_blocks: int = 6):
 def _poisoned(spec):
     caches = allocate_kv_caches(spec)
     for t in caches:
-        bits(t).fill_(POISON_BYTE)
+        bits(t).fill_(POISON)
     return caches
 
 
@@ -75,7 +75,7 @@ def test_a_layer_replaced_behind_the_same_first_layer_is_written():
     first = _poisoned(spec)
     _scatter(spec, first, ids, kv.contiguous())
     second = [first[0], *_poisoned(spec)[1:]]
-    bits(second[0]).fill_(POISON_BYTE)
+    bits(second[0]).fill_(POISON)
     _scatter(spec, second, ids, kv.contiguous())
     _assert_holds(second, _expected(spec, ids, kv))
 
@@ -114,7 +114,7 @@ def test_a_pack_then_unpack_lands_every_cell_whichever_library_gathers(
     write_rank_cells(src_spec, src, src_ids, kv, 0, TOKENS)
     wire = torch.empty((src_spec.num_layers, 2, TOKENS, src_spec.heads_per_rank,
                         src_spec.head_dim), dtype=torch.bfloat16)  # fmt: skip
-    bits(wire).fill_(POISON_BYTE)
+    bits(wire).fill_(POISON)
     paged = KVBuffer(src, src_layout, "kv_first", False, torch.from_numpy(src_ids))
     gather_kv_torch(paged, wire_kv_buffer(wire, 0), 0, TOKENS, src_spec.heads_per_rank)
     dst = _poisoned(dst_spec)
@@ -165,7 +165,7 @@ def test_a_blocks_consecutive_rows_move_as_one_row_bit_exact(monkeypatch, merge)
     write_rank_cells(spec, src, src_ids, kv, 0, tokens)
     wire = torch.empty((spec.num_layers, 2, tokens, spec.heads_per_rank, spec.head_dim),
                        dtype=torch.bfloat16)  # fmt: skip
-    bits(wire).fill_(POISON_BYTE)
+    bits(wire).fill_(POISON)
     heads = spec.heads_per_rank
     paged = KVBuffer(src, "NHD", "kv_first", False, torch.from_numpy(src_ids))
     gather_kv_torch(paged, wire_kv_buffer(wire, 0), 0, tokens, heads)

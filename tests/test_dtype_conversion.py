@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from helpers import make_scenario, side_specs
 
 from kvxfer import plan_pairs, reshard
+from kvxfer.testing import make_scenario, side_specs
 
 STRATEGIES = ["pack", "unpack", "pack+unpack"]
 

@@ -12,7 +12,6 @@ import json
 import msgspec
 import pytest
 import torch
-from helpers import geometries, make_scenario, reshard_random_geometry, side_specs
 from hypothesis import HealthCheck, given, settings
 
 from kvxfer import STRATEGIES, KVCacheSpec, allocate_kv_caches, reshard
@@ -21,6 +20,8 @@ from kvxfer.integrations.kv_tensors import EngineGeometry, spec_from_layers
 from kvxfer.kernels import KVBuffer, copy_cells_torch
 from kvxfer.reference import random_global_kv
 from kvxfer.spec import DTYPE_ITEMSIZE, TORCH_DTYPES, decode_spec, encode_spec
+from kvxfer.testing import make_scenario, side_specs
+from kvxfer.testing.strategies import geometries, reshard_random_geometry
 
 FP8 = ["float8_e4m3fn", "float8_e5m2"]
 

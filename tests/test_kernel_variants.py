@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import side_specs
 
 from kvxfer import allocate_kv_caches
 from kvxfer.execute import kv_buffer, scratch_copy
 from kvxfer.kernels import KVBuffer, prepare_cell_copy, wire_kv_buffer
 from kvxfer.plan import plan_pairs
 from kvxfer.plan.program import STRATEGIES, chunk_bounds, pack_copy, unpack_copy
+from kvxfer.testing import side_specs
 
 _SCRIPT = Path(__file__).parents[1] / "benchmarks" / "kernel_codegen.py"
 _spec = importlib.util.spec_from_file_location("kernel_codegen", _SCRIPT)

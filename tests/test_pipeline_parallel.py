@@ -10,13 +10,6 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from helpers import (
-    assert_fed_once,
-    make_scenario,
-    pp_geometries,
-    reshard_random_geometry,
-    side_specs,
-)
 from hypothesis import HealthCheck, given, settings
 
 from kvxfer import STRATEGIES, allocate_kv_caches, reshard
@@ -33,6 +26,8 @@ from kvxfer.plan.heads import heads_of_rank
 from kvxfer.plan.program import max_chunk_tokens, pack_copy, unpack_copy
 from kvxfer.reference import random_global_kv, rank_heads, rank_layers, write_rank_cells
 from kvxfer.spec import pp_layer_ranges
+from kvxfer.testing import make_scenario, side_specs
+from kvxfer.testing.strategies import assert_fed_once, pp_geometries, reshard_random_geometry
 
 # ---- vLLM's default split ------------------------------------------------------------------
 

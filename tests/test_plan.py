@@ -6,7 +6,6 @@ import itertools
 
 import numpy as np
 import pytest
-from helpers import side_specs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +14,7 @@ from kvxfer.plan.heads import heads_of_rank
 from kvxfer.plan.program import program_shape
 from kvxfer.plan.segments import Segments, coalesce, count_segments, layer_template
 from kvxfer.spec import KV_PLACEMENTS
+from kvxfer.testing import side_specs
 
 
 @pytest.mark.parametrize(

@@ -11,11 +11,11 @@ import dataclasses
 import math
 
 import pytest
-from helpers import side_specs
 
 from kvxfer.plan import STRATEGIES, CostModel, plan_pairs
 from kvxfer.plan.cost import choose_chunking, chunk_cost
 from kvxfer.plan.program import chunk_alignment, max_chunk_tokens
+from kvxfer.testing import side_specs
 
 
 def _pair(strategy: str, src_bs: int = 16, dst_bs: int = 32, heads: int = 4, layers: int = 8):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import POISON_BYTE, bits, geometry_specs, pp_geometries, side_specs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +28,8 @@ from kvxfer.plan.program import (
     unpack_copy,
 )
 from kvxfer.spec import allocate_kv_caches
+from kvxfer.testing import POISON, bits, side_specs
+from kvxfer.testing.strategies import geometry_specs, pp_geometries
 
 
 def _table(spec, tokens: int, rng: np.random.Generator) -> np.ndarray:
@@ -50,7 +51,7 @@ def _run(copy: CellCopy, src_spec, dst_spec, seed: int) -> list[torch.Tensor]:
         b = bits(t)
         b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen))
     for t in dst:
-        bits(t).fill_(POISON_BYTE)
+        bits(t).fill_(POISON)
     run_cell_copy(copy, src, dst, "torch")
     return [bits(t).clone() for t in dst]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import side_specs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,6 +33,7 @@ from kvxfer.plan.segments import (
     staging_copy_template,
 )
 from kvxfer.spec import KV_PLACEMENTS
+from kvxfer.testing import side_specs
 
 
 def _assert_same_segments(got: Segments, want: Segments) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from helpers import geometries, make_scenario, reshard_random_geometry, side_specs
 from hypothesis import HealthCheck, given, settings
 
 from kvxfer import STRATEGIES, reshard
 from kvxfer.reference import rank_heads
+from kvxfer.testing import make_scenario, side_specs
+from kvxfer.testing.strategies import geometries, reshard_random_geometry
 
 
 def _case(

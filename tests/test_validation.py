@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import make_scenario, side_specs
 
 from kvxfer import reshard
 from kvxfer.kernels.copy_cells import INTERPRETED
+from kvxfer.testing import make_scenario, side_specs
 from kvxfer.validation import (
     MAX_REQUEST_ID_BYTES,
     check_block_ids,

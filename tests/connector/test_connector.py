@@ -9,13 +9,12 @@ import time
 import msgspec
 import pytest
 import zmq
-from helpers import make_scenario, side_specs
 
 from kvxfer.connector import KVConsumer, KVProducer
 from kvxfer.connector.messages import KV_SERVICE, MAX_FRAME_BYTES, ChunkValid, KVClaim, encode
 from kvxfer.session import auth, wire
 from kvxfer.session.protocol import Opened, Reply, SessionClient
-from kvxfer.testing import poll
+from kvxfer.testing import make_scenario, poll, side_specs
 
 SMALL = {"staging_bytes": 4096, "staging_slots": 2}
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from helpers import make_scenario, side_specs
 
 from kvxfer.connector import KVConsumer, KVProducer
+from kvxfer.testing import make_scenario, side_specs
 
 STAGING = {"staging_bytes": 8192, "staging_slots": 2}
 

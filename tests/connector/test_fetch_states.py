@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
-from helpers import documented_moves, side_specs
+from helpers import documented_moves
 
 from kvxfer.connector.consumer import FetchHandle
 from kvxfer.connector.consumer import states as states_mod
@@ -42,6 +42,7 @@ from kvxfer.connector.stats import TransferStats
 from kvxfer.plan import plan_pairs
 from kvxfer.plan.cost import Chunking, CostModel
 from kvxfer.plan.fitting import FittedPair
+from kvxfer.testing import side_specs
 from kvxfer.transport.base import Region
 
 S, E = ChunkState, ChunkEvent

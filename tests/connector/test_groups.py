@@ -14,12 +14,12 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import POISON_BYTE, bits, side_specs
 
 from kvxfer import allocate_kv_caches
 from kvxfer.connector import CacheGroup, GroupedConsumer, GroupedProducer, window_start
 from kvxfer.connector.groups import _past_null_blocks, fetched_blocks, held_from
 from kvxfer.reference import random_global_kv, write_rank_cells
+from kvxfer.testing import POISON, bits, side_specs
 
 NULL_BLOCK = 0  # vLLM's null block: never holds a token of a request
 NUM_TOKENS, WINDOW, HEADS = 70, 20, 6
@@ -82,7 +82,7 @@ def _decode(windows) -> tuple[Side, list[list[np.ndarray]]]:
         per_group = []
         for caches, window in zip(side.caches[rank], windows, strict=True):
             for tensor in caches:
-                bits(tensor).fill_(POISON_BYTE)
+                bits(tensor).fill_(POISON)
             per_group.append(_table(spec, NUM_TOKENS, window_start(NUM_TOKENS, window), side.rng))
         tables.append(per_group)
     return side, tables
@@ -96,7 +96,7 @@ def _expected(side: Side, tables, request_kv, windows) -> list[list[list[torch.T
         for caches, ids, kv, window in zip(
             side.caches[rank], tables[rank], request_kv, windows, strict=True
         ):
-            want = [torch.full_like(bits(t), POISON_BYTE).view(t.dtype) for t in caches]
+            want = [torch.full_like(bits(t), POISON).view(t.dtype) for t in caches]
             write_rank_cells(spec, want, ids, kv, window_start(NUM_TOKENS, window), NUM_TOKENS)
             per_group.append(want)
         expected.append(per_group)
@@ -168,7 +168,7 @@ def test_a_rank_asking_for_dropped_window_tokens_fails_with_its_blocks(request_k
             assert window_blocks <= set(result.failed_block_ids)
             assert any("sliding window" in e for e in result.errors), result.errors
             for layer, tensor in enumerate(decode.caches[rank][1]):
-                assert (bits(tensor) == POISON_BYTE).all(), f"rank {rank} layer {layer} written"
+                assert (bits(tensor) == POISON).all(), f"rank {rank} layer {layer} written"
 
 
 def test_group_counts_must_match_and_tables_come_per_group(request_kv):

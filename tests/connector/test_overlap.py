@@ -13,7 +13,6 @@ from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
-from helpers import make_scenario, side_specs
 
 import kvxfer.connector.consumer.copies as copies_mod
 import kvxfer.connector.producer.packing as producer_mod
@@ -21,6 +20,7 @@ import kvxfer.connector.streams as streams_mod
 from kvxfer.connector import KVConsumer, KVProducer
 from kvxfer.connector.streams import CudaCopyStream, InlineCopyStream, copy_stream_for
 from kvxfer.plan.program import chunk_bounds
+from kvxfer.testing import make_scenario, side_specs
 
 NUM_TOKENS = 512
 SLOT_BYTES = 16 << 10  # 64 tokens of this geometry's wire buffer: 8 chunks

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import side_specs
 
 from kvxfer.plan import CostModel, plan_pairs
 from kvxfer.plan.cost import choose_chunking
 from kvxfer.plan.fitting import fit_pair
 from kvxfer.plan.program import build_program, chunk_blocks, chunk_program, max_chunk_tokens
 from kvxfer.plan.reads import chunk_read_program, chunk_source_blocks, reads_from_staging
+from kvxfer.testing import side_specs
 
 (SRC,) = side_specs(1, heads=4, block_size=16, num_blocks=40)
 (DST,) = side_specs(1, heads=4, block_size=32, layout="HND", num_blocks=40)

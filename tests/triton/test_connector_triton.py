@@ -4,9 +4,9 @@ at handshake on scratch buffers, and every strategy moves KV exactly."""
 from __future__ import annotations
 
 import pytest
-from helpers import make_scenario, side_specs
 
 from kvxfer.connector import KVConsumer, KVProducer
+from kvxfer.testing import make_scenario, side_specs
 
 
 @pytest.mark.parametrize("strategy", ["pack", "unpack", "pack+unpack"])

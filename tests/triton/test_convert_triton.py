@@ -9,7 +9,6 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import make_scenario, side_specs
 
 from kvxfer import reshard
 from kvxfer.kernels import (
@@ -30,6 +29,7 @@ from kvxfer.kernels.convert import (
     to_float32,
 )
 from kvxfer.layout import layer_shape
+from kvxfer.testing import make_scenario, side_specs
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 

@@ -4,9 +4,9 @@ Tiny cases: they run on CPU tensors under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
 import pytest
-from helpers import make_scenario, side_specs
 
 from kvxfer import reshard
+from kvxfer.testing import make_scenario, side_specs
 
 
 @pytest.mark.parametrize("strategy", ["pack", "unpack", "pack+unpack"])

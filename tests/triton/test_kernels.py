@@ -8,7 +8,6 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from helpers import POISON_BYTE, bits, side_specs
 
 from kvxfer import allocate_kv_caches
 from kvxfer.kernels import (
@@ -24,6 +23,7 @@ from kvxfer.kernels import (
 )
 from kvxfer.reference import random_global_kv, write_rank_cells
 from kvxfer.spec import KV_PLACEMENTS
+from kvxfer.testing import POISON, bits, side_specs
 
 DTYPES = ["float16", "bfloat16", "float32"]
 GEOMETRIES = [
@@ -52,7 +52,7 @@ def _cache(layout, placement, mla, dtype, block_size=4, heads=3, seed=0, poison=
     ids = np.random.default_rng(seed).permutation(spec.num_blocks)[: -(-TOKENS // block_size)]
     kv = random_global_kv(spec, TOKENS, seed=1)
     for t in caches:
-        bits(t).fill_(POISON_BYTE) if poison else t.copy_(torch.randn(t.shape))
+        bits(t).fill_(POISON) if poison else t.copy_(torch.randn(t.shape))
     if not poison:
         write_rank_cells(spec, caches, ids, kv, 0, TOKENS)
     return spec, caches, ids, kv
@@ -73,7 +73,7 @@ def _paged(spec, caches, ids, head_offset=0):
 def _poisoned_like(tensors):
     out = [torch.empty_like(t) for t in tensors]
     for t in out:
-        bits(t).fill_(POISON_BYTE)
+        bits(t).fill_(POISON)
     return out
 
 
@@ -85,7 +85,7 @@ def _wire(kv, heads, mla):
         else (layers, 2, TOKENS - START, heads, kv.shape[-1])
     )
     wire = torch.empty(shape, dtype=kv.dtype)
-    bits(wire).fill_(POISON_BYTE)
+    bits(wire).fill_(POISON)
     return wire
 
 
@@ -183,7 +183,7 @@ def test_head_offsets_on_both_sides_match_torch(layout, placement, mla, dtype):
         assert torch.equal(bits(a), bits(b))
         assert not torch.equal(bits(a), bits(untouched))  # something was written
         # head 2 of the destination ([blocks, 2, heads, slots, dim]) was not copied: poison
-        assert (bits(a[:, :, 2].contiguous()) == POISON_BYTE).all()
+        assert (bits(a[:, :, 2].contiguous()) == POISON).all()
 
 
 @pytest.mark.parametrize("block_t", [1, 2, 4])

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from helpers import geometries, make_scenario, reshard_random_geometry, side_specs
 from hypothesis import HealthCheck, given, settings
 
 from kvxfer import reshard
+from kvxfer.testing import make_scenario, side_specs
+from kvxfer.testing.strategies import geometries, reshard_random_geometry
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
