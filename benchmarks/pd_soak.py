@@ -18,7 +18,9 @@ the run, one fault each:
 
 What is checked: every completed request's tokens equal one engine's (a baseline engine, no
 connector, asked first; prompts whose baseline tokens change with batching are only counted:
-`wrong_outputs` counts the others that differ); once the clients stop, no request is left
+`wrong_outputs` counts the others that differ), where an answer with fewer tokens than asked
+for (`ignore_eos`) is a failed request, not a completed one (a request the decode engine's
+restart cut was answered with no token at all); once the clients stop, no request is left
 running or waiting (`stuck`: the engines' running and waiting requests, the decode's "deferred"
 ones, those that wait for their KV, included), and both engines' KV caches are empty
 (`leaked_blocks`: the blocks still used, from `kv_cache_usage_perc` and `num_gpu_blocks`);
@@ -300,8 +302,16 @@ class Soak:
     def _complete(self, prompt: list[int]) -> list[int]:
         body = driver.completion_request(prompt, MODEL_NAME, MAX_TOKENS, 0, {"ignore_eos": True})
         answer = driver.post_json(self.front.url + "/v1/completions", body, REQUEST_TIMEOUT)
-        tokens = driver.parse_completion(answer, self.front.url)["token_ids"]
-        return list(tokens or [])
+        completion = driver.parse_completion(answer, self.front.url)
+        tokens = list(completion["token_ids"] or [])
+        if len(tokens) != MAX_TOKENS:
+            # With ignore_eos every whole answer has MAX_TOKENS tokens: the engine ended this
+            # one early (one the decode engine's restart cut came back with none).
+            raise driver.E2EError(
+                f"ended early: {len(tokens)} of {MAX_TOKENS} tokens, finish_reason "
+                f"{completion['finish_reason']!r}"
+            )
+        return tokens
 
     def _abandon(self, prompt: list[int]) -> None:
         """A streamed request whose client goes away after its first token."""
