@@ -246,6 +246,29 @@ def test_unreachable_service_is_a_clear_error():
         client.lookup("prefill", 0, timeout_s=0.2)
 
 
+def test_a_service_that_accepted_is_waited_for_longer_than_one_that_refuses():
+    """`connect_timeout_s` bounds reaching the service; one that accepted the connection (its
+    process not run yet) may take `timeout_s` to answer; a port where nothing listens fails
+    at once."""
+    import socket
+
+    with socket.socket() as starved:  # the kernel accepts into the backlog; nobody answers
+        starved.bind(("127.0.0.1", 0))
+        starved.listen(8)
+        client = BootstrapClient(
+            f"127.0.0.1:{starved.getsockname()[1]}", timeout_s=1.5, connect_timeout_s=0.2
+        )
+        began = time.monotonic()
+        with pytest.raises(BootstrapUnavailable, match="did not answer GET /v1/health"):
+            client.health()
+        assert time.monotonic() - began >= 1.5
+    refused = BootstrapClient(f"127.0.0.1:{free_port()}", timeout_s=600, connect_timeout_s=600)
+    began = time.monotonic()
+    with pytest.raises(BootstrapUnavailable, match="did not answer GET /v1/health"):
+        refused.health()
+    assert time.monotonic() - began < 300  # at once: far from its timeouts
+
+
 def test_concurrent_registrations(server, client):
     tp_size, dp_size = 8, 4
     workers = [

@@ -366,11 +366,16 @@ class GroupedConsumer:
             raise
 
     def connect(
-        self, producer_addresses: Sequence[str | Sequence[str]], timeout: float = 10.0
+        self,
+        producer_addresses: Sequence[str | Sequence[str]],
+        timeout: float = 10.0,
+        *,
+        held_timeout: float | None = None,
     ) -> list[list[PairPlan]]:
         """Connect every group to the prefill engine: `producer_addresses[r]` is producer rank
         `r`'s side channels, one per group in group order (`GroupedProducer.addresses`; a
         plain address for an engine of one group). Returns each group's pair plans.
+        `timeout` and `held_timeout`: as `KVConsumer.connect`.
 
         Raises:
             ValueError: a producer rank with another number of groups than this rank.
@@ -387,7 +392,9 @@ class GroupedConsumer:
                     "channel per rank)"
                 )
         return [
-            consumer.connect([addresses[g] for addresses in per_rank], timeout)
+            consumer.connect(
+                [addresses[g] for addresses in per_rank], timeout, held_timeout=held_timeout
+            )
             for g, consumer in enumerate(self.consumers)
         ]
 

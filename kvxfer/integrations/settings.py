@@ -50,10 +50,13 @@ class ConnectorSettings:
             does not serve (frozen, hung, or not run by a loaded machine): a dead one fails
             its loads at once. 300 s: with 60 s, a load of the real-engine suite failed behind
             a prefill engine whose two worker processes the machine did not run for 48.6 s.
-        handshake_timeout_s: longest wait for a prefill engine's ranks to answer a handshake,
-            and for its ranks to be registered with its bootstrap service (a look-up and
-            connect runs off the engine's step, a task per prefill engine and DP rank on the
-            worker's thread pool: loads from other prefill engines go on meanwhile).
+        handshake_timeout_s: longest wait for a prefill engine to be there: its bootstrap
+            service and ranks to accept a connection, its ranks to be registered. One that
+            accepted but has not answered yet (a loaded or frozen host) is waited for as long
+            as the loads that wait for it (`fetch_timeout_s`); an address where nothing
+            listens fails at once. A look-up and connect runs off the engine's step, a task
+            per prefill engine and DP rank on the worker's thread pool: loads from other
+            prefill engines go on meanwhile.
         heartbeat_s: how often a decode rank sends each prefill rank it is connected to a
             heartbeat (libzmq's ZMTP PING) and a ping of its own.
         peer_timeout_s: a prefill rank whose libzmq answers no heartbeat this long has its

@@ -216,7 +216,7 @@ def test_a_handshake_deadline_counts_only_while_the_consumer_ran(consumer_away):
         def gap_then_tick() -> None:
             now = time.monotonic()
             for session in sessions._open.values():
-                session.deadline = now - 1.0  # passed
+                session.deadline = session.held_deadline = now - 1.0  # both passed
             consumer._gaps.ticked = now - 10.0 if consumer_away else now
             consumer._tick()
             states.extend(s.state for s in [*sessions._open.values(), *sessions.by_rank.values()])
@@ -232,6 +232,29 @@ def test_a_handshake_deadline_counts_only_while_the_consumer_ran(consumer_away):
     finally:
         consumer.close()
         connecting.join(60)
+        silent.close()
+
+
+def test_a_producer_that_accepted_is_waited_for_until_its_held_timeout():
+    """A first handshake whose producer's host accepted the connection (its process exists and
+    is not run yet: a loaded or frozen host) fails at `held_timeout`, not at `timeout`; an
+    address where nothing listens fails at once, whatever `held_timeout`."""
+    (spec,) = side_specs(1, heads=4, head_dim=16, num_blocks=8)
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # accepts, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    consumer = KVConsumer(spec, [np_empty(spec) for _ in range(spec.num_layers)], "decode")
+    try:
+        began = time.monotonic()
+        with pytest.raises(ConnectionError, match="did not answer the handshake in time"):
+            consumer.connect([f"tcp://127.0.0.1:{port}"], timeout=0.2, held_timeout=1.5)
+        assert time.monotonic() - began >= 1.5
+        began = time.monotonic()
+        with pytest.raises(ConnectionError, match="refused the connection: nothing listens"):
+            consumer.connect(["tcp://127.0.0.1:9"], timeout=0.2, held_timeout=600.0)
+        assert time.monotonic() - began < 300.0  # at once: far from its held_timeout
+    finally:
+        consumer.close()
         silent.close()
 
 

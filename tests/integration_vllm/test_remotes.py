@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -59,10 +60,12 @@ class Consumer:
     def __init__(self, fail: bool = False) -> None:
         self.fail, self.dead, self.closed = fail, 0, False
         self.connects: list[list[list[str]]] = []
+        self.held_timeouts: list[float] = []
         self.aborts: list[str] = []
 
-    def connect(self, ranks: list[list[str]], timeout: float) -> None:
+    def connect(self, ranks: list[list[str]], timeout: float, held_timeout: float) -> None:
         self.connects.append(ranks)
+        self.held_timeouts.append(held_timeout)
         if self.fail:
             raise ConnectionError("handshake timed out")
 
@@ -86,6 +89,7 @@ class Engines:
         self.registered: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {}
         self.created: list[Consumer] = []
         self.looked_up = 0
+        self.look_up_held: list[float] = []
         self.pool = Background()
         self.remotes = RemoteEngines(
             self._new_consumer, self._look_up, handshake_timeout_s=1.0, executor=self.pool
@@ -97,9 +101,10 @@ class Engines:
         self.created.append(Consumer(self.fail))
         return self.created[-1]
 
-    def _look_up(self, bootstrap: str, engine_id: str, dp_rank: int | None):
+    def _look_up(self, bootstrap: str, engine_id: str, dp_rank: int | None, held_s: float):
         assert bootstrap == BOOTSTRAP
         self.looked_up += 1
+        self.look_up_held.append(held_s)
         if dp_rank is None:  # the engine id's only DP rank, as the bootstrap client finds it
             ranks = [rank for engine, rank in self.registered if engine == engine_id]
             if len(ranks) != 1:
@@ -110,11 +115,13 @@ class Engines:
         addresses, generation = self.registered[engine_id, dp_rank]
         return addresses, tuple((a, generation) for a in addresses)
 
-    def load(self, where: RemoteEngine, request_id: str = "r") -> Load:
+    def load(
+        self, where: RemoteEngine, request_id: str = "r", deadline: float = float("inf")
+    ) -> Load:
         """Start a load as `WorkerSide` does: fetched at once when its engine is ready, else
         waiting for a connect."""
         spec = LoadSpec(request_id, f"remote-{request_id}", where, [[1]], 16, 0)
-        load = Load(spec, Route.of(where), deadline=float("inf"))
+        load = Load(spec, Route.of(where), deadline=deadline)
         remote = self.remotes.get(where)
         if remote.ready(load.route):
             self.fetched.append(load)
@@ -367,6 +374,24 @@ def test_a_shared_consumer_is_never_connected_elsewhere_in_place() -> None:
     assert [c.closed for c in engines.created] == [
         remote_0.consumer is not c for c in (first, second)
     ]
+
+
+def test_a_connect_waits_for_an_engine_that_accepted_as_long_as_its_loads() -> None:
+    """The look-up and the handshake wait for a service or ranks that accepted the connection
+    until the last deadline of the loads waiting for the connect; with only an abort waiting,
+    `handshake_timeout_s` (1 s here)."""
+    engines = Engines()
+    engines.registered["prefill", 0] = (AT_A, "g1")
+    engines.registered["other", 0] = (AT_B, "g1")
+    now = time.monotonic()
+    engines.load(_engine(), "r1", deadline=now + 300)
+    engines.load(_engine(), "r2", deadline=now + 200)  # waits for the same connect
+    engines.settle()
+    (consumer,) = engines.created
+    assert 290 < engines.look_up_held[0] <= 300 and 290 < consumer.held_timeouts[0] <= 300
+    engines.remotes.abort(_engine("other"), "gone")
+    engines.settle()
+    assert 0 < engines.look_up_held[1] <= 1.0 and 0 < engines.created[1].held_timeouts[0] <= 1.0
 
 
 def test_aborts_are_sent_at_once_or_by_the_connect_they_wait_for() -> None:

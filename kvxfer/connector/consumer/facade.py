@@ -162,8 +162,18 @@ class KVConsumer:
 
     # ---- public API (any thread) ---------------------------------------------------------
 
-    def connect(self, producer_addresses: Sequence[str], timeout: float = 10.0) -> list[PairPlan]:
+    def connect(
+        self,
+        producer_addresses: Sequence[str],
+        timeout: float = 10.0,
+        *,
+        held_timeout: float | None = None,
+    ) -> list[PairPlan]:
         """Shake hands with every producer rank of one prefill engine; plan every pair.
+
+        A producer answers within `timeout` seconds, or within `held_timeout` (default
+        `timeout`) once its host accepted the connection: its process exists but was not run
+        yet (a loaded or frozen host). An address where nothing listens fails at once.
 
         Give every rank's address, every (pp, tp) rank with pipeline parallelism, in any order:
         the handshake tells which layers and heads each holds. This rank fetches only from the
@@ -187,7 +197,7 @@ class KVConsumer:
         if not addresses:
             raise ValueError("connect: give the side-channel address of every prefill rank")
         done: Future[list[PairPlan]] = Future()
-        self._loop.post(lambda: self._start_connect(addresses, timeout, done))
+        self._loop.post(lambda: self._start_connect(addresses, timeout, held_timeout, done))
         return done.result()
 
     def replan(
@@ -364,11 +374,18 @@ class KVConsumer:
     # ---- connect and plan (the loop thread) ------------------------------------------------
 
     def _start_connect(
-        self, addresses: list[str], timeout: float, done: Future[list[PairPlan]]
+        self,
+        addresses: list[str],
+        timeout: float,
+        held_timeout: float | None,
+        done: Future[list[PairPlan]],
     ) -> None:
         self._sessions.drop(self._sessions.by_rank.values(), "was replaced by connect()")
         self._pairs = []
-        pending = [self._sessions.open(address, timeout) for address in addresses]
+        pending = [
+            self._sessions.open(address, timeout, held_timeout=held_timeout)
+            for address in addresses
+        ]
         self._connects.append((pending, done))
 
     def _await_sessions(self, pending: list[ProducerSession], done: Future[list[PairPlan]]) -> None:

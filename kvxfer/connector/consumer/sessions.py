@@ -115,6 +115,9 @@ class ProducerSession:
     client: SessionClient
     deadline: float  # of the handshake
     expect: KVCacheSpec | None = None  # a reconnect must find the same producer geometry
+    # A first handshake whose connection is up (the producer's process exists, not run yet)
+    # waits until this, the caller's `held_timeout` (`KVConsumer.connect`); else `deadline`.
+    held_deadline: float = 0.0
     state: SessionState = SessionState.CONNECTING
     spec: KVCacheSpec | None = None
     peer: Peer | None = None  # the producer's cache regions, by layer
@@ -229,10 +232,12 @@ class ProducerSessions:
         timeout: float,
         expect: KVCacheSpec | None = None,
         reconnect: bool = False,
+        held_timeout: float | None = None,
     ) -> ProducerSession:
         """Start a handshake with the producer at `address`, done within `timeout` seconds or
-        the session fails (a `reconnect` fails then only if its connection is down); a
-        reconnect later allows its handshake as long."""
+        the session fails; while its connection is up it may take `held_timeout` (default
+        `timeout`), and a `reconnect` as long as its connection stays up. A reconnect later
+        allows its handshake as long as the longest `timeout`."""
         self._handshake_timeout_s = max(self._handshake_timeout_s, timeout)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -245,8 +250,10 @@ class ProducerSessions:
         sock.connect(address)
         claim = encode(KVClaim(engine_id=self._engine_id, spec=self._spec))
         client = SessionClient(KV_SERVICE, self._secret, self._engine_id, claim)
-        deadline = time.monotonic() + timeout
+        now = time.monotonic()
+        deadline = now + timeout
         session = ProducerSession(address, sock, monitor, client, deadline, expect)
+        session.held_deadline = max(deadline, now + (held_timeout or 0.0))
         session.reconnect = reconnect
         sock.send_multipart(client.hello())
         self._open[sock] = session
@@ -323,12 +330,18 @@ class ProducerSessions:
         for session in self._open.values():
             if session.state is SessionState.CONNECTING:
                 session.deadline += seconds
+                session.held_deadline += seconds
 
     @staticmethod
     def _handshake_late(session: ProducerSession, now: float) -> bool:
-        """Past its deadline, unless a reconnect whose producer's host holds its connection
-        (the process exists: the fetches that wait for it bound the wait)."""
-        return now > session.deadline and not (session.reconnect and session.connected)
+        """Past its deadline, unless its producer's host holds its connection (the process
+        exists, and is not run yet): a reconnect then waits as long as the fetches that wait
+        for it, a first handshake until its `held_deadline`."""
+        if now <= session.deadline:
+            return False
+        if session.connected:
+            return not session.reconnect and now > session.held_deadline
+        return True
 
     def _ping_due(self, session: ProducerSession, now: float) -> bool:
         return now - session.last_ping >= self._heartbeat_s

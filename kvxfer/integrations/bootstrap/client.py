@@ -49,12 +49,22 @@ class BootstrapClient:
         address: the service (`host:port` or `http://host:port`).
         secret: the service's secret, to sign writes (None: unsigned).
         timeout_s: the longest one call may take.
+        connect_timeout_s: the longest a call waits for the service to accept its connection
+            (default `timeout_s`): a service that accepted it may take `timeout_s` to answer.
     """
 
-    def __init__(self, address: str, *, secret: str | None = None, timeout_s: float = 5.0):
+    def __init__(
+        self,
+        address: str,
+        *,
+        secret: str | None = None,
+        timeout_s: float = 5.0,
+        connect_timeout_s: float | None = None,
+    ):
         self.url = bootstrap_url(address)
         self._secret = secret or None
         self._timeout_s = timeout_s
+        self._connect_timeout_s = connect_timeout_s
 
     def register(self, info: WorkerInfo) -> str:
         """Add or renew `info`'s entry: "registered", "renewed" or "replaced" (a restart).
@@ -136,12 +146,18 @@ class BootstrapClient:
         timeout = self._timeout_s if timeout_s is None else timeout_s
         return asyncio.run(self._request(method, path, body, headers, timeout))
 
+    def _client_timeout(self, total: float) -> aiohttp.ClientTimeout:
+        connect = self._connect_timeout_s
+        return aiohttp.ClientTimeout(
+            total=total, sock_connect=None if connect is None else min(connect, total)
+        )
+
     async def _request(
         self, method: str, path: str, body: bytes | None, headers: dict[str, str], timeout: float
     ) -> Any:
         try:
             async with (
-                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+                aiohttp.ClientSession(timeout=self._client_timeout(timeout)) as session,
                 session.request(method, self.url + path, data=body, headers=headers) as response,
             ):
                 payload = await response.read()

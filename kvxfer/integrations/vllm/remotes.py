@@ -4,10 +4,16 @@ looks them up and connects them off the engine's thread.
 
 - Connecting runs on the worker's thread pool, one task per remote engine while it connects:
   looking its ranks up in its bootstrap service, then creating and connecting its
-  `GroupedConsumer` (a handshake, up to `handshake_timeout_s`). That engine's loads wait for it
-  (`Remote.waiting`); others go on. The task hands its outcome over a queue and the engine's
-  thread applies it (`RemoteEngines.take_connects`): the engine's thread owns every `Remote`;
-  a lock of its own guards only the aborts that wait for a connect (`Remote.aborts`).
+  `GroupedConsumer` (a handshake). Each step has `handshake_timeout_s` to reach the engine (its
+  service or ranks accepting the connection, its ranks registered); an engine that accepted
+  but has not answered yet (its host is loaded, or it is frozen) is waited for as long as the
+  loads that wait for the connect (their `fetch_timeout_s`), as a fetch waits for a producer
+  that is there: a fixed bound there failed loads of live engines on a loaded machine, and
+  vLLM recomputed them. An address where nothing listens fails at once. That engine's loads
+  wait for it (`Remote.waiting`); others go on. The task hands its outcome over a queue and
+  the engine's thread applies it (`RemoteEngines.take_connects`): the engine's thread owns
+  every `Remote`; a lock of its own guards only the aborts that wait for a connect
+  (`Remote.aborts`).
 - A failed connect fails the loads that waited for it with all their blocks; the next load
   connects again (DISCONNECTED keeps its consumer for that).
 - A load is fetched at once when its remote is ready for its route (`Remote.ready`). A load
@@ -37,6 +43,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import queue
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,9 +60,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BACKGROUND_THREADS = 32  # connects in flight at once (one per remote engine), and retirements
-# How a remote's ranks are looked up: (bootstrap address, engine id, DP rank) -> each rank's
-# side channels (`rank_channels`) and the registrations they come from.
-LookUp = Callable[[str, str, int | None], tuple[tuple[str, ...], Fingerprint]]
+# How a remote's ranks are looked up: (bootstrap address, engine id, DP rank, seconds a service
+# that accepted the connection may take to answer) -> each rank's side channels
+# (`rank_channels`) and the registrations they come from.
+LookUp = Callable[[str, str, int | None, float], tuple[tuple[str, ...], Fingerprint]]
 
 
 @dataclass
@@ -79,7 +87,8 @@ class RemoteEngines:
         new_consumer: creates a consumer over this worker's groups (on the pool).
         look_up: finds a remote engine's ranks through its bootstrap service (on the pool;
             `look_up_ranks` with the worker's settings).
-        handshake_timeout_s: the longest one consumer's connect may take.
+        handshake_timeout_s: how long a connect's look-up and handshake may take to reach the
+            engine (longer once it accepted the connection: the module's docstring).
         thread_name_prefix: names the pool's threads.
         executor: runs the background work instead of a pool of `BACKGROUND_THREADS` threads
             (tests run it when they choose).
@@ -138,7 +147,17 @@ class RemoteEngines:
         if consumer is None:
             consumer, self._spare = self._spare, None
         current = (remote.connected, remote.fingerprint)
-        self._in_background(self._connect_task, remote, consumer, route, current, shared)
+        held_until = self._held_until(remote)
+        self._in_background(
+            self._connect_task, remote, consumer, route, current, shared, held_until
+        )
+
+    def _held_until(self, remote: Remote) -> float:
+        """Until when (monotonic) a connect waits for an engine that accepted its connection
+        but has not answered: the last deadline of the loads that wait for it (each fails at
+        its own anyway), at least `handshake_timeout_s` from now (only aborts may wait)."""
+        floor = time.monotonic() + self._handshake_timeout_s
+        return max([floor, *(load.deadline for load in remote.waiting)])
 
     def _alias(self, remote: Remote, route: Route) -> Remote | None:
         """A remote ready along `route` that is `remote`'s engine named the other way (one
@@ -314,26 +333,34 @@ class RemoteEngines:
         route: Route,
         current: tuple[tuple[str, ...] | None, Fingerprint | None],
         shared: bool,
+        held_until: float,
     ) -> None:
         """Find `remote`'s ranks along `route` (its bootstrap service), then connect
         `consumer` (created first if None) to them, unless it is connected to them already
         (`current`: its addresses, and the registrations they came from, if known: a new
         generation at the same addresses is a restart, connected again); hand the outcome to
         the engine's thread, which owns `remote`. A `shared` consumer (another remote holds
-        it) is used as it is or not at all: a new one is connected instead."""
+        it) is used as it is or not at all: a new one is connected instead. An engine that
+        accepted the connection is waited for until `held_until`."""
         addresses, fingerprint, error = route.addresses, None, None
         connected, known = current
+
+        def held() -> float:
+            return max(0.0, held_until - time.monotonic())
+
         try:
             if route.bootstrap is not None:
                 addresses, fingerprint = self._look_up(
-                    route.bootstrap, remote.engine_id, remote.dp_rank
+                    route.bootstrap, remote.engine_id, remote.dp_rank, held()
                 )
             same = fingerprint is None or known is None or fingerprint == known
             if connected != addresses or not same:
                 if consumer is None or shared:
                     consumer, shared = self._new_consumer(), False
                 consumer.connect(
-                    [split_channels(a) for a in addresses], timeout=self._handshake_timeout_s
+                    [split_channels(a) for a in addresses],
+                    timeout=self._handshake_timeout_s,
+                    held_timeout=held(),
                 )
             assert consumer is not None  # connected: it has one
             self._send_aborts_along(remote, route, consumer)
@@ -355,20 +382,24 @@ def look_up_ranks(
     bootstrap: str,
     engine_id: str,
     dp_rank: int | None,
+    held_s: float,
     *,
     secret: str | None,
     timeout_s: float,
 ) -> tuple[tuple[str, ...], Fingerprint]:
     """The side channels of every worker of one DP rank of an engine (every TP rank of every
     pipeline stage, in (PP, TP) rank order) from its bootstrap service, waiting up to
-    `timeout_s` for workers not registered yet, and the registrations they come from. The
-    consumer connects to all of them: the handshake tells which layers and heads each holds,
-    and this rank fetches from those holding some of its own.
+    `timeout_s` for the service to accept the connection and for workers not registered yet,
+    up to `held_s` for a service that accepted it to answer; and the registrations they come
+    from. The consumer connects to all of them: the handshake tells which layers and heads
+    each holds, and this rank fetches from those holding some of its own.
 
     Raises:
         LookupError: workers missing at the deadline, or the service unreachable.
     """
-    client = BootstrapClient(bootstrap, secret=secret, timeout_s=timeout_s)
+    client = BootstrapClient(
+        bootstrap, secret=secret, timeout_s=max(timeout_s, held_s), connect_timeout_s=timeout_s
+    )
     workers = client.lookup(engine_id, dp_rank, timeout_s)
     return (
         tuple(rank_channels(w.group_addresses or [w.address]) for w in workers),
