@@ -8,13 +8,14 @@ How the design follows the best paged-KV copy kernels is in docs/design.md ("JIT
 
 Layers are reached through a per-layer address table (a device tensor built once per set of
 layer tensors, then cached) or, for a staging buffer (`StackedLayers`), a base pointer and a
-layer stride. Elements move as integer words: bit-exact for every dtype, fp8 included, with no
-float arithmetic (the interpreter has none for bf16). A copy between two dtypes (bf16 into an fp8
-cache, and back) loads each element as its own word and converts it on the way
-(`kvxfer.kernels.convert`: vLLM's arithmetic, on integer bits). When the host has checked that every
-address, stride and row is 16-byte aligned, the kernel copies 4-byte words and says so to the
-compiler (`tl.multiple_of` on the final pointers), which then emits 16-byte loads and stores;
-otherwise a narrower variant copies the widest word that divides everything.
+layer stride (`kvxfer.kernels.layer_sets`). Elements move as integer words: bit-exact for every
+dtype, fp8 included, with no float arithmetic (the interpreter has none for bf16). A copy
+between two dtypes (bf16 into an fp8 cache, and back) loads each element as its own word and
+converts it on the way (`kvxfer.kernels.convert`: vLLM's arithmetic, on integer bits). When the
+host has checked that every address, stride and row is 16-byte aligned, the kernel copies 4-byte
+words and says so to the compiler (`tl.multiple_of` on the final pointers), which then emits
+16-byte loads and stores; otherwise a narrower variant copies the widest word that divides
+everything.
 
 Every runtime integer is excluded from Triton's specialization (`do_not_specialize`, and
 pointers from alignment specialization), so one compiled variant per geometry serves every
@@ -26,11 +27,9 @@ gather_kv, scatter_kv and remap_kv are this kernel specialized on which side is 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,14 +39,13 @@ import triton.language as tl
 
 from kvxfer.kernels.buffers import (
     KVBuffer,
-    StackedLayers,
     canonical_kv_view,
     check_copy_pair,
-    check_layers,
 )
 from kvxfer.kernels.convert import KIND_NONE, KINDS, scale_mode
 from kvxfer.kernels.convert import from_float32 as _from_float32
 from kvxfer.kernels.convert import to_float32 as _to_float32
+from kvxfer.kernels.layer_sets import VECTOR_BYTES, LayerSet, layer_set, with_words
 
 # The interpreter is chosen when `triton.jit` decorates, i.e. when this module is imported.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -56,8 +54,6 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # compiled kernels have no such limit.
 _INTERPRETER_LOCK = threading.Lock()
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# 16-byte accesses: the widest a GPU thread issues (ld.global.v4.b32).
-_VECTOR_BYTES = 16
 # Bytes per program: 32 KiB keeps every configuration of benchmarks/kernel_codegen.py at or
 # under 96 registers without spills on sm_90 (16 tokens x 8 heads x 128 bf16 = 32 KiB).
 _TILE_BYTES = 32 * 1024
@@ -251,88 +247,8 @@ def _copy_cells_kernel(
     tl.store(dst_words, cells, mask=mask)
 
 
-@dataclass(frozen=True)
-class _LayerSet:
-    """One side's layers as the kernel reaches them, validated once."""
-
-    word_view: torch.Tensor  # layer 0 (table mode) or the flat staging, as words
-    table: torch.Tensor | None  # [layers] int64 byte addresses on the device, or None (stacked)
-    layer_stride_bytes: int  # stacked mode
-    alignment: int  # the largest power of two (up to 16) dividing every layer's address
-
-
-# Tables of layer addresses, per set of layer tensors: a serving engine has a few (its caches),
-# so they are built once and reused by every launch. Keyed by the addresses themselves.
-_TABLES: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, int]] = OrderedDict()
-_TABLES_MAX = 64
-_TABLES_LOCK = threading.Lock()
-
-
 def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()  # triton.next_power_of_2 costs 2 us per call
-
-
-def _alignment(value: int) -> int:
-    """The largest power of two up to 16 that divides `value`."""
-    return math.gcd(value, _VECTOR_BYTES) if value else _VECTOR_BYTES
-
-
-def layer_table(name: str, buf: KVBuffer) -> tuple[torch.Tensor, int]:
-    """The device tensor of `buf`'s layer addresses and their common alignment (the largest
-    power of two up to 16 dividing all), built (and the layers validated) once per set of
-    layer tensors and cached; a staging buffer (`StackedLayers`) needs none.
-
-    Raises:
-        ValueError: layers of different shapes, dtypes or devices.
-    """
-    addresses = tuple(map(torch.Tensor.data_ptr, buf.layers))
-    first = buf.layers[0]
-    key = (first.device, first.dtype, first.shape, first.stride(), addresses)
-    with _TABLES_LOCK:
-        entry = _TABLES.get(key)
-        if entry is not None:
-            _TABLES.move_to_end(key)
-            return entry
-    check_layers(name, buf)
-    host = torch.tensor(addresses, dtype=torch.int64)
-    if first.device.type == "cuda":  # once per cache set; asynchronous all the same
-        table = host.pin_memory().to(first.device, non_blocking=True)
-    else:
-        table = host
-    entry = (table, functools.reduce(math.gcd, addresses, _VECTOR_BYTES))
-    with _TABLES_LOCK:
-        _TABLES[key] = entry
-        while len(_TABLES) > _TABLES_MAX:
-            _TABLES.popitem(last=False)
-    return entry
-
-
-_TYPE_TOKENS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def _type_token(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """An empty tensor that only gives a pointer argument its element type (table mode)."""
-    token = _TYPE_TOKENS.get((device, dtype))
-    if token is None:
-        token = _TYPE_TOKENS.setdefault((device, dtype), torch.empty(0, dtype=dtype, device=device))
-    return token
-
-
-def _layer_set(name: str, buf: KVBuffer) -> _LayerSet:
-    layers = buf.layers
-    if isinstance(layers, StackedLayers):
-        used = layers.flat[: layers.num_layers * layers.layer_elements]
-        layer_bytes = layers.layer_elements * used.element_size()
-        return _LayerSet(used.view(torch.uint8), None, layer_bytes, _alignment(used.data_ptr()))
-    table, align = layer_table(name, buf)
-    return _LayerSet(_type_token(layers[0].device, torch.uint8), table, 0, align)
-
-
-def _with_words(layer_set: _LayerSet, word: torch.dtype) -> _LayerSet:
-    """The same layers, with the pointer argument retyped to `word`."""
-    view = layer_set.word_view
-    retyped = view.view(word) if layer_set.table is None else _type_token(view.device, word)
-    return _LayerSet(retyped, layer_set.table, layer_set.layer_stride_bytes, layer_set.alignment)
 
 
 @dataclass(frozen=True)
@@ -369,9 +285,9 @@ class _SideGeometry:
         return self.shape[4]
 
 
-def _word_bytes(itemsize: int, head_dim: int, sides: list[tuple[_SideGeometry, _LayerSet]]) -> int:
+def _word_bytes(itemsize: int, head_dim: int, sides: list[tuple[_SideGeometry, LayerSet]]) -> int:
     """The widest word (up to 16 bytes) dividing every row start, stride and row length."""
-    granule = _VECTOR_BYTES
+    granule = VECTOR_BYTES
     granule = math.gcd(granule, head_dim * itemsize)
     for geometry, layers in sides:
         granule = math.gcd(granule, layers.alignment, layers.layer_stride_bytes or granule)
@@ -380,12 +296,12 @@ def _word_bytes(itemsize: int, head_dim: int, sides: list[tuple[_SideGeometry, _
     return granule
 
 
-def _convert_words(head_dim: int, *sides: tuple[_SideGeometry, _LayerSet]) -> tuple[int, int, bool]:
+def _convert_words(head_dim: int, *sides: tuple[_SideGeometry, LayerSet]) -> tuple[int, int, bool]:
     """A converting copy's words: each side's element width, and whether every row start on
     both sides is 16-byte aligned (then the compiler is told so and issues 16-byte accesses:
     8 bf16 elements in, 8 fp8 bytes out per thread)."""
     aligned = all(
-        _word_bytes(geo.itemsize, head_dim, [(geo, layers)]) == _VECTOR_BYTES
+        _word_bytes(geo.itemsize, head_dim, [(geo, layers)]) == VECTOR_BYTES
         for geo, layers in sides
     )
     src, dst = (geo.itemsize for geo, _ in sides)
@@ -491,7 +407,7 @@ def prepare_cell_copy(
             "programs on grid axis 1; split the copy by layers"
         )
     # Word width first from the tensors' own alignment (uint8 words fit any), then the views.
-    src_set, dst_set = _layer_set("src", src), _layer_set("dst", dst)
+    src_set, dst_set = layer_set("src", src), layer_set("dst", dst)
     src_dtype, dst_dtype = src.layers[0].dtype, dst.layers[0].dtype
     converting = src_dtype != dst_dtype
     if converting:  # each element its own word, of its side's width (`_convert_words`)
@@ -500,10 +416,10 @@ def prepare_cell_copy(
         )
     else:
         word = _word_bytes(src_geo.itemsize, head_dim, [(src_geo, src_set), (dst_geo, dst_set)])
-        aligned = word == _VECTOR_BYTES
+        aligned = word == VECTOR_BYTES
         src_word = dst_word = 4 if aligned else word
-    src_set = _with_words(src_set, _WORDS[src_word])
-    dst_set = _with_words(dst_set, _WORDS[dst_word])
+    src_set = with_words(src_set, _WORDS[src_word])
+    dst_set = with_words(dst_set, _WORDS[dst_word])
     head_words = head_dim * src_geo.itemsize // src_word  # the same count on both sides
     block_h, block_w = _next_power_of_2(num_heads), _next_power_of_2(head_words)
     row_bytes = block_h * block_w * max(src_word, dst_word)
@@ -530,20 +446,20 @@ def prepare_cell_copy(
         "token_start": token_start,
         "token_end": token_end,
     }
-    for name, buf, geo, layer_set in (
+    for name, buf, geo, side_set in (
         ("src", src, src_geo, src_set),
         ("dst", dst, dst_geo, dst_set),
     ):
         sp, sb, ss, sh = geo.strides
-        table = layer_set.table
+        table = side_set.table
         ids = buf.block_ids
         arguments.update(
             {
-                f"{name}_ptr": layer_set.word_view,
+                f"{name}_ptr": side_set.word_view,
                 # An unused pointer argument still needs a tensor: the words stand in.
-                f"{name}_layers_ptr": table if table is not None else layer_set.word_view,
-                f"{name}_block_ids_ptr": ids if ids is not None else layer_set.word_view,
-                f"{name}_layer_stride": layer_set.layer_stride_bytes // words[name][1],
+                f"{name}_layers_ptr": table if table is not None else side_set.word_view,
+                f"{name}_block_ids_ptr": ids if ids is not None else side_set.word_view,
+                f"{name}_layer_stride": side_set.layer_stride_bytes // words[name][1],
                 f"{name}_token_shift": buf.token_shift,
                 f"{name}_plane_stride": to_words(name, sp),
                 f"{name}_block_stride": to_words(name, sb),
