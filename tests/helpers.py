@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -52,7 +53,7 @@ def shared_result(factory: pytest.TempPathFactory, name: str, compute: Callable[
         return value
 
 
-__all__ = ["documented_moves", "run_quick_benchmark", "shared_result"]
+__all__ = ["documented_moves", "run_quick_benchmark", "shared_result", "unlisted_moves"]
 
 
 def documented_moves(doc: str | None, states: type[enum.Enum], events: type[enum.Enum]) -> dict:
@@ -65,3 +66,11 @@ def documented_moves(doc: str | None, states: type[enum.Enum], events: type[enum
         for event, after in re.findall(r"(\w+) -> (\w+)", moves):
             documented[states(state), events(event)] = states(after)
     return documented
+
+
+def unlisted_moves(
+    legal: list[tuple[Any, Any, Any]], states: type[enum.Enum], events: type[enum.Enum]
+) -> list[tuple[Any, Any]]:
+    """Every (state, event) that a table test's `legal` rows (state, event, next) do not list."""
+    listed = {(state, event) for state, event, _ in legal}
+    return [move for move in itertools.product(states, events) if move not in listed]

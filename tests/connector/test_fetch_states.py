@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
-from helpers import documented_moves
+from helpers import documented_moves, unlisted_moves
 
 from kvxfer.connector.consumer import FetchHandle
 from kvxfer.connector.consumer import states as states_mod
@@ -68,11 +68,7 @@ LEGAL = [
     (S.DONE, E.FAIL, S.DONE),
     (S.FAILED, E.FAIL, S.FAILED),
 ]
-ILLEGAL = [
-    (state, event)
-    for state, event in itertools.product(ChunkState, ChunkEvent)
-    if (state, event) not in {(s, e) for s, e, _ in LEGAL}
-]
+ILLEGAL = unlisted_moves(LEGAL, ChunkState, ChunkEvent)
 
 
 # ---- the table ---------------------------------------------------------------------------------

@@ -4,11 +4,10 @@ its code), and a session's bookkeeping of each move (`ConsumerSession.advance`).
 
 from __future__ import annotations
 
-import itertools
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import documented_moves
+from helpers import documented_moves, unlisted_moves
 
 from kvxfer.connector.messages import TransferRequest
 from kvxfer.connector.producer import states as states_mod
@@ -41,11 +40,7 @@ LEGAL = [
     (S.LEASED, E.FORGET, S.SETTLED),
     (S.LEASED, E.END, S.LEASED),
 ]
-ILLEGAL = [
-    (state, event)
-    for state, event in itertools.product(ServedState, ServedEvent)
-    if (state, event) not in {(s, e) for s, e, _ in LEGAL}
-]
+ILLEGAL = unlisted_moves(LEGAL, ServedState, ServedEvent)
 
 
 @pytest.mark.parametrize(("state", "event", "after"), LEGAL, ids=lambda x: x.value)
