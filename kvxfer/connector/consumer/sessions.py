@@ -115,8 +115,9 @@ class ProducerSession:
     client: SessionClient
     deadline: float  # of the handshake
     expect: KVCacheSpec | None = None  # a reconnect must find the same producer geometry
-    # A first handshake whose connection is up (the producer's process exists, not run yet)
-    # waits until this, the caller's `held_timeout` (`KVConsumer.connect`); else `deadline`.
+    # While its connection is up (the producer's process exists, not run yet) the handshake
+    # waits until this: a first one the caller's `held_timeout` (`KVConsumer.connect`), a
+    # reconnect as long as the fetches that wait for it (never late on its own).
     held_deadline: float = 0.0
     state: SessionState = SessionState.CONNECTING
     spec: KVCacheSpec | None = None
@@ -253,7 +254,8 @@ class ProducerSessions:
         now = time.monotonic()
         deadline = now + timeout
         session = ProducerSession(address, sock, monitor, client, deadline, expect)
-        session.held_deadline = max(deadline, now + (held_timeout or 0.0))
+        held = float("inf") if reconnect else max(deadline, now + (held_timeout or 0.0))
+        session.held_deadline = held
         session.reconnect = reconnect
         sock.send_multipart(client.hello())
         self._open[sock] = session
@@ -334,14 +336,10 @@ class ProducerSessions:
 
     @staticmethod
     def _handshake_late(session: ProducerSession, now: float) -> bool:
-        """Past its deadline, unless its producer's host holds its connection (the process
-        exists, and is not run yet): a reconnect then waits as long as the fetches that wait
-        for it, a first handshake until its `held_deadline`."""
-        if now <= session.deadline:
-            return False
-        if session.connected:
-            return not session.reconnect and now > session.held_deadline
-        return True
+        """Past its deadline, or past its `held_deadline` while its producer's host holds its
+        connection (the process exists, and is not run yet)."""
+        limit = session.held_deadline if session.connected else session.deadline
+        return now > limit
 
     def _ping_due(self, session: ProducerSession, now: float) -> bool:
         return now - session.last_ping >= self._heartbeat_s
