@@ -1,12 +1,15 @@
 """`CompletionPump`: submits a Mooncake engine's descriptors and polls them to completion,
 without spinning, on one thread per engine, or on its owner's thread (a driven pump).
 
-A driven pump has no thread: its owner, a loop that already wakes for its own events, submits
-at `add` and calls `drive` every turn, coming back when `drive` says the next poll is due while
-anything is in flight. A consumer drives the engine it owns from its loop: a short read then
-costs no thread hand-over at all (two before: the loop's submit to the pump, the pump's
-completion back to the loop; each a wake-up of another thread, 0.1 ms apiece on a busy 2-core
-machine).
+Every call into the engine runs on one thread: the pump's, or its owner's for a driven pump
+(submitting on the caller's thread while the pump's thread polled hung `kvxfer bench`'s
+producers, whose writes come from another thread). A driven pump has no thread: its owner, a
+loop that already wakes for its own events, submits at `add` and calls `drive` every turn,
+coming back when `drive` says the next poll is due while anything is in flight. A consumer
+drives the engine it owns from its loop: a short read then costs no thread hand-over at all
+(a wake-up of another thread costs about 0.1 ms on a busy 2-core machine, the time Mooncake
+takes to read 0.5 MB over loopback). A read is first polled `POLL_SECONDS` after its submit,
+never at once: it cannot have landed yet.
 
 Why one descriptor per Mooncake batch: a batch's status turns failed (-1) as soon as one of its
 descriptors fails while the others may still be running, and they still land afterwards
@@ -107,7 +110,7 @@ class CompletionPump:
         self._in_flight: list[tuple[int, _Op, int]] = []  # (batch id, op, descriptor index)
         self._per_peer: dict[str, int] = {}
         self._stopped = False
-        self._polled = 0.0  # when a driven pump last polled
+        self._polled = 0.0  # when the pump last polled
         self._submitted = 0.0  # when a descriptor was last submitted
         self._thread: threading.Thread | None = None
         if threaded:
@@ -122,7 +125,8 @@ class CompletionPump:
         remote: np.ndarray,
         lengths: np.ndarray,
     ) -> Future[None]:
-        """Queue descriptors (local address, remote address, length) for one peer.
+        """Queue descriptors (local address, remote address, length) for one peer (a driven
+        pump submits those that fit the caps now, on its owner's thread).
 
         Returns:
             A future that completes when every descriptor has settled; it fails with
@@ -144,23 +148,21 @@ class CompletionPump:
         return future
 
     def drive(self) -> float | None:
-        """(a driven pump's owner, every turn) Submit what fits the caps; poll what is in
-        flight if its poll is due (`poll_interval` since the last one).
+        """(a driven pump's owner every turn, or the pump's thread) Submit what fits the caps;
+        poll what is in flight if its poll is due (`_poll_due_in`).
 
         Returns:
             The seconds until the next poll is due (the owner turns again by then), or None
             when nothing is queued or in flight.
         """
         self._submit_what_fits()
-        now = time.monotonic()
-        if now - self._polled >= poll_interval(now - self._submitted):
-            self._polled = now
+        if self._poll_due_in() == 0.0:
+            self._polled = time.monotonic()
             self._poll()
         with self._cond:
             if not self._has_work():
                 return None
-        now = time.monotonic()
-        return max(0.0, self._polled + poll_interval(now - self._submitted) - now)
+        return self._poll_due_in()
 
     def in_flight(self, endpoint: str | None = None) -> int:
         """Descriptors submitted and not settled (for one peer, or all)."""
@@ -192,11 +194,18 @@ class CompletionPump:
                 if not self._has_work():
                     self._cond.wait(IDLE_SECONDS)
                     continue
-            self._submit_what_fits()
-            self._poll()
+            due_in = self.drive()
             with self._cond:  # until the next poll is due, or an `add` brings more to submit
-                if not self._stopped:
-                    self._cond.wait(poll_interval(time.monotonic() - self._submitted))
+                if not self._stopped and due_in:
+                    self._cond.wait(due_in)
+
+    def _poll_due_in(self) -> float:
+        """Seconds until the next poll is due (0: now): `poll_interval` after the last poll or
+        the last submit, whichever came later (a read just submitted is not polled at once:
+        it cannot have landed yet)."""
+        now = time.monotonic()
+        since = max(self._polled, self._submitted)
+        return max(0.0, since + poll_interval(now - self._submitted) - now)
 
     def _has_work(self) -> bool:
         """Descriptors queued or in flight (called under the lock)."""
