@@ -182,9 +182,12 @@ def test_settings_defaults_and_parsing():
             "peer_timeout_s": 30,
             "handshake_timeout_s": 20,
             "stream_prefill": False,
+            "transport": "mooncake",
         }
     )
     assert ConnectorSettings().stream_prefill and not parsed.stream_prefill
+    assert parsed.consumer_options("tcp")["transport"] == "mooncake"
+    assert parsed.producer_options("tcp")["transport"] == "mooncake"
     assert (parsed.heartbeat_s, parsed.peer_timeout_s, parsed.handshake_timeout_s) == (1, 30, 20)
     assert (parsed.side_channel_host, parsed.side_channel_port) == ("10.0.0.7", 6100)
     assert parsed.strategy == "pack+unpack" and parsed.fetch_timeout_s == 5.0
@@ -211,6 +214,8 @@ def test_settings_defaults_and_parsing():
         ({"fetch_timeout_s": 0}, "positive number of seconds"),
         ({"backend": "cuda"}, '"auto", "torch" or "triton"'),
         ({"stream_prefill": "yes"}, r"'stream_prefill'\] = 'yes'; expected true or false"),
+        ({"transport": "nixl"}, r"'transport'\] = 'nixl'; expected one of \['mooncake'\]"),
+        ({"transport": "local"}, "'local' reaches peers in its own process only"),
     ],
 )
 def test_bad_settings_name_the_key_and_what_it_accepts(extra, message):
@@ -251,8 +256,8 @@ def test_producer_and_consumer_options_are_their_parameters_from_the_settings():
         unknown = set(options) - set(inspect.signature(cls.__init__).parameters)
         assert not unknown, f"{cls.__name__} takes no {sorted(unknown)}"
     assert produce == {
-        "secret": "s3", "protocol": "tcp", "staging_bytes": 1 << 20, "staging_slots": 3,
-        "request_timeout_s": 9.0, "session_timeout_s": 30.0, "backend": "auto",
+        "secret": "s3", "transport": "mooncake", "protocol": "tcp", "staging_bytes": 1 << 20,
+        "staging_slots": 3, "request_timeout_s": 9.0, "session_timeout_s": 30.0, "backend": "auto",
     }  # fmt: skip
     assert consume["protocol"] == "rdma" and consume["strategy"] == "direct"
     assert (consume["timeout_s"], consume["peer_timeout_s"]) == (7.0, 4.0)

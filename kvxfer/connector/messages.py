@@ -49,9 +49,10 @@ class KVTerms(msgspec.Struct, frozen=True):
 
     engine_id: str
     spec: KVCacheSpec
-    endpoint: str  # transport endpoint (Mooncake host:port)
+    endpoint: str  # transport endpoint, opaque but to a transport of `transport`'s kind
     cache_regions: list[RegionInfo]  # one per layer, in layer order
     staging_slot_bytes: int
+    transport: str = "mooncake"  # its transport's kind (`kvxfer.transport.factory.KINDS`)
 
 
 # ---- KV connector: session messages (in the session layer's signed frames) ----------------

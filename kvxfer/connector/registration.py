@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from kvxfer.transport.base import Region, Transport
-from kvxfer.transport.mooncake import MooncakeTransport
+from kvxfer.transport.factory import DEFAULT_KIND, TransportOptions, create_transport
 
 log = logging.getLogger(__name__)
 
@@ -19,12 +19,13 @@ class CacheRegistration:
 
     Args:
         caches: the layer tensors.
-        transport: a transport to share, or None to create a `MooncakeTransport`.
+        transport: a transport to share, or the kind of one to create
+            (`kvxfer.transport.factory.KINDS`; None: Mooncake's).
         host, protocol: where and how the created transport runs.
         rdma_fallback: for the created transport: run TCP (with a warning) when
             protocol="rdma" is unavailable, instead of raising.
         driven: the created transport has no thread: its owner drives it
-            (`MooncakeTransport.drive`).
+            (`Transport.drive`).
 
     Raises:
         ValueError, TransferError: the transport could not be created or a tensor could not
@@ -35,17 +36,18 @@ class CacheRegistration:
     def __init__(
         self,
         caches: Sequence[torch.Tensor],
-        transport: Transport | None,
+        transport: Transport | str | None,
         host: str,
         protocol: str,
         *,
         rdma_fallback: bool = False,
         driven: bool = False,
     ) -> None:
-        self._owns_transport = transport is None
-        self.transport: Transport = transport or MooncakeTransport(
-            host, protocol, rdma_fallback=rdma_fallback, driven=driven
-        )
+        self._owns_transport = transport is None or isinstance(transport, str)
+        if transport is None or isinstance(transport, str):
+            options = TransportOptions(host, protocol, rdma_fallback, driven)
+            transport = create_transport(transport or DEFAULT_KIND, options)
+        self.transport: Transport = transport
         self.regions: list[Region] = []
         try:
             for tensor in caches:

@@ -14,6 +14,7 @@ from typing import Any
 from kvxfer.integrations.bootstrap import bootstrap_url
 from kvxfer.plan import DEFAULT_STAGING_SLOTS, STRATEGIES, CostModel
 from kvxfer.rdma import PROTOCOLS, ProtocolChoice, choose_protocol
+from kvxfer.transport.factory import DEFAULT_KIND, KINDS
 
 _COST_PRESETS = {"rdma": CostModel, "tcp_loopback": CostModel.tcp_loopback}
 
@@ -34,6 +35,9 @@ class ConnectorSettings:
         bootstrap_address: `host:port` of a bootstrap service run elsewhere: it replaces the
             built-in one (no prefill process starts a service), and every prefill worker
             registers there.
+        transport: the transport between engines, by name
+            (`kvxfer.transport.factory.KINDS`): "mooncake" (default), or another that reaches
+            peers in other processes; both engines must name the same one.
         protocol: Mooncake transport: "auto" (RDMA when this machine has an RDMA device,
             else TCP; `transport_protocol` says which and why), "tcp" or "rdma".
         strategy: force one strategy for every rank pair ("direct", "pack", "unpack",
@@ -87,6 +91,7 @@ class ConnectorSettings:
     side_channel_port: int = 0
     bootstrap_port: int = 5690
     bootstrap_address: str | None = None
+    transport: str = DEFAULT_KIND
     protocol: str = "auto"
     strategy: str | None = None
     cost_model: CostModel = field(default_factory=CostModel)
@@ -160,6 +165,7 @@ class ConnectorSettings:
         """The options a producer and a consumer share."""
         return {
             "secret": self.secret,
+            "transport": self.transport,
             "protocol": protocol,
             "staging_bytes": self.staging_bytes,
             "staging_slots": self.staging_slots,
@@ -210,6 +216,17 @@ def _coerce(name: str, value: Any, defaults: ConnectorSettings) -> Any:
     if name == "strategy":
         if value is not None and value not in STRATEGIES:
             raise fail(f"null or one of {list(STRATEGIES)}")
+        return value
+    if name == "transport":
+        between = sorted(name for name, kind in KINDS.items() if kind.between_processes)
+        if value not in KINDS:
+            raise fail(f"one of {between}")
+        kind = KINDS[value]
+        if not kind.between_processes:
+            raise fail(
+                f"a transport between processes ({kind.name!r} reaches peers in its own "
+                f"process only, and engines run in processes of their own): one of {between}"
+            )
         return value
     if name == "protocol":
         if value not in PROTOCOLS:

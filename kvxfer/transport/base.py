@@ -1,4 +1,5 @@
-"""What every transport offers: registered regions and batched, bounds-checked segment writes."""
+"""What every transport offers: registered regions and batched, bounds-checked segment reads and
+writes, settling under the no-late-byte contract."""
 
 from __future__ import annotations
 
@@ -35,9 +36,24 @@ class Peer:
 
 
 class Transport(Protocol):
-    """Moves byte segments from local registered regions to a peer's registered regions."""
+    """Moves byte segments between local registered regions and a peer's.
 
+    What a connector needs of a transport, whatever moves the bytes; a new transport is one
+    module implementing this and one entry in `kvxfer.transport.factory.KINDS`. `endpoint` is
+    opaque: a peer learns it in the handshake and hands it back in `Peer`, and only a transport
+    of the same `kind` reads it (`factory.check_peer_endpoint`).
+
+    The no-late-byte contract: a transfer's future settles once every segment has landed or
+    failed, and after that nothing of it lands any more, whatever the peer does
+    (tests/transport/test_contract.py checks every kind).
+    """
+
+    kind: str
+    """The transport's name in `kvxfer.transport.factory.KINDS` (the `transport` setting)."""
     endpoint: str
+    """Where peers reach this transport; opaque to everything but transports of its kind."""
+    driven: bool
+    """Whether transfers move only when the owner calls `drive`, on the owner's thread."""
 
     def register(self, tensor: torch.Tensor) -> Region:
         """Register a contiguous tensor's memory and return its region."""
@@ -49,12 +65,13 @@ class Transport(Protocol):
 
     def submit(self, segments: Segments, peer: Peer) -> Future[None]:
         """Start writing `segments` (local source ids, peer destination ids); the future fails
-        with `TransferError`."""
+        with `TransferError`. Raises `TransferError` at once for a segment outside a region."""
         ...
 
     def read(self, segments: Segments, peer: Peer) -> Future[None]:
         """Start reading `segments` (peer source ids, local destination ids); the future
-        completes once every segment has settled, and fails with `TransferError`."""
+        completes once every segment has settled, and fails with `TransferError`. Raises
+        `TransferError` at once for a segment outside a region."""
         ...
 
     def write(self, segments: Segments, peer: Peer, timeout: float | None = None) -> None:
@@ -62,9 +79,34 @@ class Transport(Protocol):
         or timeout."""
         ...
 
-    def close(self) -> None:
-        """Release the transport's resources."""
+    def drive(self) -> float | None:
+        """(a driven transport's owner, every turn) Move transfers on; the seconds until the
+        owner should turn again, or None when nothing is in flight."""
         ...
+
+    def in_flight(self, endpoint: str | None = None) -> int:
+        """Transfers (or their segments) started and not settled, for one peer or all."""
+        ...
+
+    def close(self) -> None:
+        """Release the transport's resources; transfers not settled fail."""
+        ...
+
+
+def wait_written(
+    future: Future[None], segments: Segments, peer: Peer, timeout: float | None
+) -> None:
+    """Wait up to `timeout` seconds for a write's future (every transport's `write`).
+
+    Raises:
+        TransferError: the write failed, or did not finish in time.
+    """
+    try:
+        future.result(timeout)
+    except TimeoutError as exc:
+        raise TransferError(
+            f"write of {len(segments)} segments to {peer.endpoint} did not finish in {timeout} s"
+        ) from exc
 
 
 def check_segments_in_regions(
@@ -137,13 +179,3 @@ def tensor_memory(tensor: torch.Tensor) -> torch.Tensor:
     span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
     flat = tensor.as_strided((span,), (1,))
     return flat.view(torch.uint8)
-
-
-def completed(error: BaseException | None = None) -> Future[None]:
-    """A future that is already done (for transports that write synchronously)."""
-    future: Future[None] = Future()
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
-    return future

@@ -25,7 +25,6 @@ import os
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import numpy as np
@@ -39,6 +38,7 @@ from kvxfer.transport.base import (
     TransferError,
     check_segments_in_regions,
     tensor_memory,
+    wait_written,
 )
 from kvxfer.transport.completion import CompletionPump
 from kvxfer.validation import check_host
@@ -209,6 +209,8 @@ class MooncakeTransport:
             failed to start.
     """
 
+    kind = "mooncake"
+
     def __init__(
         self,
         host: str = "127.0.0.1",
@@ -309,14 +311,7 @@ class MooncakeTransport:
             TransferError: a failed write, or none finished in time (the engine may still
                 complete it; Mooncake has no cancel).
         """
-        future = self.submit(segments, peer)
-        try:
-            future.result(timeout)
-        except FutureTimeout as exc:
-            raise TransferError(
-                f"write of {len(segments)} segments to {peer.endpoint} did not finish in "
-                f"{timeout} s"
-            ) from exc
+        wait_written(self.submit(segments, peer), segments, peer, timeout)
 
     def _live_regions(self) -> dict[int, Region]:
         if self._closed:

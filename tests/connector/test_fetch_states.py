@@ -201,6 +201,8 @@ def test_a_requeued_chunk_goes_back_in_token_order():
 class FakeTransport:
     """Registers memory as itself; every read is a future the test settles."""
 
+    kind = "mooncake"
+
     def __init__(self) -> None:
         self.reads: list[Future[None]] = []
         self._ids = itertools.count()
@@ -261,7 +263,9 @@ def live_session() -> ProducerSession:
         for layer in range(spec.num_layers)
     ]
     session = ProducerSession("tcp://producer", None, None, None, 0.0)  # type: ignore[arg-type]
-    session.take_terms(KVTerms("prefill", spec, "127.0.0.1:1", regions, SLOT_BYTES))
+    session.take_terms(
+        KVTerms("prefill", spec, "127.0.0.1:1", regions, SLOT_BYTES), FakeTransport()
+    )  # type: ignore[arg-type]
     session.state = SessionState.LIVE
     return session
 

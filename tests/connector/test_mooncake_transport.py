@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-import kvxfer.connector.registration as registration_mod
 import kvxfer.transport.mooncake as mooncake_mod
 from kvxfer.connector.registration import CacheRegistration
 from kvxfer.plan import Segments
@@ -366,7 +365,7 @@ def test_a_failed_registration_closes_the_transport_it_created(monkeypatch):
             super().__init__(*args, **kwargs)
             created.append(self)
 
-    monkeypatch.setattr(registration_mod, "MooncakeTransport", Recorded)
+    monkeypatch.setattr(mooncake_mod, "MooncakeTransport", Recorded)  # the factory's class
     caches = layer_tensors()
     with pytest.raises(ValueError, match="must be contiguous"):
         CacheRegistration([caches[0], caches[1], caches[2].t()], None, "127.0.0.1", "tcp")

@@ -48,7 +48,6 @@ from kvxfer.plan.cost import Chunking
 from kvxfer.plan.fitting import FittedPair, fit_pair
 from kvxfer.spec import KVCacheSpec
 from kvxfer.transport.base import Transport
-from kvxfer.transport.mooncake import MooncakeTransport
 from kvxfer.validation import (
     check_block_ids,
     check_caches,
@@ -69,9 +68,10 @@ class KVConsumer:
         engine_id: the decode engine's id.
         host: address of this rank's transport (127.0.0.1 by default).
         secret: the producers' shared secret (proved, never sent).
-        transport: a transport to share (default: an own `MooncakeTransport` on `host`,
-            `protocol`, closed with this object; a shared one is left open).
-        protocol: "tcp" or "rdma" for the default transport.
+        transport: a transport to share (left open), or the kind of one of its own
+            (`kvxfer.transport.factory.KINDS`, on `host` and `protocol`, closed with this
+            object); default: its own Mooncake transport.
+        protocol: "tcp" or "rdma" for a Mooncake transport of its own.
         staging_bytes: staging pool per producer rank, in bytes: every chunk lands there.
         staging_slots: slots per pool: the most chunks in flight per producer rank and fetch
             (asked, read, confirmed or copied into the cache), so the pipeline's deepest: with
@@ -104,7 +104,7 @@ class KVConsumer:
         host: str = "127.0.0.1",
         *,
         secret: str | None = None,
-        transport: Transport | None = None,
+        transport: Transport | str | None = None,
         protocol: str = "tcp",
         staging_bytes: int = 32 << 20,
         staging_slots: int = DEFAULT_STAGING_SLOTS,
@@ -144,8 +144,7 @@ class KVConsumer:
         # The loop polls the sessions' sockets and ticks; the sessions tell the fetch machine
         # what happened to them (a `SessionListener`); the machine sends on the sessions.
         self._copier = CacheCopier(caches, backend_name, copy_workers)
-        owned = self.transport
-        drive = owned.drive if isinstance(owned, MooncakeTransport) and owned.driven else None
+        drive = self.transport.drive if self.transport.driven else None
         self._loop = EventLoop(
             "kvxfer-consumer", engine_id, self._sockets, self._drain, self._tick, self._busy, drive
         )
@@ -153,7 +152,14 @@ class KVConsumer:
             spec, self._pools, self.transport, self._copier, self.stats, self._loop.post
         )
         self._sessions = ProducerSessions(
-            self._ctx, spec, engine_id, secret or "", heartbeat_s, peer_timeout_s, self._machine
+            self._ctx,
+            spec,
+            engine_id,
+            secret or "",
+            heartbeat_s,
+            peer_timeout_s,
+            self._machine,
+            self.transport,
         )
         self._machine.sessions = self._sessions
         self._gaps = TickGaps()  # the loop's ticks (its thread only)
@@ -300,7 +306,7 @@ class KVConsumer:
             "dead_sessions": dead,
             "fetches": len(self._machine.fetches),
             "quarantined_slots": len(self._machine.quarantine),
-            "transport": getattr(self.transport, "protocol", type(self.transport).__name__),
+            "transport": getattr(self.transport, "protocol", self.transport.kind),
             "threads": 2 + self._copier.threads,
         }
 

@@ -74,8 +74,8 @@ from kvxfer.connector.sidechannel import close_watched, connection_events, has_m
 from kvxfer.plan.paged import STAGING_REGION
 from kvxfer.session.protocol import Delivered, Opened, Rejected, Reply, SessionClient
 from kvxfer.spec import KVCacheSpec
-from kvxfer.transport.base import Peer, Region
-from kvxfer.validation import check_transport_endpoint
+from kvxfer.transport.base import Peer, Region, Transport
+from kvxfer.transport.factory import check_peer_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -144,13 +144,15 @@ class ProducerSession:
         assert self.spec is not None
         return self.spec.engine_rank
 
-    def take_terms(self, terms: KVTerms) -> None:
-        """Learn the producer's geometry and memory from the terms of its welcome.
+    def take_terms(self, terms: KVTerms, transport: Transport) -> None:
+        """Learn the producer's geometry and memory from the terms of its welcome; its
+        transport must be of `transport`'s kind (this consumer's).
 
         Raises:
-            ValueError: a bad endpoint, or regions that do not cover its cache.
+            ValueError: another transport kind, a bad endpoint, or regions that do not cover
+                its cache.
         """
-        endpoint = check_transport_endpoint(terms.endpoint)
+        endpoint = check_peer_endpoint(transport, terms.transport, terms.endpoint)
         if len(terms.cache_regions) != terms.spec.num_layers or any(
             r.nbytes < terms.spec.layer_extent_bytes for r in terms.cache_regions
         ):
@@ -201,6 +203,7 @@ class ProducerSessions:
         peer_timeout_s: a producer whose libzmq answers no heartbeat for this long has its
             connection dropped (its session is lost, and opened again).
         listener: told of ended and forgotten sessions and of answers.
+        transport: the consumer's transport (a producer's must be of its kind).
     """
 
     def __init__(
@@ -212,12 +215,14 @@ class ProducerSessions:
         heartbeat_s: float,
         peer_timeout_s: float,
         listener: SessionListener,
+        transport: Transport,
     ) -> None:
         self._ctx, self._spec, self._engine_id, self._secret = ctx, spec, engine_id, secret
         self._heartbeat_s, self._peer_timeout_s = heartbeat_s, peer_timeout_s
         # A reconnect's handshake may take as long as the longest `connect` allowed its own.
         self._handshake_timeout_s = peer_timeout_s
         self._listener = listener
+        self._transport = transport
         self.by_rank: dict[int, ProducerSession] = {}  # the engine's, once `connect` adopted
         self._open: dict[zmq.Socket, ProducerSession] = {}  # every session not dead
         self._monitors: dict[zmq.Socket, ProducerSession] = {}  # their connection events
@@ -500,7 +505,7 @@ class ProducerSessions:
     def _on_opened(self, session: ProducerSession, data: bytes) -> None:
         """The producer proved the secret: check its terms, then the session is live."""
         try:
-            session.take_terms(decode_terms(data, KVTerms))
+            session.take_terms(decode_terms(data, KVTerms), self._transport)
         except ValueError as exc:  # ProtocolError included
             self.fail(session, f"sent a bad handshake: {exc}")
             return

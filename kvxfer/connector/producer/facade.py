@@ -77,9 +77,10 @@ class KVProducer:
             published request. It runs on the side-channel thread: it must not block.
         secret: a shared secret; consumers must prove they hold it (challenge-response, never
             sent) and every session frame is signed with a key derived from it.
-        transport: a transport to share (default: an own `MooncakeTransport` on `host`,
-            `protocol`, closed with this object; a shared one is left open).
-        protocol: "tcp" or "rdma" for the default transport.
+        transport: a transport to share (left open), or the kind of one of its own
+            (`kvxfer.transport.factory.KINDS`, on `host` and `protocol`, closed with this
+            object); default: its own Mooncake transport.
+        protocol: "tcp" or "rdma" for a Mooncake transport of its own.
         staging_bytes: staging pool per consumer rank that asks for packed chunks, in bytes.
         staging_slots: slots in each pool: packed chunks awaiting their read per consumer, so
             how far this rank's packs may run ahead of a consumer's reads (1: each chunk is
@@ -111,7 +112,7 @@ class KVProducer:
         *,
         release: Callable[[str], None] | None = None,
         secret: str | None = None,
-        transport: Transport | None = None,
+        transport: Transport | str | None = None,
         protocol: str = "tcp",
         staging_bytes: int = 32 << 20,
         staging_slots: int = DEFAULT_STAGING_SLOTS,
@@ -336,7 +337,7 @@ class KVProducer:
             "leases": sum(s.counts[ServedState.LEASED] for s in sessions),
             "waiting_chunks": sum(s.counts[ServedState.WAITING] for s in sessions),
             "spare_pools": self._packer.spare_pools,
-            "transport": getattr(self.transport, "protocol", type(self.transport).__name__),
+            "transport": getattr(self.transport, "protocol", self.transport.kind),
             "threads": 2 + len(sessions),  # side channel, transport pump, a worker per session
         }
 
@@ -407,6 +408,7 @@ class KVProducer:
             endpoint=self.transport.endpoint,
             cache_regions=self._cache_regions,
             staging_slot_bytes=self._packer.slot_bytes,
+            transport=self.transport.kind,
         )
         worker = ThreadPoolExecutor(1, thread_name_prefix="kvxfer-producer-peer")
         _, welcome = self._sessions.accept(
