@@ -208,8 +208,8 @@ def _close_quietly(things: list[Any]) -> None:
                 thing.close()
 
 
-def _on_release(released: list[tuple[int, str]], rank: int) -> Callable[[str], None]:
-    return lambda request_id: released.append((rank, request_id))
+def _on_release(released: list[tuple[int, str]], rank: int) -> Callable[[str, Any], None]:
+    return lambda request_id, _reason: released.append((rank, request_id))
 
 
 def prefill_main(config: dict[str, Any], conn: Any) -> None:

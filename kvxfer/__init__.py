@@ -12,7 +12,13 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvxfer.connector import FetchHandle, KVConsumer, KVProducer, TransferResult
+    from kvxfer.connector import (
+        FetchHandle,
+        KVConsumer,
+        KVProducer,
+        ReleaseReason,
+        TransferResult,
+    )
     from kvxfer.plan import STRATEGIES, CostModel, PairPlan, plan_pairs
     from kvxfer.reshard import PairReport, ReshardResult, reshard
     from kvxfer.spec import KVCacheSpec, allocate_kv_caches, decode_spec, encode_spec
@@ -21,6 +27,7 @@ _MODULES: dict[str, str] = {
     "FetchHandle": "kvxfer.connector",
     "KVConsumer": "kvxfer.connector",
     "KVProducer": "kvxfer.connector",
+    "ReleaseReason": "kvxfer.connector",
     "TransferResult": "kvxfer.connector",
     "STRATEGIES": "kvxfer.plan",
     "CostModel": "kvxfer.plan",
@@ -44,6 +51,7 @@ __all__ = [
     "KVProducer",
     "PairPlan",
     "PairReport",
+    "ReleaseReason",
     "ReshardResult",
     "TransferResult",
     "allocate_kv_caches",

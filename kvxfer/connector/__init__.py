@@ -9,6 +9,7 @@ from kvxfer.connector.groups import (
     window_start,
 )
 from kvxfer.connector.producer import KVProducer
+from kvxfer.connector.requests import ReleaseReason
 from kvxfer.connector.stats import TransferRecord, TransferStats
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "GroupedProducer",
     "KVConsumer",
     "KVProducer",
+    "ReleaseReason",
     "TransferRecord",
     "TransferResult",
     "TransferStats",

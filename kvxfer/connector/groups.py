@@ -39,6 +39,7 @@ import torch
 
 from kvxfer.connector.consumer import FetchHandle, KVConsumer, TransferResult
 from kvxfer.connector.producer import KVProducer
+from kvxfer.connector.requests import ReleaseReason
 from kvxfer.connector.timeline import merge
 from kvxfer.plan import PairPlan
 from kvxfer.plan.paged import blocks_of_tokens
@@ -149,7 +150,9 @@ class GroupedProducer:
         host: as `KVProducer`.
         port: group 0's side-channel port (0: a free one); the other groups always listen on
             free ports (`addresses` says where).
-        release: called once per request, when every group released it.
+        release: called once per request, when every group released it, with the reason of
+            the first group that released it for another reason than `READ` (`READ` when
+            every group's decode ranks are done with it).
         **options: every other `KVProducer` option, for each group.
     """
 
@@ -160,7 +163,7 @@ class GroupedProducer:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        release: Callable[[str], None] | None = None,
+        release: Callable[[str, ReleaseReason], None] | None = None,
         **options: Any,
     ) -> None:
         if not groups:
@@ -168,7 +171,8 @@ class GroupedProducer:
         self.groups = list(groups)
         self._release_cb = release
         self._lock = threading.Lock()
-        self._released: dict[str, int] = {}  # request id -> groups that released it
+        # request id -> (groups that released it, the reason to report)
+        self._released: dict[str, tuple[int, ReleaseReason]] = {}
         self.producers: list[KVProducer] = []
         try:
             for index, group in enumerate(self.groups):
@@ -253,16 +257,17 @@ class GroupedProducer:
         for producer in self.producers:
             producer.fail(request_id, reason)
 
-    def _group_released(self, request_id: str) -> None:
+    def _group_released(self, request_id: str, reason: ReleaseReason) -> None:
         with self._lock:
-            count = self._released.get(request_id, 0) + 1
+            count, first = self._released.pop(request_id, (0, ReleaseReason.READ))
+            count += 1
+            if first is ReleaseReason.READ:
+                first = reason
             whole = count == len(self.producers)
-            if whole:
-                self._released.pop(request_id, None)
-            else:
-                self._released[request_id] = count
+            if not whole:
+                self._released[request_id] = (count, first)
         if whole and self._release_cb is not None:
-            self._release_cb(request_id)
+            self._release_cb(request_id, first)
 
     def close(self) -> None:
         """Close every group's producer (each releases what it still holds)."""

@@ -10,6 +10,7 @@ twice by mistake), then forgotten: the table's memory is bounded.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import threading
 import time
@@ -22,6 +23,21 @@ import numpy as np
 from kvxfer.connector.timeline import mark, merge
 
 _generations = itertools.count(1)
+
+
+class ReleaseReason(enum.Enum):
+    """Why a producer released a published request: the `release` callback's second argument.
+
+    An engine adapter frees the request's blocks whatever the reason; only `READ` says every
+    decode rank that fetched the request is done with it. The value is the reason in words,
+    for logs.
+    """
+
+    READ = "every decode rank is done"
+    ABORTED = "its decode engine aborted it"
+    EXPIRED = "its deadline passed"
+    FAILED = "its prefill failed"
+    CLOSED = "the producer closed"
 
 
 @dataclass
@@ -76,7 +92,7 @@ class RequestTable:
         ready_tokens: int | None = None,
         covered: int | None = None,
         timeline: Mapping[str, float] | None = None,
-    ) -> str | None:
+    ) -> ReleaseReason | None:
         """Add a request that expires `timeout` seconds from now, holding tokens
         `[first_token, num_tokens)`, of which those before `ready_tokens` (default: all) are
         computed and those before `covered` (default: all) have their blocks in `block_ids`;
@@ -84,8 +100,8 @@ class RequestTable:
 
         Returns:
             Why to release the request at once, or None: a decode engine aborted it before it
-            was published (nobody will fetch it), or every decode rank already reported done
-            (none of them reads from this producer).
+            was published (`ABORTED`: nobody will fetch it), or every decode rank already
+            reported done (`READ`: none of them reads from this producer).
 
         Raises:
             ValueError: the id is published, or was released recently.
@@ -109,13 +125,13 @@ class RequestTable:
             )
             _mark_published(request)
             if self._aborted.pop(request_id, None) is not None:
-                return "its decode engine aborted it before the publish"
+                return ReleaseReason.ABORTED
             self._early_done.pop(request_id, None)
             early = self._early_reports.pop(request_id, set())
             request.reported.update((engine, rank) for engine, rank, _ in early)
             sizes = {engine: size for engine, _, size in early}
             if early and _all_reported(request, sizes):
-                return "every decode rank was done with it before the publish"
+                return ReleaseReason.READ
             return None
 
     def mark_ready(self, request_id: str, tokens: int, layers: int | None = None) -> None:

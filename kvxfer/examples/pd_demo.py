@@ -185,7 +185,8 @@ def prefill_rank(options: dict, rank: int, port: int, conn) -> None:
         first = int(torch.argmax(model.forward(opts.prompt(), 0, ids)[-1]))
         prefill_s = time.perf_counter() - began
         released: list[str] = []
-        with KVProducer(spec, caches, "prefill", release=released.append) as producer:
+        release = lambda rid, _why: released.append(rid)  # noqa: E731
+        with KVProducer(spec, caches, "prefill", release=release) as producer:
             producer.publish(REQUEST, ids.numpy(), opts.prompt_tokens)
             conn.send({"address": producer.address, "first": first, "prefill_s": prefill_s})
             assert conn.recv() == "stop"

@@ -76,7 +76,9 @@ def prefill_process(conn: Connection) -> None:
             block_ids = block_table(spec, salt=1)
             write_rank_cells(spec, caches, block_ids, kv, 0, NUM_TOKENS)  # "prefill"
             # `release` runs once every decode rank is done with the request: free its blocks.
-            producer = KVProducer(spec, caches, engine_id="prefill", release=released.put)
+            producer = KVProducer(
+                spec, caches, engine_id="prefill", release=lambda rid, _why: released.put(rid)
+            )
             stack.enter_context(producer)
             producer.publish(REQUEST, block_ids, NUM_TOKENS)
             producers.append(producer)

@@ -15,7 +15,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,6 +26,9 @@ from kvxfer.spec import allocate_kv_caches
 from kvxfer.testing.geometry import Geometry, Request, request_blocks
 from kvxfer.testing.memory import POISON, SOURCE_FILL, bits, by_block, global_kv, poison
 from kvxfer.testing.processes import context
+
+if TYPE_CHECKING:
+    from kvxfer.connector import ReleaseReason
 
 SETTLE_S = 10.0
 """How long a stopped producer waits for its last requests to be released before it reports."""
@@ -45,8 +48,8 @@ def producer_main(
         g, reqs = Geometry(**side), [Request(**r) for r in requests]
         releases: list[tuple[int, str]] = []
 
-        def on_release(rank: int) -> Callable[[str], None]:
-            return lambda request_id: releases.append((rank, request_id))
+        def on_release(rank: int) -> Callable[[str, ReleaseReason], None]:
+            return lambda request_id, _reason: releases.append((rank, request_id))
 
         producers = []
         for rank in ranks:

@@ -19,7 +19,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from kvxfer.testing.memory import (
     global_kv,
     poison,
 )
+
+if TYPE_CHECKING:
+    from kvxfer.connector import ReleaseReason
 
 Emit = Callable[[str, Any], None]
 """How a rank reports an event to the parent: `emit(kind, payload)`."""
@@ -80,7 +83,7 @@ class _ProducerRank:
         """What the parent learns once the process is up."""
         return {"address": self.producer.address, "pid": os.getpid()}
 
-    def _on_release(self, request_id: str) -> None:
+    def _on_release(self, request_id: str, _reason: ReleaseReason) -> None:
         with self.lock:
             self.releases[request_id] += 1
         self.emit("release", request_id)

@@ -3,6 +3,7 @@ side-channel hygiene, handshake checks, lifecycle, staging pools, timeouts and s
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -10,7 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvxfer.connector import KVConsumer, KVProducer
+from kvxfer.connector import KVConsumer, KVProducer, ReleaseReason
 from kvxfer.connector.messages import KV_SERVICE, MAX_FRAME_BYTES, ChunkValid, KVClaim, encode
 from kvxfer.session import auth, wire
 from kvxfer.session.protocol import Opened, Reply, SessionClient
@@ -28,12 +29,13 @@ class Engines:
         self.scenario = make_scenario(src, dst, num_tokens)
         self.num_tokens = num_tokens
         self.released: list[tuple[int, str]] = []
+        self.reasons: dict[tuple[int, str], ReleaseReason] = {}
         self.producers = [
             KVProducer(
                 s,
                 c,
                 "prefill",
-                release=lambda rid, r=s.tp_rank: self.released.append((r, rid)),
+                release=functools.partial(self._released, s.tp_rank),
                 **{**SMALL, **(producer or {})},
             )
             for s, c, _ in self.scenario.src
@@ -45,6 +47,10 @@ class Engines:
         if connect:
             for c in self.consumers:
                 c.connect(self.addresses)
+
+    def _released(self, rank, request_id, reason):
+        self.released.append((rank, request_id))
+        self.reasons[rank, request_id] = reason
 
     @property
     def addresses(self):
@@ -297,6 +303,7 @@ def test_release_happens_once_after_every_decode_rank_is_done(engines):
         time.sleep(0.01)
     time.sleep(0.2)
     assert sorted(engines.released) == [(0, "r1"), (1, "r1")]
+    assert set(engines.reasons.values()) == {ReleaseReason.READ}
     assert all(p.pending_requests == [] for p in engines.producers)
     assert [p.expired_requests for p in engines.producers] == [0, 0]
 
@@ -307,6 +314,7 @@ def test_release_at_the_deadline_and_late_fetches_fail(engines):
     while len(engines.released) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert sorted(engines.released) == [(0, "short"), (1, "short")]
+    assert set(engines.reasons.values()) == {ReleaseReason.EXPIRED}
     assert [p.expired_requests for p in engines.producers] == [1, 1]
     (result,) = engines.fetch("short", ranks=(0,), timeout=2)
     assert not result.ok and any("already released" in e for e in result.errors)
@@ -426,7 +434,24 @@ def test_an_abort_before_the_publish_releases_the_request_at_its_publish(engines
     assert engines.released == []
     engines.publish("early")
     assert sorted(engines.released) == [(0, "early"), (1, "early")]
+    assert set(engines.reasons.values()) == {ReleaseReason.ABORTED}
     assert all(p.pending_requests == [] for p in engines.producers)
+
+
+def test_a_failed_prefill_and_a_close_release_with_their_reasons(engines):
+    for p, (_, _, ids) in zip(engines.producers, engines.scenario.src, strict=True):
+        p.publish("failing", ids, engines.num_tokens, ready_tokens=0)
+        p.publish("pending", ids, engines.num_tokens)
+        p.fail("failing")
+    poll(lambda: len(engines.released), lambda n: n == 2, 10.0)
+    for p in engines.producers:
+        p.close()
+    assert engines.reasons == {
+        (0, "failing"): ReleaseReason.FAILED,
+        (1, "failing"): ReleaseReason.FAILED,
+        (0, "pending"): ReleaseReason.CLOSED,
+        (1, "pending"): ReleaseReason.CLOSED,
+    }
 
 
 def test_a_producer_restarted_at_the_same_address_serves_the_next_fetch_at_once():

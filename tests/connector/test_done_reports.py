@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from kvxfer.connector import KVConsumer, KVProducer
+from kvxfer.connector import KVConsumer, KVProducer, ReleaseReason
 from kvxfer.connector.consumer import sessions as sessions_mod
 from kvxfer.connector.messages import RequestsDone, TransferRequest
 from kvxfer.testing import make_scenario, poll, side_specs
@@ -28,6 +28,7 @@ class Rig:
         self.scenario = make_scenario(src, dst, NUM_TOKENS)
         self.received: list[object] = []  # the producer's session messages, in order
         self.released: list[str] = []
+        self.reasons: list[ReleaseReason] = []
         real = KVProducer._on_session_message
 
         def recording(producer: KVProducer, session: object, message: object) -> None:
@@ -36,10 +37,14 @@ class Rig:
 
         monkeypatch.setattr(KVProducer, "_on_session_message", recording)
         ((spec, caches, self.src_ids),) = self.scenario.src
-        self.producer = KVProducer(spec, caches, "prefill", release=self.released.append)
+        self.producer = KVProducer(spec, caches, "prefill", release=self._released)
         self.consumers = [KVConsumer(s, c, "decode") for s, c, _ in self.scenario.dst]
         for consumer in self.consumers:
             consumer.connect([self.producer.address])
+
+    def _released(self, request_id: str, reason: ReleaseReason) -> None:
+        self.released.append(request_id)
+        self.reasons.append(reason)
 
     def fetch(self, rank: int, request_id: str) -> None:
         ids = self.scenario.dst[rank][2]
@@ -68,6 +73,7 @@ def test_finished_requests_are_reported_within_moments_with_no_other_traffic(rig
         rig.fetch(rank, "r")
     # Nothing else happens: the batch goes by the loops' own turns
     assert poll(lambda: list(rig.released), bool, 30.0) == ["r"]
+    assert rig.reasons == [ReleaseReason.READ]
     assert sorted(rig.reports()) == [["r"], ["r"]]
     rig.scenario.assert_exact()
 

@@ -10,16 +10,23 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 
 from kvxfer import allocate_kv_caches
-from kvxfer.connector import CacheGroup, GroupedConsumer, GroupedProducer, window_start
+from kvxfer.connector import (
+    CacheGroup,
+    GroupedConsumer,
+    GroupedProducer,
+    ReleaseReason,
+    window_start,
+)
 from kvxfer.connector.groups import _past_null_blocks, fetched_blocks, held_from
 from kvxfer.reference import random_global_kv, write_rank_cells
-from kvxfer.testing import POISON, bits, side_specs
+from kvxfer.testing import POISON, bits, poll, side_specs
 
 NULL_BLOCK = 0  # vLLM's null block: never holds a token of a request
 NUM_TOKENS, WINDOW, HEADS = 70, 20, 6
@@ -110,6 +117,10 @@ def _assert_equal(side: Side, expected) -> None:
                 assert torch.equal(bits(got), bits(w)), f"rank {rank} group {group} layer {layer}"
 
 
+def _recorder(released: list) -> Callable[[str, ReleaseReason], None]:
+    return lambda request_id, reason: released.append((request_id, reason))
+
+
 @contextlib.contextmanager
 def _published(prefill: Side, src_tables, decode: Side, released=None):
     """A producer per prefill rank, publishing request "r", and a consumer per decode rank,
@@ -117,7 +128,7 @@ def _published(prefill: Side, src_tables, decode: Side, released=None):
     producers, consumers = [], []
     try:
         for rank in range(len(prefill.specs)):
-            release = released[rank].append if released is not None else None
+            release = None if released is None else _recorder(released[rank])
             producers.append(GroupedProducer(prefill.groups(rank), "prefill", release=release))
         for rank in range(len(decode.specs)):
             consumers.append(GroupedConsumer(decode.groups(rank), "decode"))
@@ -135,7 +146,7 @@ def _published(prefill: Side, src_tables, decode: Side, released=None):
 
 def test_full_and_window_groups_move_exactly_their_tokens(request_kv):
     prefill, src_tables = _prefill(request_kv)
-    released: list[list[str]] = [[] for _ in prefill.specs]
+    released: list[list[tuple[str, ReleaseReason]]] = [[] for _ in prefill.specs]
     windows = [None, WINDOW]
     decode, dst_tables = _decode(windows)
     with _published(prefill, src_tables, decode, released) as consumers:
@@ -153,7 +164,22 @@ def test_full_and_window_groups_move_exactly_their_tokens(request_kv):
         deadline = time.monotonic() + 10
         while not all(released) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert released == [["r"], ["r"]]  # once each, after every group was done
+        # once each, after every group was done
+        assert released == [[("r", ReleaseReason.READ)], [("r", ReleaseReason.READ)]]
+
+
+def test_a_request_is_released_with_the_first_groups_reason_other_than_read(request_kv):
+    prefill, src_tables = _prefill(request_kv)
+    released: list[tuple[str, ReleaseReason]] = []
+    producer = GroupedProducer(prefill.groups(0), "prefill", release=_recorder(released))
+    try:
+        producer.publish("r", src_tables[0], NUM_TOKENS, ready_tokens=0)
+        producer.producers[1].fail("r")  # one group's prefill failed, the other's is pending
+        poll(lambda: producer.producers[1].pending_requests, lambda p: not p, 10.0)
+        assert released == []  # group 0 still holds it
+    finally:
+        producer.close()  # group 0 releases it as closed: the request goes as failed
+    assert released == [("r", ReleaseReason.FAILED)]
 
 
 def test_a_rank_asking_for_dropped_window_tokens_fails_with_its_blocks(request_kv):

@@ -33,7 +33,7 @@ class Streamed:
         self.released: list[str] = []
         pool = {"staging_bytes": 1 << 16, "staging_slots": 2}
         self.producers = [
-            KVProducer(s, c, "prefill", release=self.released.append, **pool)
+            KVProducer(s, c, "prefill", release=lambda rid, _: self.released.append(rid), **pool)
             for s, c, _ in self.scenario.src
         ]
         self.consumers = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvxfer.connector.requests import RequestTable
+from kvxfer.connector.requests import ReleaseReason, RequestTable
 
 IDS = np.arange(4, dtype=np.int64)
 
@@ -42,7 +42,7 @@ def test_a_request_nobody_fetched_here_is_released_by_the_reporting_engine():
 def test_an_abort_before_the_publish_is_kept_for_the_publish():
     table = RequestTable()
     assert not table.abort("early", "decode")
-    assert table.publish("early", IDS, 10, timeout=60)  # release it at once
+    assert table.publish("early", IDS, 10, timeout=60) is ReleaseReason.ABORTED  # at once
     assert table.publish("later", IDS, 10, timeout=60) is None
 
 
@@ -62,7 +62,7 @@ def test_a_request_every_rank_finished_before_its_publish_is_released_at_the_pub
     table = RequestTable()
     for rank in range(2):
         assert not table.report_done("r", "decode", rank, engine_size=2)
-    assert "before the publish" in (table.publish("r", IDS, 10, timeout=60) or "")
+    assert table.publish("r", IDS, 10, timeout=60) is ReleaseReason.READ
     assert table.release("r")
 
 
@@ -73,7 +73,7 @@ def test_early_reports_are_forgotten_within_bounds():
     assert table.publish("never0", IDS, 10, timeout=60) is None  # its report was forgotten
     table.report_done("r", "decode", 0, engine_size=1)
     table.release("r")  # not published: nothing to release
-    assert table.publish("r", IDS, 10, timeout=60) is not None
+    assert table.publish("r", IDS, 10, timeout=60) is ReleaseReason.READ
 
 
 def test_released_ids_are_refused_then_forgotten_within_bounds():

@@ -34,7 +34,7 @@ from kvxfer.connector.producer.serving import ChunkServer
 from kvxfer.connector.producer.sessions import ConsumerSession
 from kvxfer.connector.producer.states import ServedState
 from kvxfer.connector.registration import CacheRegistration
-from kvxfer.connector.requests import RequestTable
+from kvxfer.connector.requests import ReleaseReason, RequestTable
 from kvxfer.connector.sidechannel import SideChannelServer
 from kvxfer.connector.streams import copy_stream_for
 from kvxfer.connector.turns import TickGaps
@@ -72,9 +72,11 @@ class KVProducer:
         engine_id: the prefill engine's id.
         host: address to bind the side channel and the transport to (127.0.0.1 by default).
         port: side-channel port (0: any free port; see `address`).
-        release: called with a request id once every decode rank that fetched it is done, when
-            its decode engine aborts it, at its deadline, or at `close`: exactly once per
-            published request. It runs on the side-channel thread: it must not block.
+        release: called with a request id and a `ReleaseReason` once every decode rank that
+            fetched it is done (`READ`), when its decode engine aborts it (`ABORTED`), at its
+            deadline (`EXPIRED`), when its prefill fails (`FAILED`), or at `close` (`CLOSED`):
+            exactly once per published request. It runs on the side-channel thread: it must
+            not block.
         secret: a shared secret; consumers must prove they hold it (challenge-response, never
             sent) and every session frame is signed with a key derived from it.
         transport: a transport to share (left open), or the kind of one of its own
@@ -110,7 +112,7 @@ class KVProducer:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        release: Callable[[str], None] | None = None,
+        release: Callable[[str, ReleaseReason], None] | None = None,
         secret: str | None = None,
         transport: Transport | str | None = None,
         protocol: str = "tcp",
@@ -349,7 +351,7 @@ class KVProducer:
         self._packer.stop()
         self._server.close()
         for request_id in self._requests.pending():
-            self._release(request_id, "the producer closed")
+            self._release(request_id, ReleaseReason.CLOSED)
         sessions = [s for s in self._peers() if self._sessions.end(s.id) is not None]
         for session in sessions:
             session.ended = True
@@ -437,7 +439,7 @@ class KVProducer:
         elif isinstance(message, Abort):
             self._chunks.forget_request(session, message.request_id)
             if self._requests.abort(message.request_id, session.engine_id):
-                self._release(message.request_id, f"engine {session.engine_id} aborted it")
+                self._release(message.request_id, ReleaseReason.ABORTED, session.engine_id)
         else:
             raise ProtocolError(f"a producer does not accept {type(message).__name__} messages")
 
@@ -446,7 +448,7 @@ class KVProducer:
         # Every rank of the decode engine (pp x tp) reports, fetching here or not.
         size = session.spec.engine_size
         if self._requests.report_done(request_id, session.engine_id, session.rank, size):
-            self._release(request_id, "every decode rank is done")
+            self._release(request_id, ReleaseReason.READ)
 
     def _send(self, session: ConsumerSession, message: Message) -> None:
         link = self._sessions.get(session.id)
@@ -460,7 +462,7 @@ class KVProducer:
         if away > 0:  # a request's deadline counts the time this side channel could serve it
             self._requests.postpone(away)
         for request_id in self._requests.expired(now):
-            self._release(request_id, "its deadline passed", expired=True)
+            self._release(request_id, ReleaseReason.EXPIRED)
         self._sessions.expire_challenges()
         for link in self._sessions.open_sessions():
             session = link.state
@@ -482,7 +484,7 @@ class KVProducer:
     def _fail_request(self, request_id: str) -> None:
         """(side-channel thread) Answer the request's held chunks, then release it."""
         self._serve_waiting()
-        self._release(request_id, "its prefill failed")
+        self._release(request_id, ReleaseReason.FAILED)
 
     def _end_session(self, session: ConsumerSession, why: str) -> None:
         log.info(
@@ -512,15 +514,16 @@ class KVProducer:
             self._chunks.expire_leases(session, now)
             self._packer.recycle(session)
 
-    def _release(self, request_id: str, why: str, expired: bool = False) -> None:
+    def _release(self, request_id: str, reason: ReleaseReason, by: str = "") -> None:
+        """Release the request once; `by`: the engine an abort came from, for the log."""
         if not self._requests.release(request_id):
             return  # released already: the callback runs once
-        if expired:  # counted before the callback: whoever it tells sees the count
+        if reason is ReleaseReason.EXPIRED:
             self._expired_requests += 1
         self._packer.drop_fence(request_id)
-        log.debug("releasing request %s: %s", request_id, why)
+        log.debug("releasing request %s: %s%s", request_id, reason.value, by and f" ({by})")
         if self._release_cb is not None:
             try:
-                self._release_cb(request_id)
+                self._release_cb(request_id, reason)
             except Exception:
                 log.exception("release callback failed for request %s", request_id)

@@ -27,7 +27,7 @@ from sglang.srt.disaggregation.common.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from kvxfer.connector import FetchHandle, KVConsumer, KVProducer
+from kvxfer.connector import FetchHandle, KVConsumer, KVProducer, ReleaseReason
 from kvxfer.integrations.settings import ConnectorSettings
 from kvxfer.integrations.sglang.pools import SGLangModel, kv_dtype_name, sglang_cache
 from kvxfer.spec import DTYPE_ITEMSIZE
@@ -152,7 +152,6 @@ class KvxferKVManager(CommonKVManager):
         self._sent: dict[int, _Sent] = {}
         self._published: set[int] = set()  # rooms on the producer, not released yet
         self._aborted_rooms: OrderedDict[int, None] = OrderedDict()  # SGLang ABORT notices
-        self._expired_seen = 0
         self._consumers: dict[str, KVConsumer | Exception] = {}
         self._hellos: dict[str, dict[int, str]] = {}
         self._expected: dict[str, int] = {}
@@ -307,17 +306,15 @@ class KvxferKVManager(CommonKVManager):
             for ptr, n in zip(a.aux_data_ptrs, a.aux_item_lens, strict=True)
         )
 
-    def _released(self, request_id: str) -> None:
+    def _released(self, request_id: str, reason: ReleaseReason) -> None:
         """(the producer's side-channel thread) Every decode rank confirmed its reads, its
-        engine aborted it, or its deadline passed: SGLang may free the pages."""
+        engine aborted it, its prefill failed or its deadline passed: SGLang may free the
+        pages. Only a deadline is a failure SGLang has not heard of from elsewhere."""
         room = int(request_id)
         with self._lock:
             self._sent.pop(room, None)
             self._published.discard(room)
-        assert self.producer is not None
-        expired = self.producer.expired_requests
-        if expired > self._expired_seen:
-            self._expired_seen = expired
+        if reason is ReleaseReason.EXPIRED:
             self.record_failure(
                 room,
                 f"kvxfer: no decode rank finished reading the request within "

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import queue
 
+from kvxfer.connector import ReleaseReason
+
 
 class Sends:
     """The published requests whose release vLLM has not been told of yet.
@@ -18,11 +20,13 @@ class Sends:
     """
 
     def __init__(self) -> None:
-        self._released: queue.SimpleQueue[str] = queue.SimpleQueue()  # from the producer
+        # from the producer's thread: (offered id, why)
+        self._released: queue.SimpleQueue[tuple[str, ReleaseReason]] = queue.SimpleQueue()
         self._unreported: set[str] = set()  # released, not reported yet
         self._published: set[str] = set()
         self._finished_seen: set[str] = set()  # published requests vLLM said are finished
         self._by_offered: dict[str, str] = {}  # offered id -> vLLM's, where they differ
+        self._expired = 0  # released at their deadline, not taken by `take_expired` yet
 
     def published(self, request_id: str, offered_as: str | None = None) -> None:
         """The producer now offers vLLM's `request_id` (under `offered_as`, if given)."""
@@ -30,9 +34,15 @@ class Sends:
         if offered_as is not None and offered_as != request_id:
             self._by_offered[offered_as] = request_id
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, reason: ReleaseReason) -> None:
         """The producer released `request_id` (any thread: the producer's `release`)."""
-        self._released.put(request_id)
+        self._released.put((request_id, reason))
+
+    def take_expired(self) -> int:
+        """How many requests the producer released at their deadline since the last call
+        (their release taken by `take_finished` already)."""
+        expired, self._expired = self._expired, 0
+        return expired
 
     def take_finished(self, finished_req_ids: set[str]) -> set[str]:
         """The requests to report finished sending now, given the requests vLLM says are
@@ -40,9 +50,10 @@ class Sends:
         self._finished_seen.update(finished_req_ids & self._published)
         while True:
             try:
-                offered = self._released.get_nowait()
+                offered, reason = self._released.get_nowait()
             except queue.Empty:
                 break
+            self._expired += reason is ReleaseReason.EXPIRED
             self._unreported.add(self._by_offered.pop(offered, offered))
         sending = self._unreported & self._finished_seen
         self._unreported -= sending

@@ -17,7 +17,6 @@ prefill engine) on decode workers, found through that service; fetches off the e
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -26,7 +25,13 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
-from kvxfer.connector import CacheGroup, GroupedConsumer, GroupedProducer, TransferResult
+from kvxfer.connector import (
+    CacheGroup,
+    GroupedConsumer,
+    GroupedProducer,
+    ReleaseReason,
+    TransferResult,
+)
 from kvxfer.connector.groups import fetched_blocks
 from kvxfer.integrations.bootstrap import BootstrapClient, Registration, new_worker_info
 from kvxfer.integrations.settings import ConnectorSettings
@@ -36,7 +41,7 @@ from kvxfer.integrations.vllm.cache_groups import (
     group_tables,
     layer_positions,
 )
-from kvxfer.integrations.vllm.connections import Remote
+from kvxfer.integrations.vllm.connections import Fingerprint, Remote
 from kvxfer.integrations.vllm.engine_config import (
     attention_backends,
     attention_scales,
@@ -58,6 +63,8 @@ from kvxfer.integrations.vllm.stats import KvxferConnectorStats
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from kvxfer.integrations.base import EngineAdapter
 
 log = logging.getLogger(__name__)
 # The block id vLLM's tables give the blocks a sliding window dropped: its BlockPool's null
@@ -117,16 +124,13 @@ class WorkerSide:
         # worker).
         self._remotes = RemoteEngines(
             self._new_consumer,
-            functools.partial(
-                look_up_ranks, secret=settings.secret, timeout_s=settings.handshake_timeout_s
-            ),
+            self.look_up,
             settings.handshake_timeout_s,
             thread_name_prefix=f"kvxfer-dp{self._dp_rank}-pp{self._pp_rank}-tp{self.tp_rank}",
         )
         self._loads = Loads()
         self._sends = Sends()
         self._stats = KvxferConnectorStats()
-        self._expired_reported = 0  # the producer's expired requests already in stats
         # "auto" (the default) is RDMA when this machine has an RDMA device, else TCP.
         transport = settings.transport_protocol()
         self.protocol = transport.protocol
@@ -158,10 +162,10 @@ class WorkerSide:
                 self._engine_id,
                 s.side_channel_host,
                 self._side_channel_port(),
-                release=self._sends.release,
+                release=self.released,
                 **s.producer_options(self.protocol),
             )
-            self._register(self._producer.addresses)
+            self.register(self._producer.addresses)
 
     def _side_channel_port(self) -> int:
         """0 (a free port, registered), or this worker's fixed port: distinct for every
@@ -179,7 +183,23 @@ class WorkerSide:
             )
         return port
 
-    def _register(self, addresses: list[str]) -> None:
+    def look_up(
+        self, bootstrap: str, engine_id: str, dp_rank: int | None, held_s: float
+    ) -> tuple[tuple[str, ...], Fingerprint]:
+        """A remote engine's DP rank's side channels, from its bootstrap service
+        (`look_up_ranks` with this worker's secret and handshake timeout; the remotes' pool)."""
+        timeout_s = self._settings.handshake_timeout_s
+        secret = self._settings.secret
+        return look_up_ranks(
+            bootstrap, engine_id, dp_rank, held_s, secret=secret, timeout_s=timeout_s
+        )
+
+    def released(self, request_id: str, reason: ReleaseReason) -> None:
+        """The producer released `request_id` (its side-channel thread): vLLM hears of it as
+        finished sending at its next `get_finished`, and frees its blocks."""
+        self._sends.release(request_id, reason)
+
+    def register(self, addresses: list[str]) -> None:
         """Register this worker's side channel with the bootstrap service, and keep it
         registered, in the background (the service may start after the workers: vLLM creates
         the scheduler, which runs it, once every worker registered its caches)."""
@@ -214,7 +234,7 @@ class WorkerSide:
         self._take_connects()
         self._computing = {}
         for send in metadata.sends:
-            self._publish(send)
+            self.publish(send)
         for failure in metadata.send_failures:
             if self._streams.pop(failure.request_id, None) == failure.offered_as:
                 assert self._producer is not None  # it published the request
@@ -227,10 +247,10 @@ class WorkerSide:
                     "KvxferConnector: asked to load KV but this engine's kv_role is not "
                     "kv_consumer or kv_both"
                 )
-            self._start_load(load)
+            self.fetch(load)
         for abort in metadata.aborts:  # after the loads: a step may start and abort one
             if self._consumes:
-                self._abort(abort)
+                self.abort(abort)
 
     def layer_saved(self, layer_name: str) -> None:
         """vLLM's forward pass wrote `layer_name`'s KV for this step (`save_kv_layer`): that
@@ -258,7 +278,7 @@ class WorkerSide:
         except ValueError:  # released meanwhile (its decode engine aborted it): nobody reads
             self._computing.pop(offered, None)
 
-    def _publish(self, send: SendSpec) -> None:
+    def publish(self, send: SendSpec) -> None:
         """Offer a request (whole, or, streamed, before this step computes it)."""
         if self._producer is None:
             raise RuntimeError(
@@ -283,7 +303,7 @@ class WorkerSide:
                 exc,
             )
             self._sends.published(send.request_id)
-            self._sends.release(send.request_id)
+            self.released(send.request_id, ReleaseReason.FAILED)  # never offered
             return
         self._sends.published(send.request_id, send.offered_as)
         if send.ready_tokens is not None:
@@ -308,16 +328,18 @@ class WorkerSide:
 
     # ---- loads (the engine's thread) ----
 
-    def _start_load(self, spec: LoadSpec) -> None:
-        load = self._loads.start(spec, time.monotonic() + self._settings.fetch_timeout_s)
-        remote = self._remotes.get(spec.remote)
-        if remote.ready(load.route):
-            self._fetch(remote, load)
+    def fetch(self, load: LoadSpec) -> None:
+        """Start a load: at once when its remote engine is connected, else once it is (the
+        connect runs on the remotes' pool)."""
+        started = self._loads.start(load, time.monotonic() + self._settings.fetch_timeout_s)
+        remote = self._remotes.get(load.remote)
+        if remote.ready(started.route):
+            self._fetch_from(remote, started)
         else:
-            remote.waiting.append(load)
-            self._remotes.connect(remote, load.route)
+            remote.waiting.append(started)
+            self._remotes.connect(remote, started.route)
 
-    def _fetch(self, remote: Remote, load: Load) -> None:
+    def _fetch_from(self, remote: Remote, load: Load) -> None:
         spec = load.spec
         assert remote.consumer is not None
         try:
@@ -338,7 +360,7 @@ class WorkerSide:
         """Its engine's connect failed: the load ends with every block it was to fill."""
         load.result = self._failed(load.spec, error)
 
-    def _abort(self, abort: AbortSpec) -> None:
+    def abort(self, abort: AbortSpec) -> None:
         """Give up the load of a request vLLM finished (if one runs here) and tell its prefill
         engine, which frees the request's blocks at once."""
         load = self._loads.of_abort(abort)
@@ -362,7 +384,7 @@ class WorkerSide:
     def _take_connects(self) -> None:
         """Apply the connects that ended: start their loads' fetches and send their aborts,
         or fail them."""
-        self._remotes.take_connects(self._fetch, self._fail_waiting)
+        self._remotes.take_connects(self._fetch_from, self._fail_waiting)
 
     # ---- reports ----
 
@@ -413,10 +435,7 @@ class WorkerSide:
 
     def take_stats(self) -> KvxferConnectorStats | None:
         """The transfer statistics since the last call (None: nothing happened)."""
-        if self._producer is not None:
-            expired = self._producer.expired_requests
-            self._stats.record_expired(expired - self._expired_reported)
-            self._expired_reported = expired
+        self._stats.record_expired(self._sends.take_expired())
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KvxferConnectorStats()
@@ -471,3 +490,11 @@ def allow_amx_tiles(device_type: str) -> None:
     if device_type == "cpu" and torch.cpu._is_amx_tile_supported() and not torch.cpu._init_amx():
         log.warning("kvxfer: Linux refused this process AMX tile state; CPU attention's amx "
                     "ISA may die with SIGILL")  # fmt: skip
+
+
+def _keeps_the_adapter_contract(
+    worker: WorkerSide,
+) -> EngineAdapter[dict[str, torch.Tensor], SendSpec, LoadSpec, AbortSpec]:
+    """Never called: mypy checks here that the vLLM worker keeps the engine-adapter
+    contract (`kvxfer.integrations.base`)."""
+    return worker
