@@ -85,7 +85,7 @@ def _probe_transfer() -> dict[str, Any]:
         raise RuntimeError("the loopback fetch landed different bytes than reshard")
     # No close(): destroying the engines takes about a second each; the process exits now.
     return {
-        "protocol": getattr(consumers[0].transport, "protocol", "tcp"),
+        "protocol": consumers[0].transport.protocol,
         "bytes": sum(r.bytes for r in results),
         "seconds": round(seconds, 3),
     }

@@ -159,7 +159,8 @@ class Pong(_Message, tag="pong", frozen=True):
 class ECTerms(msgspec.Struct, frozen=True):
     """Encoder-cache producer -> consumer, in the welcome: where the consumer reads from."""
 
-    endpoint: str  # Mooncake host:port
+    endpoint: str  # transport endpoint, opaque but to a transport of `transport`'s kind
+    transport: str = "mooncake"  # its transport's kind (`kvxfer.transport.factory.KINDS`)
 
 
 class ECQuery(_Message, tag="ec_query", frozen=True):

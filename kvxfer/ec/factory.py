@@ -76,4 +76,6 @@ class ECConnectorFactory:
 ECConnectorFactory.register(
     "SharedStorageECConnector", "kvxfer.ec.shared_storage", "SharedStorageECConnector"
 )
-ECConnectorFactory.register("MooncakeECConnector", "kvxfer.ec.mooncake", "MooncakeECConnector")
+ECConnectorFactory.register("PoolECConnector", "kvxfer.ec.pool", "PoolECConnector")
+# The pool's name before it took its transport by name: configs that name it keep working.
+ECConnectorFactory.register("MooncakeECConnector", "kvxfer.ec.pool", "PoolECConnector")

@@ -54,6 +54,9 @@ class Transport(Protocol):
     """Where peers reach this transport; opaque to everything but transports of its kind."""
     driven: bool
     """Whether transfers move only when the owner calls `drive`, on the owner's thread."""
+    protocol: str
+    """What carries the bytes, for stats and logs: Mooncake's protocol in use ("tcp" after an
+    RDMA fallback), the kind's name where a kind has one way only ("local")."""
 
     def register(self, tensor: torch.Tensor) -> Region:
         """Register a contiguous tensor's memory and return its region."""

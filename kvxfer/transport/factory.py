@@ -44,12 +44,15 @@ class TransportKind:
         check_endpoint: checks a peer's endpoint of this kind (returns it, or raises
             ValueError naming the expected form).
         between_processes: whether peers in other processes are reached.
+        check_available: raises when a transport of these options cannot start on this
+            machine (its library or device missing), without starting one.
     """
 
     name: str
     create: Callable[[TransportOptions], Transport]
     check_endpoint: Callable[[object], str]
     between_processes: bool
+    check_available: Callable[[TransportOptions], None] = lambda _options: None
 
 
 def _mooncake(options: TransportOptions) -> Transport:
@@ -61,6 +64,12 @@ def _mooncake(options: TransportOptions) -> Transport:
         rdma_fallback=options.rdma_fallback,
         driven=options.driven,
     )
+
+
+def _mooncake_available(options: TransportOptions) -> None:
+    from kvxfer.transport.mooncake import check_mooncake_available
+
+    check_mooncake_available(options.protocol, options.rdma_fallback)
 
 
 def _local(options: TransportOptions) -> Transport:
@@ -78,7 +87,13 @@ def _check_local(endpoint: object) -> str:
 KINDS: dict[str, TransportKind] = {
     kind.name: kind
     for kind in (
-        TransportKind("mooncake", _mooncake, check_transport_endpoint, between_processes=True),
+        TransportKind(
+            "mooncake",
+            _mooncake,
+            check_transport_endpoint,
+            between_processes=True,
+            check_available=_mooncake_available,
+        ),
         TransportKind("local", _local, _check_local, between_processes=False),
     )
 }
@@ -112,8 +127,20 @@ def create_transport(
     return transport_kind(name).create(options or TransportOptions())
 
 
-def check_peer_endpoint(own: Transport, peer_kind: str, endpoint: object) -> str:
-    """Check that a peer's transport is of `own`'s kind and its endpoint one of that kind.
+def check_transport_available(name: str, options: TransportOptions) -> None:
+    """Fail at start when a transport of kind `name` with `options` cannot run here, for a
+    connector that creates its transports later (`TransportKind.check_available`).
+
+    Raises:
+        ValueError: an unknown name.
+        ImportError: the transport's library is not installed.
+        TransferError: a device it needs is missing.
+    """
+    transport_kind(name).check_available(options)
+
+
+def check_peer_endpoint(own_kind: str, peer_kind: str, endpoint: object) -> str:
+    """Check that a peer's transport is of this side's kind and its endpoint one of it.
 
     Returns:
         The endpoint, unchanged.
@@ -121,9 +148,9 @@ def check_peer_endpoint(own: Transport, peer_kind: str, endpoint: object) -> str
     Raises:
         ValueError: another kind (naming both and the fix), or a malformed endpoint.
     """
-    if peer_kind != own.kind:
+    if peer_kind != own_kind:
         raise ValueError(
-            f"its transport is {peer_kind!r} and this side's is {own.kind!r}; set the same "
+            f"its transport is {peer_kind!r} and this side's is {own_kind!r}; set the same "
             "`transport` on both sides"
         )
-    return transport_kind(own.kind).check_endpoint(endpoint)
+    return transport_kind(own_kind).check_endpoint(endpoint)

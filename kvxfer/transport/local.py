@@ -92,6 +92,7 @@ class LocalTransport:
     """
 
     kind = "local"
+    protocol = "local"
 
     def __init__(self, *, driven: bool = False) -> None:
         self.driven = driven

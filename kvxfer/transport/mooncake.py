@@ -19,6 +19,7 @@ environment already has a value (the user's wins).
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import logging
 import os
@@ -115,6 +116,24 @@ def _engine_class() -> type:
             f"(both need the system's libibverbs) ({exc})"
         ) from exc
     return TransferEngine
+
+
+def check_mooncake_available(protocol: str, rdma_fallback: bool) -> None:
+    """Fail at start, not at the first transfer, when Mooncake or an asked-for RDMA device is
+    missing (for a connector that creates its engines later, one per peer).
+
+    Raises:
+        ImportError: Mooncake Transfer Engine is not installed.
+        TransferError: protocol "rdma" on a machine without an RDMA device (and no fallback).
+    """
+    if importlib.util.find_spec("mooncake") is None:
+        raise ImportError(
+            "the Mooncake transport needs Mooncake Transfer Engine: pip install "
+            "'kvxfer[mooncake]' on CUDA machines or 'kvxfer[mooncake-cpu]' elsewhere"
+        )
+    problem = _missing_rdma("") if check_protocol(protocol) == "rdma" else None
+    if problem is not None and not rdma_fallback:
+        raise _rdma_unavailable(problem)
 
 
 PORT_ATTEMPTS = 5

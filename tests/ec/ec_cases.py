@@ -97,7 +97,7 @@ def reader_process(
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     from kvxfer.ec import ECConnectorFactory
 
-    connector = ECConnectorFactory.create("MooncakeECConnector", "consumer", config)
+    connector = ECConnectorFactory.create("PoolECConnector", "consumer", config)
     connector.load(warm)
     conn.send("ready")
     assert conn.recv() == "go"
@@ -123,7 +123,7 @@ def holding_producer_process(config: dict, picks, fifo: str, conn) -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     from kvxfer.ec import ECConnectorFactory
 
-    connector = ECConnectorFactory.create("MooncakeECConnector", "producer", config)
+    connector = ECConnectorFactory.create("PoolECConnector", "producer", config)
     for i, (mm_hash, tensor) in enumerate(items().items()):
         if i in picks:
             connector.save(mm_hash, tensor)

@@ -12,6 +12,8 @@ from ec_cases import items, producer_process, same_bits
 
 from kvxfer.ec import ECConnectorBase, ECConnectorFactory, ECLoadError, check_hash, item_key
 from kvxfer.testing.processes import start_child
+from kvxfer.transport import TransferError
+from kvxfer.transport.factory import KINDS
 
 ITEMS = items()
 
@@ -40,7 +42,7 @@ def consumers(name, tmp_path, address):
     if name == "SharedStorageECConnector":
         return ECConnectorFactory.create(name, "consumer", {"path": str(tmp_path)})
     # A producer slow to answer on a loaded machine is waited for, never skipped: these tests
-    # are about what is loaded (test_ec_mooncake_faults.py checks how fast).
+    # are about what is loaded (test_ec_pool_faults.py checks how fast).
     config = {
         "producer_addresses": [address],
         "recv_bytes": 1 << 20,
@@ -56,7 +58,7 @@ def producer_config(name, tmp_path):
     return {"pool_bytes": 4 << 20}
 
 
-NAMES = ["SharedStorageECConnector", "MooncakeECConnector"]
+NAMES = ["SharedStorageECConnector", "PoolECConnector"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -162,7 +164,7 @@ def test_concurrent_writers_and_readers_of_one_hash(tmp_path):
 
 
 def test_lru_eviction_under_pressure_spares_outputs_being_fetched():
-    producer = ECConnectorFactory.create("MooncakeECConnector", "producer", {"pool_bytes": 8192})
+    producer = ECConnectorFactory.create("PoolECConnector", "producer", {"pool_bytes": 8192})
     try:
         t = torch.arange(1024, dtype=torch.int16)  # 2 KiB each: four fit
         for i in range(4):
@@ -185,7 +187,7 @@ def test_lru_eviction_under_pressure_spares_outputs_being_fetched():
 
 
 def test_a_save_that_pinned_items_leave_no_room_for_fails_and_evicts_nothing():
-    producer = ECConnectorFactory.create("MooncakeECConnector", "producer", {"pool_bytes": 8192})
+    producer = ECConnectorFactory.create("PoolECConnector", "producer", {"pool_bytes": 8192})
     try:
         t = torch.arange(1024, dtype=torch.int16)  # 2 KiB each: four fit, one after another
         for i in range(4):
@@ -198,7 +200,7 @@ def test_a_save_that_pinned_items_leave_no_room_for_fails_and_evicts_nothing():
             producer.save("wide", wide)
         assert producer.stored == stored  # item-0 and item-2 were not evicted for nothing
         config = {"producer_addresses": [producer.address], "recv_bytes": 1 << 20}
-        with ECConnectorFactory.create("MooncakeECConnector", "consumer", config) as consumer:
+        with ECConnectorFactory.create("PoolECConnector", "consumer", config) as consumer:
             assert all(same_bits(consumer.load(f"item-{i}"), t + i) for i in (0, 2))
         for entry in pins:
             assert entry is not None
@@ -207,6 +209,52 @@ def test_a_save_that_pinned_items_leave_no_room_for_fails_and_evicts_nothing():
         assert "wide" in producer.stored and len(producer.stored) < len(stored)
     finally:
         producer.close()
+
+
+@pytest.mark.parametrize("transport", sorted(KINDS))
+def test_the_pool_moves_items_exactly_over_every_transport(transport):
+    """In one process, the pool over each kind of `kvxfer.transport.factory.KINDS`."""
+    common = {"transport": transport}
+    producer = ECConnectorFactory.create(
+        "PoolECConnector", "producer", {**common, "pool_bytes": 4 << 20}
+    )
+    config = {**common, "producer_addresses": [producer.address], "recv_bytes": 1 << 20}
+    try:
+        with ECConnectorFactory.create("PoolECConnector", "consumer", config) as consumer:
+            for mm_hash, tensor in ITEMS.items():
+                producer.save(mm_hash, tensor)
+            loaded = consumer.start_load(list(ITEMS)).wait(timeout=60)
+            assert all(same_bits(loaded[h], t) for h, t in ITEMS.items())
+            assert consumer.stats_snapshot()["transport"] == producer.stats_snapshot()["transport"]
+    finally:
+        producer.close()
+
+
+def test_a_consumer_of_another_transport_is_refused_naming_both():
+    producer = ECConnectorFactory.create(
+        "PoolECConnector", "producer", {"transport": "local", "pool_bytes": 1 << 20}
+    )
+    config = {"producer_addresses": [producer.address], "recv_bytes": 1 << 20}
+    try:
+        producer.save("item", torch.ones(4))
+        refused = pytest.raises(ECLoadError, match="its transport is 'local' and this side's is ")
+        with ECConnectorFactory.create("PoolECConnector", "consumer", config) as consumer, refused:
+            consumer.load("item")
+    finally:
+        producer.close()
+    with pytest.raises(ValueError, match=r"\['transport'\] = 'nixl'; expected one of"):
+        ECConnectorFactory.create("PoolECConnector", "producer", {"transport": "nixl"})
+
+
+def test_a_consumer_without_the_rdma_device_it_asks_for_fails_at_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVXFER_INFINIBAND_SYSFS", str(tmp_path))  # a machine with no device
+    config = {"producer_addresses": ["tcp://127.0.0.1:5999"], "protocol": "rdma"}
+    with pytest.raises(TransferError, match='protocol="rdma": no RDMA device found'):
+        ECConnectorFactory.create("PoolECConnector", "consumer", config)
+    with ECConnectorFactory.create(
+        "PoolECConnector", "consumer", {**config, "rdma_fallback": True}
+    ) as consumer:
+        assert not consumer.has("0" * 32)  # nobody answers at that address: not held
 
 
 def test_roles_and_hashes_are_checked(tmp_path):
@@ -249,7 +297,12 @@ class MemoryECConnector(ECConnectorBase):
 
 
 def test_factory_registers_lazily_and_loads_user_connectors():
-    assert {"SharedStorageECConnector", "MooncakeECConnector"} <= set(ECConnectorFactory.names())
+    assert {"SharedStorageECConnector", "PoolECConnector"} <= set(ECConnectorFactory.names())
+    former = ECConnectorFactory.create("MooncakeECConnector", "producer", {"pool_bytes": 4096})
+    try:  # the pool's former name, in configs written before it took a transport by name
+        assert type(former).__name__ == "PoolECConnector"
+    finally:
+        former.close()
     with pytest.raises(ValueError, match="unknown EC connector 'Nope'"):
         ECConnectorFactory.create("Nope", "producer", {})
     producer = ECConnectorFactory.create("MemoryECConnector", "producer", {}, module_path=__name__)

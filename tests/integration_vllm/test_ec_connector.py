@@ -118,13 +118,13 @@ def test_encoder_output_moves_from_encoder_to_prefill_instance(model_dir):
     producer_cfg = _config(
         model_dir,
         "ec_producer",
-        {"backend": "MooncakeECConnector", "port": port, "secret": secret},
+        {"backend": "PoolECConnector", "port": port, "secret": secret},
     )
     consumer_cfg = _config(
         model_dir,
         "ec_consumer",
         {
-            "backend": "MooncakeECConnector",
+            "backend": "PoolECConnector",
             "producer_addresses": [f"tcp://127.0.0.1:{port}"],
             "secret": secret,
         },
@@ -348,7 +348,7 @@ def test_an_item_gone_between_check_and_load_fails_only_its_requests(
 def _producer_main(items: dict[str, torch.Tensor], conn) -> None:
     """A kvxfer Mooncake encoder-cache producer (what an encoder instance's rank 0 runs)."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    producer = ECConnectorFactory.create("MooncakeECConnector", "producer", {"pool_bytes": 1 << 20})
+    producer = ECConnectorFactory.create("PoolECConnector", "producer", {"pool_bytes": 1 << 20})
     for mm_hash, tensor in items.items():
         producer.save(mm_hash, tensor)
     conn.send(producer.address)
@@ -379,7 +379,7 @@ def test_a_frozen_producer_never_stalls_the_scheduler(model_dir, monkeypatch):
         # (10 s) or a load's timeout (120 s), not by this machine's speed.
         query_s, load_s = 10.0, 120.0
         extra = {
-            "backend": "MooncakeECConnector",
+            "backend": "PoolECConnector",
             "producer_addresses": [unused_address(), *addresses],
             "recv_bytes": 1 << 20,
             "query_timeout_s": query_s,

@@ -25,6 +25,7 @@ from kvxfer.transport.factory import (
     KINDS,
     TransportOptions,
     check_peer_endpoint,
+    check_transport_available,
     create_transport,
     transport_kind,
 )
@@ -182,13 +183,19 @@ def test_a_driven_transport_moves_only_when_driven(kind):
 def test_a_peer_endpoint_is_checked_by_its_kind(pair, kind):
     local, peer = pair
     assert local.kind == kind
-    assert check_peer_endpoint(local, peer.kind, peer.endpoint) == peer.endpoint
+    assert check_peer_endpoint(local.kind, peer.kind, peer.endpoint) == peer.endpoint
     assert transport_kind(kind).check_endpoint(peer.endpoint) == peer.endpoint
     other = next(name for name in KINDS if name != kind)
     with pytest.raises(ValueError, match=f"its transport is '{other}' and this side's is '{kind}'"):
-        check_peer_endpoint(local, other, peer.endpoint)
+        check_peer_endpoint(local.kind, other, peer.endpoint)
     with pytest.raises(ValueError, match="endpoint"):
         transport_kind(kind).check_endpoint("tcp://nowhere")
+
+
+def test_a_kind_that_can_start_here_passes_its_availability_check(pair, kind):
+    local, _ = pair  # it started, so its check must pass: a check that refuses it is wrong
+    check_transport_available(kind, TransportOptions())
+    assert local.protocol in {"tcp", "rdma", kind}
 
 
 def test_an_unknown_kind_is_refused_naming_the_known_ones():

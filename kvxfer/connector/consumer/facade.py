@@ -306,7 +306,7 @@ class KVConsumer:
             "dead_sessions": dead,
             "fetches": len(self._machine.fetches),
             "quarantined_slots": len(self._machine.quarantine),
-            "transport": getattr(self.transport, "protocol", self.transport.kind),
+            "transport": self.transport.protocol,
             "threads": 2 + self._copier.threads,
         }
 

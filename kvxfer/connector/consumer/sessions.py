@@ -152,7 +152,7 @@ class ProducerSession:
             ValueError: another transport kind, a bad endpoint, or regions that do not cover
                 its cache.
         """
-        endpoint = check_peer_endpoint(transport, terms.transport, terms.endpoint)
+        endpoint = check_peer_endpoint(transport.kind, terms.transport, terms.endpoint)
         if len(terms.cache_regions) != terms.spec.num_layers or any(
             r.nbytes < terms.spec.layer_extent_bytes for r in terms.cache_regions
         ):

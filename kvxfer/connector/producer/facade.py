@@ -339,7 +339,7 @@ class KVProducer:
             "leases": sum(s.counts[ServedState.LEASED] for s in sessions),
             "waiting_chunks": sum(s.counts[ServedState.WAITING] for s in sessions),
             "spare_pools": self._packer.spare_pools,
-            "transport": getattr(self.transport, "protocol", self.transport.kind),
+            "transport": self.transport.protocol,
             "threads": 2 + len(sessions),  # side channel, transport pump, a worker per session
         }
 

@@ -62,9 +62,9 @@ class KvxferECConnector(ECConnectorBase):
 
     Load it with `--ec-transfer-config '{"ec_connector": "KvxferECConnector",
     "ec_connector_module_path": "kvxfer.integrations.vllm", "ec_role": "ec_producer" |
-    "ec_consumer", "ec_connector_extra_config": {"backend": "MooncakeECConnector", ...}}'`.
+    "ec_consumer", "ec_connector_extra_config": {"backend": "PoolECConnector", ...}}'`.
 
-    `backend` names a `kvxfer.ec.ECConnectorFactory` connector ("MooncakeECConnector", the
+    `backend` names a `kvxfer.ec.ECConnectorFactory` connector ("PoolECConnector", the
     default, or "SharedStorageECConnector"; with `backend_module_path`, a class of one's own);
     `relay_dir` (default /dev/shm, else the temporary directory) and `prefetch_workers` (4) are
     this class's; every other extra-config key is the backend's config (docs/vllm.md, "Encoder
@@ -104,7 +104,7 @@ class KvxferECConnector(ECConnectorBase):
         config = vllm_config.ec_transfer_config
         assert config is not None  # the base class refuses to start without it
         extra = dict(config.ec_connector_extra_config or {})
-        self._backend = str(extra.pop("backend", "MooncakeECConnector"))
+        self._backend = str(extra.pop("backend", "PoolECConnector"))
         self._backend_module = extra.pop("backend_module_path", None)
         relay_parent = extra.pop("relay_dir", None)
         self._relay_parent = str(relay_parent) if relay_parent else _default_relay_parent()

@@ -14,7 +14,6 @@ the buffer alive until the process exits.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import threading
 import time
@@ -26,42 +25,23 @@ import numpy as np
 import torch
 
 from kvxfer.ec.base import ECLoadError
-from kvxfer.ec.mooncake.pool import ByteRanges
+from kvxfer.ec.pool.pool import ByteRanges
 from kvxfer.plan.segments import Segments
-from kvxfer.transport.base import Peer, Region, TransferError
-from kvxfer.transport.mooncake import MooncakeTransport, rdma_devices
+from kvxfer.transport.base import Peer, Region, Transport
+from kvxfer.transport.factory import TransportOptions, create_transport
 
 log = logging.getLogger(__name__)
 
 DESCRIPTOR_BYTES = 4 << 20  # a read is cut in Mooncake descriptors of at most this size
 _POLL_SLICE_S = 0.1  # waits are sliced so that close() is never held up
-_KEPT: list[tuple[list[MooncakeTransport], torch.Tensor]] = []  # engines a read is still inside
-
-
-def check_transport(protocol: str, rdma_fallback: bool) -> None:
-    """Fail at start, not at the first load, when Mooncake or an asked-for RDMA NIC is missing.
-
-    Raises:
-        ImportError: Mooncake Transfer Engine is not installed.
-        TransferError: protocol "rdma" on a machine without an RDMA device (and no fallback).
-    """
-    if importlib.util.find_spec("mooncake") is None:
-        raise ImportError(
-            "MooncakeECConnector needs Mooncake Transfer Engine: pip install "
-            "'kvxfer[mooncake]' on CUDA machines or 'kvxfer[mooncake-cpu]' elsewhere"
-        )
-    if protocol == "rdma" and not rdma_devices() and not rdma_fallback:
-        raise TransferError(
-            'protocol="rdma": no RDMA device found on this machine; use protocol="tcp", or '
-            "rdma_fallback=True to fall back to TCP when RDMA is unavailable"
-        )
+_KEPT: list[tuple[list[Transport], torch.Tensor]] = []  # transports a read is still inside
 
 
 @dataclass
 class _Engine:
     """This consumer's Mooncake engine for one producer, the receive buffer registered in it."""
 
-    transport: MooncakeTransport
+    transport: Transport
     region: Region
     unsettled: int = 0  # reads submitted and not settled
 
@@ -72,23 +52,19 @@ class ReceiveBuffer:
 
     Args:
         capacity: the buffer's bytes (`recv_bytes`).
-        host, protocol, rdma_fallback: for the Mooncake engines.
+        transport, options: the kind of transport to read with, one per producer, and its
+            options.
         closed: set when the consumer closes: waits then end at once.
     """
 
     def __init__(
-        self,
-        capacity: int,
-        host: str,
-        protocol: str,
-        rdma_fallback: bool,
-        closed: threading.Event,
+        self, capacity: int, transport: str, options: TransportOptions, closed: threading.Event
     ) -> None:
         self.memory = torch.empty(capacity, dtype=torch.uint8)
         self._ranges = ByteRanges(capacity)
         self._quarantine: dict[int, int] = {}  # offset -> bytes, of reads given up on
         self._engines: dict[str, _Engine] = {}  # by producer address
-        self._host, self._protocol, self._rdma_fallback = host, protocol, rdma_fallback
+        self._transport, self._options = transport, options
         self._closed = closed
         self._lock = threading.Condition()  # ranges, quarantine, unsettled counts
         self._engine_lock = threading.Lock()  # engines are made one at a time
@@ -113,7 +89,7 @@ class ReceiveBuffer:
                 "quarantined_bytes": self._quarantined_bytes(),
                 "recv_used_bytes": self.capacity - self._ranges.free_bytes,
                 "reads_in_flight": sum(e.unsettled for e in engines),
-                "transport": engines[0].transport.protocol if engines else self._protocol,
+                "transport": engines[0].transport.protocol if engines else self._options.protocol,
                 "engines": len(engines),
             }
 
@@ -237,9 +213,7 @@ class ReceiveBuffer:
             if engine is None:
                 if self._closed.is_set():  # close() closes the engines made until then
                     raise ECLoadError("the encoder-cache connector was closed")
-                transport = MooncakeTransport(
-                    self._host, self._protocol, rdma_fallback=self._rdma_fallback
-                )
+                transport = create_transport(self._transport, self._options)
                 try:
                     region = transport.register(self.memory)
                 except BaseException:

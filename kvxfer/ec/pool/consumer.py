@@ -6,7 +6,7 @@ A query goes to every producer at once and waits `query_timeout_s` (0.5 s) at mo
 that did not answer is skipped for `retry_after_s` (5 s), so `has` answers in well under a
 second however many producers are down, and never raises for a peer's fault. A load pins the
 item at a producer that holds it (`ECPin`; the producer answers where it lies in its
-registered pool, with a lease), reads the bytes with the consumer's own Mooncake engine for
+registered pool, with a lease), reads the bytes with the consumer's own transport for
 that producer into the receive buffer (`receive.py`), then reports the read (`ECDone`) and
 learns whether the item stayed in the pool throughout (`ECValid`). Only then are the bytes
 copied out and returned; a load that fails at one producer goes to the next that holds it.
@@ -37,10 +37,11 @@ from kvxfer.connector.messages import (
     Message,
 )
 from kvxfer.ec.base import ECLoadError
-from kvxfer.ec.mooncake.config import ConsumerSettings
-from kvxfer.ec.mooncake.conversations import Conversations, Link, PeerClosed, Talk
-from kvxfer.ec.mooncake.pool import ByteRanges
-from kvxfer.ec.mooncake.receive import ReceiveBuffer, check_transport
+from kvxfer.ec.pool.config import ConsumerSettings
+from kvxfer.ec.pool.conversations import Conversations, Link, PeerClosed, Talk
+from kvxfer.ec.pool.pool import ByteRanges
+from kvxfer.ec.pool.receive import ReceiveBuffer
+from kvxfer.transport.factory import TransportOptions, check_transport_available
 
 log = logging.getLogger(__name__)
 
@@ -75,18 +76,20 @@ def _found(mm_hash: str) -> Callable[[tuple[Message, Link]], bool]:
 
 
 class ECConsumer:
-    """The consumer half of `MooncakeECConnector`.
+    """The consumer half of `PoolECConnector`.
 
     Args:
         settings: the consumer's checked config.
 
     Raises:
-        ImportError: Mooncake Transfer Engine is not installed.
+        ValueError: an unknown transport.
+        ImportError: the transport's library (Mooncake Transfer Engine) is not installed.
         TransferError: protocol "rdma" on a machine without an RDMA device (and no fallback).
     """
 
     def __init__(self, settings: ConsumerSettings) -> None:
-        check_transport(settings.protocol, settings.rdma_fallback)
+        options = TransportOptions(settings.host, settings.protocol, settings.rdma_fallback)
+        check_transport_available(settings.transport, options)
         self.settings = settings
         addresses = settings.producer_addresses
         self._closed = threading.Event()
@@ -94,15 +97,14 @@ class ECConsumer:
         self._down_until = dict.fromkeys(addresses, 0.0)  # skipped until then
         self._warned: dict[tuple[str, str], float] = {}
         self._pending: set[Future[torch.Tensor]] = set()  # loads not settled yet
-        self.buffer = ReceiveBuffer(
-            settings.recv_bytes,
-            settings.host,
-            settings.protocol,
-            settings.rdma_fallback,
-            self._closed,
-        )
+        self.buffer = ReceiveBuffer(settings.recv_bytes, settings.transport, options, self._closed)
         self.conversations = Conversations(
-            addresses, settings.secret, settings.name, self._closed, self._mark_up
+            addresses,
+            settings.secret,
+            settings.name,
+            settings.transport,
+            self._closed,
+            self._mark_up,
         )
         self._loader = ThreadPoolExecutor(
             settings.load_workers, thread_name_prefix="kvxfer-ec-load"

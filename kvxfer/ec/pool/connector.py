@@ -1,4 +1,4 @@
-"""`MooncakeECConnector`: the facade that `ECConnectorFactory` creates; it only dispatches by role.
+"""`PoolECConnector`: the facade that `ECConnectorFactory` creates; it only dispatches by role.
 
 A producer connector runs an `ECProducer` (`producer.py`), a consumer connector an
 `ECConsumer` (`consumer.py`); the config is parsed into the role's settings (`config.py`)
@@ -13,16 +13,18 @@ from typing import Any
 import torch
 
 from kvxfer.ec.base import ECConnectorBase
-from kvxfer.ec.mooncake.config import ConsumerSettings, ProducerSettings
-from kvxfer.ec.mooncake.consumer import ECConsumer
-from kvxfer.ec.mooncake.producer import ECProducer
+from kvxfer.ec.pool.config import ConsumerSettings, ProducerSettings
+from kvxfer.ec.pool.consumer import ECConsumer
+from kvxfer.ec.pool.producer import ECProducer
 
 
-class MooncakeECConnector(ECConnectorBase):
-    """Encoder outputs over Mooncake Transfer Engine, pulled by the consumer.
+class PoolECConnector(ECConnectorBase):
+    """Encoder outputs in a producer's registered pool, pulled by the consumer over a transport
+    of `kvxfer.transport.factory.KINDS` (`transport`, Mooncake by default).
 
-    Producer config: `host` (127.0.0.1: side channel and Mooncake bind there), `port` (0: any;
-    see `address`), `pool_bytes` (256 MiB), `secret`, `protocol` ("tcp" or "rdma"),
+    Producer config: `host` (127.0.0.1: side channel and transport bind there), `port` (0: any;
+    see `address`), `pool_bytes` (256 MiB), `secret`, `transport` ("mooncake"), `protocol`
+    ("tcp" or "rdma"),
     `rdma_fallback` (False), `lease_s` (30: the longest a consumer's read pins an item),
     `max_leases` (64 pinned reads per consumer session), `session_timeout_s` (600: an idle
     session is forgotten; its consumer shakes hands again), `max_sessions` (256).
@@ -32,7 +34,8 @@ class MooncakeECConnector(ECConnectorBase):
     `query_timeout_s` (0.5: one round of queries), `retry_after_s` (5: how long a producer that
     did not answer is skipped), `fetch_workers` (4 loads in flight per producer),
     `close_timeout_s` (2: how long `close` waits for reads from a frozen producer to settle),
-    `host`, `protocol`, `rdma_fallback`, `name` (for the producers' logs).
+    `host`, `transport` (the producers' kind), `protocol`, `rdma_fallback`, `name` (for the
+    producers' logs).
 
     Both: `load_workers` (4). The keys, their types and checks are `ProducerSettings` and
     `ConsumerSettings`; a key neither role reads raises `ValueError` naming it.

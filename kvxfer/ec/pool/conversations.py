@@ -5,9 +5,10 @@ back, and returns its result (`Talk`). `Conversations.drive` runs several at onc
 socket each, until each has ended, one result is enough, or a deadline; a producer that did
 not answer in time is simply missing from the results. The protocol is `kvxfer.session`'s
 (service "ec"): `handshake` drives a `SessionClient` to an open session (the producer proves
-the secret too, and names its Mooncake endpoint in its terms), `ask` sends one session message
-on it and checks the answer's MAC and that it echoes the question's `ref`, shaking hands again
-once if the producer lost the session.
+the secret too, and names its transport's kind and endpoint in its terms: a producer of
+another kind is refused), `ask` sends one session message on it and checks the answer's MAC
+and that it echoes the question's `ref`, shaking hands again once if the producer lost the
+session.
 
 Every conversation has a socket of its own, made for it and closed after it: an answer meant
 for another conversation, or one queued before a producer froze, can never reach it. Each
@@ -47,7 +48,7 @@ from kvxfer.session.protocol import (
     Reply,
     SessionClient,
 )
-from kvxfer.validation import check_transport_endpoint
+from kvxfer.transport.factory import check_peer_endpoint
 
 T = TypeVar("T")
 Talk = Generator[list[bytes], list[bytes], T]
@@ -65,7 +66,7 @@ class PeerClosed(ECLoadError):
 
 @dataclass(frozen=True)
 class Link:
-    """An open session with a producer, and the Mooncake endpoint the producer named.
+    """An open session with a producer, and the transport endpoint the producer named.
 
     Conversations running at once share it: once open, a `SessionClient` is only read (to seal
     and to check frames); a refusal fails only the conversation refused, and a session the
@@ -88,6 +89,7 @@ class Conversations:
         addresses: the producers' side-channel addresses.
         secret: the shared secret ("" for none).
         name: this consumer's name, for the producers' logs.
+        transport: this consumer's transport kind: a producer of another kind is refused.
         closed: set when the consumer closes: every conversation then stops waiting.
         heard: called with a producer's address whenever it answered.
     """
@@ -97,10 +99,11 @@ class Conversations:
         addresses: Iterable[str],
         secret: str,
         name: str,
+        transport: str,
         closed: threading.Event,
         heard: Callable[[str], None],
     ) -> None:
-        self._secret, self._name = secret, name
+        self._secret, self._name, self._transport = secret, name, transport
         self._closed, self._heard = closed, heard
         self._links: dict[str, Link | None] = dict.fromkeys(addresses)
         self._lock = threading.Lock()
@@ -143,9 +146,9 @@ class Conversations:
             raise ProtocolError(f"expected a welcome, got {type(event).__name__}")
         terms = decode_terms(event.terms, ECTerms)
         try:
-            endpoint = check_transport_endpoint(terms.endpoint)
+            endpoint = check_peer_endpoint(self._transport, terms.transport, terms.endpoint)
         except ValueError as exc:
-            raise ProtocolError(f"a bad Mooncake endpoint: {exc}") from exc
+            raise ProtocolError(f"producer {address}'s terms refused: {exc}") from exc
         link = Link(client, endpoint)
         with self._lock:
             if self._links[address] is None:

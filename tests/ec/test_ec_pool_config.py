@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from kvxfer.ec.mooncake import ConsumerSettings, ProducerSettings
+from kvxfer.ec.pool import ConsumerSettings, ProducerSettings
 
 ADDRESS = "tcp://127.0.0.1:5800"
 

@@ -1,4 +1,4 @@
-"""`MooncakeECConnector` under faults, with real processes on Mooncake TCP: frozen (SIGSTOP) and
+"""`PoolECConnector` under faults, with real processes on Mooncake TCP: frozen (SIGSTOP) and
 missing producers, a consumer frozen mid-read (others unaffected, its lease ends), a producer
 frozen mid-read and resumed after the load failed (its bytes land only in the quarantined
 range: the receive buffer is poisoned and compared byte for byte), items that vanish between
@@ -67,12 +67,12 @@ def processes():
 
 def _producer(start, picks=None, extra=None, **config):
     config.setdefault("pool_bytes", 4 << 20)
-    return start(some_items_process, "MooncakeECConnector", config, picks, extra)
+    return start(some_items_process, "PoolECConnector", config, picks, extra)
 
 
 def _consumer(addresses, **config):
     config = {"producer_addresses": addresses, "recv_bytes": 1 << 20, **config}
-    return ECConnectorFactory.create("MooncakeECConnector", "consumer", config)
+    return ECConnectorFactory.create("PoolECConnector", "consumer", config)
 
 
 def _timed(fn, *args):
@@ -180,7 +180,7 @@ def test_a_sigstopped_producer_answers_until_every_thread_has_stopped(processes,
     answers queries after the kill, and only once every thread has stopped (`freeze`) is it
     frozen. The answer comes from the producer's running threads, not from anything cached or
     queued: each query has a socket of its own and a fresh `ref`
-    (`test_ec_mooncake_conversations.py`)."""
+    (`test_ec_pool_conversations.py`)."""
     fifo = tmp_path / "hold"
     os.mkfifo(fifo)
     proc, address = processes(
@@ -237,7 +237,7 @@ def test_a_consumer_frozen_mid_read_stalls_no_one_and_its_lease_ends(processes):
     enough that the checks made while it holds outlast a loaded machine's stalls."""
     lease_s = 20.0
     producer = ECConnectorFactory.create(
-        "MooncakeECConnector", "producer", {"pool_bytes": BIG * 4 + (4 << 20), "lease_s": lease_s}
+        "PoolECConnector", "producer", {"pool_bytes": BIG * 4 + (4 << 20), "lease_s": lease_s}
     )
     proc_a = None
     try:
@@ -281,8 +281,8 @@ def test_a_consumer_frozen_mid_read_stalls_no_one_and_its_lease_ends(processes):
 
 def test_an_item_evicted_between_check_and_load_fails_only_that_item():
     t = torch.arange(1024, dtype=torch.int16)  # 2 KiB each; the pool holds four
-    producer = ECConnectorFactory.create("MooncakeECConnector", "producer", {"pool_bytes": 8192})
-    backup = ECConnectorFactory.create("MooncakeECConnector", "producer", {"pool_bytes": 8192})
+    producer = ECConnectorFactory.create("PoolECConnector", "producer", {"pool_bytes": 8192})
+    backup = ECConnectorFactory.create("PoolECConnector", "producer", {"pool_bytes": 8192})
     try:
         for i in range(3):
             producer.save(f"item-{i}", t + i)
@@ -359,7 +359,7 @@ def test_a_producer_frozen_mid_read_and_resumed_lands_nothing_after_the_failure(
 
 
 def test_zero_dim_and_empty_tensors_round_trip_exactly():
-    producer = ECConnectorFactory.create("MooncakeECConnector", "producer", {"pool_bytes": 1 << 20})
+    producer = ECConnectorFactory.create("PoolECConnector", "producer", {"pool_bytes": 1 << 20})
     try:
         for mm_hash, tensor in zero_dim_items().items():
             producer.save(mm_hash, tensor)
@@ -375,7 +375,7 @@ def test_zero_dim_and_empty_tensors_round_trip_exactly():
 
 def test_leases_end_with_their_reads_and_idle_sessions_are_shaken_again():
     producer = ECConnectorFactory.create(
-        "MooncakeECConnector", "producer", {"pool_bytes": 1 << 20, "session_timeout_s": 5.0}
+        "PoolECConnector", "producer", {"pool_bytes": 1 << 20, "session_timeout_s": 5.0}
     )
     try:
         producer.save("x", torch.ones(16))

@@ -2,7 +2,7 @@
 
 `ByteRanges` allocates aligned byte ranges first fit (the producer's pool and the consumer's
 receive buffer both use it). `ItemPool` keeps the producer's items, least recently used first,
-in one uint8 tensor registered with the producer's Mooncake engine, so that a consumer can read
+in one uint8 tensor registered with the producer's transport, so that a consumer can read
 an item's bytes where they lie. An item's bytes never change while it is in the pool: a range
 is written only when it is allocated, and an item's range is not free until the item is
 evicted. Eviction takes the least recently used item that no read pins; a pinned item stays,
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvxfer.ec.base import tensor_bytes
-from kvxfer.transport.mooncake import MooncakeTransport
+from kvxfer.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +98,13 @@ class ItemPool:
 
     Args:
         capacity: the pool's bytes (`pool_bytes`).
-        transport: the producer's Mooncake engine; the pool is registered with it.
+        transport: the producer's transport; the pool is registered with it.
 
     Raises:
-        TransferError: Mooncake could not register the pool.
+        TransferError: the transport could not register the pool.
     """
 
-    def __init__(self, capacity: int, transport: MooncakeTransport) -> None:
+    def __init__(self, capacity: int, transport: Transport) -> None:
         self._memory = torch.empty(capacity, dtype=torch.uint8)
         self.region = transport.register(self._memory)
         self._ranges = ByteRanges(capacity)

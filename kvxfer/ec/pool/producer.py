@@ -7,7 +7,7 @@ challenge-response (HMAC over both sides' nonces, the secret never on the wire,
 `kvxfer.session.auth`) and every later frame in either direction carries a MAC under the
 session key; every answer echoes its question's `ref`. Without a secret the same exchange runs
 with an empty key (docs/encoder-cache.md, "Trust"). The producer's terms in the welcome are its
-Mooncake endpoint (`ECTerms`), where the consumer reads from.
+transport's kind and endpoint (`ECTerms`), where the consumer reads from.
 
 Leases end after `lease_s`: a frozen or vanished consumer cannot pin the pool for longer. An
 item whose lease ended may be evicted and its bytes overwritten; the consumer's `ECDone` then
@@ -42,10 +42,10 @@ from kvxfer.connector.messages import (
     encode,
 )
 from kvxfer.connector.sidechannel import SideChannelServer
-from kvxfer.ec.mooncake.config import ProducerSettings
-from kvxfer.ec.mooncake.pool import Entry, ItemPool
+from kvxfer.ec.pool.config import ProducerSettings
+from kvxfer.ec.pool.pool import Entry, ItemPool
 from kvxfer.session.protocol import Claim, Reply, ServerSession, SessionServer, refusal
-from kvxfer.transport.mooncake import MooncakeTransport
+from kvxfer.transport.factory import TransportOptions, create_transport
 
 log = logging.getLogger(__name__)
 
@@ -72,20 +72,21 @@ class ConsumerState:
 
 
 class ECProducer:
-    """The producer half of `MooncakeECConnector`: a pool, its Mooncake engine, a side channel.
+    """The producer half of `PoolECConnector`: a pool, its transport, a side channel.
 
     Args:
         settings: the producer's checked config.
 
     Raises:
-        TransferError: Mooncake could not start or register the pool.
+        TransferError: the transport could not start or register the pool.
         OSError: the side channel cannot bind.
     """
 
     def __init__(self, settings: ProducerSettings) -> None:
         self.settings = settings
-        self._transport = MooncakeTransport(
-            settings.host, settings.protocol, rdma_fallback=settings.rdma_fallback
+        self._transport = create_transport(
+            settings.transport,
+            TransportOptions(settings.host, settings.protocol, settings.rdma_fallback),
         )
         self._sessions: SessionServer[ConsumerState] = SessionServer(
             EC_SERVICE, settings.secret, settings.max_sessions
@@ -150,7 +151,7 @@ class ECProducer:
 
     def _welcome(self, claim: Claim) -> None:
         """A consumer proved the secret (its claim carries nothing more): open its session."""
-        terms = encode(ECTerms(endpoint=self._transport.endpoint))
+        terms = encode(ECTerms(self._transport.endpoint, self._transport.kind))
         _, welcome = self._sessions.accept(claim, terms, lambda _: ConsumerState())
         self._server.send(claim.identity, welcome)
 

@@ -1,4 +1,4 @@
-"""`MooncakeECConnector` with a shared secret: the handshake is the session layer's
+"""`PoolECConnector` with a shared secret: the handshake is the session layer's
 challenge-response (the secret never on the wire), session frames carry MACs, and a peer that
 cannot prove the secret gets nothing while the producer touches nothing. Raw peers speak the
 side channel by hand: honest steps through a `SessionClient`, attacks as forged frames."""
@@ -46,7 +46,7 @@ ITEM = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
 @pytest.fixture
 def producer():
     connector = ECConnectorFactory.create(
-        "MooncakeECConnector", "producer", {"pool_bytes": 1 << 20, "secret": SECRET}
+        "PoolECConnector", "producer", {"pool_bytes": 1 << 20, "secret": SECRET}
     )
     connector.save("item", ITEM)
     yield connector
@@ -63,7 +63,7 @@ def _consumer(address: str, **config):
         "retry_after_s": 0.0,
         **config,
     }
-    return ECConnectorFactory.create("MooncakeECConnector", "consumer", config)
+    return ECConnectorFactory.create("PoolECConnector", "consumer", config)
 
 
 class RawPeer:

@@ -1,4 +1,4 @@
-"""The Mooncake encoder-cache connector's configuration: one typed, checked table per role.
+"""The encoder-cache pool connector's configuration: one typed, checked table per role.
 
 `ProducerSettings.from_config` and `ConsumerSettings.from_config` parse the dict that
 `ECConnectorFactory.create` passes (under vLLM: `ec_connector_extra_config`, less
@@ -17,10 +17,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvxfer.transport.factory import DEFAULT_KIND, KINDS, transport_kind
 from kvxfer.transport.mooncake import PROTOCOLS
 from kvxfer.validation import check_host
 
-WHERE = "MooncakeECConnector config"
+WHERE = "PoolECConnector config"
 _ADDRESS = re.compile(r"^tcp://[^\s/:]+:\d{1,5}$")
 S = TypeVar("S", "ProducerSettings", "ConsumerSettings")
 
@@ -30,13 +31,15 @@ class ProducerSettings:
     """An encoder-cache producer's keys.
 
     Attributes:
-        host: where the side channel and the Mooncake engine bind (127.0.0.1).
+        host: where the side channel and the transport bind (127.0.0.1).
         port: the side channel's port (0: a free one; see the connector's `address`).
         pool_bytes: the registered pool's bytes (256 MiB); the least recently used items that
             no read pins are evicted to make room.
         secret: the shared secret consumers must prove ("": none, docs/encoder-cache.md,
             "Trust").
-        protocol: Mooncake transport, "tcp" or "rdma".
+        transport: the transport's kind (`kvxfer.transport.factory.KINDS`; "mooncake"); its
+            consumers must run the same kind.
+        protocol: the Mooncake transport's protocol, "tcp" or "rdma".
         rdma_fallback: with "rdma", run TCP when this machine has no RDMA device.
         lease_s: the longest a consumer's read pins an item (30).
         max_leases: pinned reads per consumer session (64).
@@ -50,6 +53,7 @@ class ProducerSettings:
     port: int = 0
     pool_bytes: int = 256 << 20
     secret: str = ""
+    transport: str = DEFAULT_KIND
     protocol: str = "tcp"
     rdma_fallback: bool = False
     lease_s: float = 30.0
@@ -76,7 +80,7 @@ class ConsumerSettings:
     Attributes:
         producer_addresses: the producers' `address`es, "tcp://host:port" (required; one
             address may be given as a string).
-        recv_bytes: the receive buffer's bytes (256 MiB), registered in one Mooncake engine
+        recv_bytes: the receive buffer's bytes (256 MiB), registered in one transport
             per producer.
         secret: the shared secret ("": none).
         timeout_s: one load from one producer (30).
@@ -85,8 +89,10 @@ class ConsumerSettings:
         fetch_workers: loads in flight per producer (4).
         load_workers: loads being located at once (4).
         close_timeout_s: how long `close` waits for reads from a frozen producer to settle (2).
-        host: where this consumer's Mooncake engines bind (127.0.0.1).
-        protocol: Mooncake transport, "tcp" or "rdma".
+        host: where this consumer's transports bind (127.0.0.1).
+        transport: the transport's kind, its producers' (`kvxfer.transport.factory.KINDS`;
+            "mooncake").
+        protocol: the Mooncake transport's protocol, "tcp" or "rdma".
         rdma_fallback: with "rdma", run TCP when this machine has no RDMA device.
         name: this consumer's name in the producers' logs (default: host name and pid).
     """
@@ -101,6 +107,7 @@ class ConsumerSettings:
     load_workers: int = 4
     close_timeout_s: float = 2.0
     host: str = "127.0.0.1"
+    transport: str = DEFAULT_KIND
     protocol: str = "tcp"
     rdma_fallback: bool = False
     name: str = ""
@@ -210,6 +217,14 @@ def _protocol(value: Any) -> str:
 
 
 @_checked
+def _transport(value: Any) -> str:
+    try:
+        return transport_kind(value).name
+    except ValueError:
+        raise _Refused(f"one of {sorted(KINDS)}") from None
+
+
+@_checked
 def _flag(value: Any) -> bool:
     if not isinstance(value, bool):
         raise _Refused("true or false")
@@ -246,6 +261,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "pool_bytes": _positive_bytes,
     "recv_bytes": _positive_bytes,
     "secret": _secret,
+    "transport": _transport,
     "protocol": _protocol,
     "rdma_fallback": _flag,
     "lease_s": _seconds,

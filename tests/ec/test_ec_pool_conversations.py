@@ -22,7 +22,7 @@ from kvxfer.connector.messages import (
     encode,
 )
 from kvxfer.ec import ECLoadError
-from kvxfer.ec.mooncake.conversations import Conversations, Talk
+from kvxfer.ec.pool.conversations import Conversations, Talk
 from kvxfer.session.protocol import Claim, Reply, SessionServer, refusal
 
 ADDRESS = "tcp://127.0.0.1:5800"
@@ -32,7 +32,9 @@ ENDPOINT = "127.0.0.1:15000"
 
 @pytest.fixture
 def conversations():
-    talks = Conversations([ADDRESS], SECRET, "consumer-0", threading.Event(), lambda _: None)
+    talks = Conversations(
+        [ADDRESS], SECRET, "consumer-0", "mooncake", threading.Event(), lambda _: None
+    )
     yield talks
     talks.close()
 
