@@ -1,8 +1,9 @@
 """A consumer rank reports finished requests to every producer rank in batches (one
 `RequestsDone` per producer rank per batch, not one message per request): within a few
 milliseconds with no other traffic, at once when the batch is full, and always before a later
-ask for one of them. Real producers and consumers over Mooncake TCP on 127.0.0.1; what the
-producer received is recorded in its own handler, in order."""
+ask for one of them. Real producers and consumers in one process over the local transport (the
+reports are the session's, not the transport's); what the producer received is recorded in its
+own handler, in order."""
 
 from __future__ import annotations
 
@@ -37,8 +38,12 @@ class Rig:
 
         monkeypatch.setattr(KVProducer, "_on_session_message", recording)
         ((spec, caches, self.src_ids),) = self.scenario.src
-        self.producer = KVProducer(spec, caches, "prefill", release=self._released)
-        self.consumers = [KVConsumer(s, c, "decode") for s, c, _ in self.scenario.dst]
+        self.producer = KVProducer(
+            spec, caches, "prefill", release=self._released, transport="local"
+        )
+        self.consumers = [
+            KVConsumer(s, c, "decode", transport="local") for s, c, _ in self.scenario.dst
+        ]
         for consumer in self.consumers:
             consumer.connect([self.producer.address])
 

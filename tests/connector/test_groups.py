@@ -1,4 +1,5 @@
-"""Several KV cache groups per rank over real Mooncake TCP on 127.0.0.1: a full-attention group
+"""Several KV cache groups per rank, in one process over the local transport (the groups are
+the connector's; Mooncake moves the same segments in test_connector.py): a full-attention group
 and a sliding-window group, each with its own block table, prefill TP 2 (blocks of 16, NHD)
 -> decode TP 3 (blocks of 32, HND). Tables hold vLLM's null block (id 0) where the window
 dropped blocks. Checked bit for bit on poisoned destinations: the full group gets every token,
@@ -29,6 +30,7 @@ from kvxfer.reference import random_global_kv, write_rank_cells
 from kvxfer.testing import POISON, bits, poll, side_specs
 
 NULL_BLOCK = 0  # vLLM's null block: never holds a token of a request
+LOCAL = {"transport": "local"}
 NUM_TOKENS, WINDOW, HEADS = 70, 20, 6
 
 
@@ -129,9 +131,11 @@ def _published(prefill: Side, src_tables, decode: Side, released=None):
     try:
         for rank in range(len(prefill.specs)):
             release = None if released is None else _recorder(released[rank])
-            producers.append(GroupedProducer(prefill.groups(rank), "prefill", release=release))
+            producers.append(
+                GroupedProducer(prefill.groups(rank), "prefill", release=release, **LOCAL)
+            )
         for rank in range(len(decode.specs)):
-            consumers.append(GroupedConsumer(decode.groups(rank), "decode"))
+            consumers.append(GroupedConsumer(decode.groups(rank), "decode", **LOCAL))
         for consumer in consumers:
             consumer.connect([p.addresses for p in producers], timeout=10)
         for producer, tables in zip(producers, src_tables, strict=True):
@@ -171,7 +175,7 @@ def test_full_and_window_groups_move_exactly_their_tokens(request_kv):
 def test_a_request_is_released_with_the_first_groups_reason_other_than_read(request_kv):
     prefill, src_tables = _prefill(request_kv)
     released: list[tuple[str, ReleaseReason]] = []
-    producer = GroupedProducer(prefill.groups(0), "prefill", release=_recorder(released))
+    producer = GroupedProducer(prefill.groups(0), "prefill", release=_recorder(released), **LOCAL)
     try:
         producer.publish("r", src_tables[0], NUM_TOKENS, ready_tokens=0)
         producer.producers[1].fail("r")  # one group's prefill failed, the other's is pending
@@ -199,9 +203,9 @@ def test_a_rank_asking_for_dropped_window_tokens_fails_with_its_blocks(request_k
 
 def test_group_counts_must_match_and_tables_come_per_group(request_kv):
     prefill, src_tables = _prefill(request_kv)
-    producer = GroupedProducer(prefill.groups(0), "prefill")
+    producer = GroupedProducer(prefill.groups(0), "prefill", **LOCAL)
     decode, _ = _decode([None, WINDOW])
-    consumer = GroupedConsumer(decode.groups(0)[:1], "decode")
+    consumer = GroupedConsumer(decode.groups(0)[:1], "decode", **LOCAL)
     try:
         with pytest.raises(ValueError, match="serves 2 KV cache group"):
             consumer.connect([producer.addresses], timeout=5)

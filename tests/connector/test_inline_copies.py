@@ -2,7 +2,8 @@
 producer's side-channel thread when staging has room at once, and unpacked on the consumer's
 loop, with no hand-over to a worker and back; a larger one is packed on the session's worker
 (which may wait for room) and unpacked on the consumer's copy pool. Every byte lands either
-way, checked against `kvxfer.reference` on poisoned caches, over real Mooncake TCP."""
+way, checked against `kvxfer.reference` on poisoned caches, in one process over the local
+transport (where copies run is the connector's choice, whatever moves the bytes)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def test_a_small_chunk_is_copied_on_the_message_threads_a_large_one_by_workers(
     scenario = make_scenario(src, dst, NUM_TOKENS)
     ((spec, caches, ids),) = scenario.src
     ((dspec, dcaches, dids),) = scenario.dst
-    pool = {"staging_bytes": 16 << 20, "staging_slots": 2}
+    pool = {"staging_bytes": 16 << 20, "staging_slots": 2, "transport": "local"}
     producer = KVProducer(spec, caches, "prefill", **pool)
     consumer = KVConsumer(
         dspec, dcaches, "decode", strategy="pack+unpack", chunk_tokens=chunk_tokens, **pool

@@ -4,8 +4,10 @@ advances), and a fetch asked for at once is served chunk by chunk as they become
 prefill that fails half-way (`fail`) fails the fetch with exactly the blocks it had not written,
 no late byte lands, and the request is released once.
 
-In one process over real Mooncake TCP on 127.0.0.1, decode blocks of 32 tokens fetched in
-chunks of 32 (a chunk is a decode block), every byte compared with `kvxfer.reference`.
+In one process over the local transport (readiness is the connector's; the transport's own
+no-late-byte contract is tests/transport/test_contract.py's, over every kind), decode blocks of
+32 tokens fetched in chunks of 32 (a chunk is a decode block), every byte compared with
+`kvxfer.reference`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class Streamed:
         dst = side_specs(2, heads=4, block_size=32, layout="HND", num_blocks=40)
         self.scenario = make_scenario(src, dst, NUM_TOKENS)
         self.released: list[str] = []
-        pool = {"staging_bytes": 1 << 16, "staging_slots": 2}
+        pool = {"staging_bytes": 1 << 16, "staging_slots": 2, "transport": "local"}
         self.producers = [
             KVProducer(s, c, "prefill", release=lambda rid, _: self.released.append(rid), **pool)
             for s, c, _ in self.scenario.src
