@@ -205,16 +205,38 @@ def free_port() -> int:
     rng = random.Random()
     for _ in range(1000):
         port = rng.randint(*PORTS)
-        if port in _handed_out:
+        if port in _handed_out or not _bindable(port):
             continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((LOCAL_HOST, port))
-            except OSError:
-                continue
         _handed_out.add(port)
         return port
     raise RuntimeError(f"no free port in {PORTS} after 1,000 tries")
+
+
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive free ports on 127.0.0.1 (`free_port`'s range and
+    rules), for an engine whose workers listen at a base port plus their rank.
+
+    Raises:
+        RuntimeError: 1,000 tries found no such run.
+    """
+    rng = random.Random()
+    for _ in range(1000):
+        base = rng.randint(PORTS[0], PORTS[1] - count + 1)
+        run = range(base, base + count)
+        if _handed_out.intersection(run) or not all(_bindable(port) for port in run):
+            continue
+        _handed_out.update(run)
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports in {PORTS} after 1,000 tries")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((LOCAL_HOST, port))
+        except OSError:
+            return False
+    return True
 
 
 def free_ports(count: int) -> list[int]:

@@ -263,3 +263,18 @@ def test_host_accepted(host):
 def test_host_refused(host):
     with pytest.raises(ValueError, match=r"host: .*(pass|must be a str)"):
         check_host(host)
+
+
+def test_free_ports_are_bindable_below_the_ephemeral_range_and_never_handed_out_twice():
+    import socket
+
+    from kvxfer.addresses import PORTS, free_port, free_port_run
+
+    singles = [free_port() for _ in range(20)]
+    base = free_port_run(8)
+    run = list(range(base, base + 8))
+    assert len(set(singles + run)) == len(singles) + len(run)
+    for port in singles + run:
+        assert PORTS[0] <= port <= PORTS[1]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))  # free now: raises if not

@@ -60,7 +60,7 @@ class CostModel:
     # cache) and the host work of both sides (planning, messages, thread hand-offs).
     # Estimated for a server CPU and a data-center network (no RDMA NIC here to measure it):
     # a fifth of the 2.6 ms measured on 2 cores over loopback, which `tcp_loopback()` has
-    # (measured with two round trips per chunk; one for a packed chunk since protocol 8).
+    # (measured with two round trips per chunk; a packed chunk has one).
     seconds_per_chunk: float = 500e-6
     # `choose_chunking` takes the smallest chunk whose fixed costs are at most this fraction
     # of its byte time (so they add at most about 10% to a fetch that cannot overlap them).

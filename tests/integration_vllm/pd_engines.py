@@ -32,7 +32,6 @@ import multiprocessing as mp
 import os
 import random
 import signal
-import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvxfer.addresses import free_port_run
 from kvxfer.testing.memory import POISON
 from kvxfer.testing.processes import first_message
 
@@ -89,29 +89,6 @@ def write_model(directory: Path, config: dict[str, Any] = MODEL) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
     return str(directory)
-
-
-def free_port_base(count: int) -> int:
-    """A base port with `count` consecutive free ports on 127.0.0.1."""
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count >= 65535:
-            continue
-        try:
-            sockets = []
-            for port in range(base, base + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError("no run of free ports on 127.0.0.1")
 
 
 @contextlib.contextmanager
@@ -798,7 +775,7 @@ class Engine:
         producer = spec.role in ("kv_producer", "kv_both")
         if producer and not {"bootstrap_port", "bootstrap_address"} & set(spec.extra):
             spec = dataclasses.replace(
-                spec, extra={**spec.extra, "bootstrap_port": free_port_base(1)}
+                spec, extra={**spec.extra, "bootstrap_port": free_port_run(1)}
             )
         self.spec, self.model_dir = spec, model_dir
         self.scheduler: Any = None

@@ -17,7 +17,6 @@ from pd_engines import (
     Engine,
     EngineSpec,
     failed_load,
-    free_port_base,
     load_and_check,
     prefill_remote,
     random_prompt,
@@ -25,6 +24,7 @@ from pd_engines import (
     write_model,
 )
 
+from kvxfer.addresses import free_port_run
 from kvxfer.integrations.bootstrap import BootstrapClient, BootstrapError
 
 # The longest wait for the engines in this module.
@@ -60,7 +60,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     model = write_model(tmp_path_factory.mktemp("model"))
-    port = free_port_base(1)
+    port = free_port_run(1)
     prefill = [Engine(model, _prefill_spec(dp, port)) for dp in range(DP)]
     decode = [Engine(model, _decode_spec(dp)) for dp in range(DP)]
     # Prefill DP rank 1 again, for the restart test: its processes import vLLM now.

@@ -14,7 +14,6 @@ import pytest
 from pd_engines import (
     Engine,
     EngineSpec,
-    free_port_base,
     load_and_check,
     prefill_remote,
     random_prompt,
@@ -22,12 +21,14 @@ from pd_engines import (
     write_model,
 )
 
+from kvxfer.addresses import free_port_run
+
 COMMON = {"cost_model": "tcp_loopback"}
 TIMEOUT_S = 120.0
 
 
 def _pair(model: str, name: str, prefill_dtype: str, decode_dtype: str) -> list[Engine]:
-    port = free_port_base(1)
+    port = free_port_run(1)
     prefill = EngineSpec(
         f"{name}-prefill", 1, 16, "kv_producer", 64, "LBNHC",
         {**COMMON, "side_channel_port": port}, cache_dtype=prefill_dtype, kv_from=prefill_dtype,

@@ -17,9 +17,9 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from pd_engines import MULTIMODAL_MODEL, free_port_base, write_model
+from pd_engines import MULTIMODAL_MODEL, write_model
 
-from kvxfer.addresses import unused_address
+from kvxfer.addresses import free_port_run, unused_address
 from kvxfer.ec import ECConnectorFactory
 from kvxfer.ec.shared_storage import SharedStorageECConnector
 from kvxfer.testing.signals import freeze
@@ -113,7 +113,7 @@ def test_encoder_output_moves_from_encoder_to_prefill_instance(model_dir):
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory as VF
 
-    port = free_port_base(1)
+    port = free_port_run(1)
     secret = "encoder-cache secret"  # proved by challenge-response, never sent
     producer_cfg = _config(
         model_dir,

@@ -19,12 +19,13 @@ from pd_engines import (
     Engine,
     EngineSpec,
     failed_load,
-    free_port_base,
     load_and_check,
     random_prompt,
     run_until,
     write_model,
 )
+
+from kvxfer.addresses import free_port_run
 
 # The longest wait for the engines in this module.
 _run_until = functools.partial(run_until, timeout=90.0)
@@ -60,7 +61,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     model = write_model(tmp_path_factory.mktemp("model"))
-    port = free_port_base(PREFILL_TP)
+    port = free_port_run(PREFILL_TP)
     common = COMMON
     prefill = Engine(model, _prefill_spec(port))
     decode = Engine(
@@ -319,7 +320,7 @@ def test_unreachable_prefill_engine_fails_every_block_of_the_load(engines):
     _, decode, _ = engines
     prompt = random_prompt(8, 40)
     # Nothing listens where this engine is said to be.
-    nowhere = _remote_params("gone-engine", "req-x", free_port_base(PREFILL_TP), len(prompt))
+    nowhere = _remote_params("gone-engine", "req-x", free_port_run(PREFILL_TP), len(prompt))
     reported, load_blocks = failed_load(decode, "req-nowhere", prompt, nowhere)
     assert reported and set().union(*reported) == set(load_blocks[:2])  # 40 tokens, blocks of 32
     assert decode.free_blocks() == decode.free_blocks_at_start
@@ -537,7 +538,7 @@ def test_restarted_prefill_engine_is_found_again(engines):
     cluster = engines
     decode = cluster.decode
     # The same prefill engine (same engine_id) twice more: on other ports, then back on those.
-    new_port = free_port_base(PREFILL_TP)
+    new_port = free_port_run(PREFILL_TP)
     moved = Engine(cluster.model, _prefill_spec(new_port), hold=True)
     same_ports = Engine(cluster.model, _prefill_spec(new_port), hold=True)
     cluster.standby += [moved, same_ports]

@@ -24,7 +24,6 @@ from pd_engines import (
     MODEL,
     Engine,
     EngineSpec,
-    free_port_base,
     load_and_check,
     prefill_remote,
     random_prompt,
@@ -33,6 +32,7 @@ from pd_engines import (
     write_model,
 )
 
+from kvxfer.addresses import free_port_run
 from kvxfer.integrations.bootstrap import BootstrapClient
 
 # The longest wait for the engines in this module.
@@ -63,7 +63,7 @@ class Engines:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     model = write_model(tmp_path_factory.mktemp("model"), PP_MODEL)
-    port = free_port_base(4)
+    port = free_port_run(4)
     fixed = {**COMMON, "side_channel_port": port}
     specs = [
         EngineSpec("prefill-pp2", 2, 16, "kv_producer", 64, "LBNHC", fixed, pp=2),
@@ -183,7 +183,7 @@ def dp_pp_prefill(tmp_path_factory):
     """A prefill engine with DP 2 x PP 2 x TP 1: one engine per DP rank (as vLLM runs them),
     each with a worker per stage, both DP ranks registering with one bootstrap service."""
     model = write_model(tmp_path_factory.mktemp("dp-pp-model"), PP_MODEL)
-    extra = {**COMMON, "bootstrap_port": free_port_base(1)}
+    extra = {**COMMON, "bootstrap_port": free_port_run(1)}
     started = [
         Engine(
             model,

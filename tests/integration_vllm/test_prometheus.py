@@ -24,7 +24,6 @@ from pd_engines import (
     VOCAB,
     Engine,
     EngineSpec,
-    free_port_base,
     kv_cache_config,
     run_until,
     vllm_config,
@@ -32,6 +31,7 @@ from pd_engines import (
 )
 from prometheus_client import REGISTRY
 
+from kvxfer.addresses import free_port_run
 from kvxfer.connector import TransferResult
 from kvxfer.connector.timeline import PHASES
 from kvxfer.integrations.vllm import KvxferConnector, KvxferConnectorStats
@@ -249,7 +249,7 @@ def test_a_real_transfer_and_an_expired_request_on_vllms_endpoint(model, clean_r
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 
     common = {"cost_model": "tcp_loopback", "secret": "prom", "protocol": "tcp"}
-    port = free_port_base(1)
+    port = free_port_run(1)
     prefill_extra = {**common, "side_channel_port": port, "request_timeout_s": REQUEST_TIMEOUT_S}
     prefill_spec = EngineSpec("prom-prefill", 1, 16, "kv_producer", 32, "LBNHC", prefill_extra)
     decode_spec = EngineSpec("prom-decode", DECODE_TP, 32, "kv_consumer", 32, "LBHNC", common)
