@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvxfer.integrations.pd_proxy import decode_body, make_server, prefill_body
+from kvxfer.testing import wait_until
 
 # What a prefill DP rank hands back: the proxy forwards it unchanged (the DP rank included).
 PARAMS = {
@@ -178,9 +178,8 @@ def test_the_concurrent_flow_sends_both_engines_the_request_at_once():
         try:
             bodies = [{"model": "m", "prompt": f"p{i}", "max_tokens": 5} for i in range(2)]
             answers = [_post(_url(proxy) + "/v1/completions", b) for b in bodies]
-            deadline = time.monotonic() + 10
-            while len(prefill_seen) < 2 and time.monotonic() < deadline:
-                time.sleep(0.01)  # the prefill requests run on the proxy's own threads
+            # the prefill requests run on the proxy's own threads
+            wait_until(lambda: len(prefill_seen) >= 2, 30.0, "both prefill requests")
         finally:
             for server in (proxy, prefill, decode):
                 server.shutdown()

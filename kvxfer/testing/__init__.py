@@ -25,6 +25,7 @@ from kvxfer.testing.checks import (
     pools_whole,
     send_raw,
     wait_for_progress,
+    wait_until,
     watch_for_late_bytes,
 )
 from kvxfer.testing.cluster import ClusterRun, run_cluster
@@ -98,5 +99,6 @@ __all__ = [
     "send_raw",
     "side_specs",
     "wait_for_progress",
+    "wait_until",
     "watch_for_late_bytes",
 ]

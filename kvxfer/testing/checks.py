@@ -31,6 +31,23 @@ def poll(
         time.sleep(every)
 
 
+def wait_until(
+    done: Callable[[], bool], timeout: float, what: str = "the condition", every: float = 0.01
+) -> float:
+    """Wait until `done()` holds (a state to reach, polled every `every` seconds); the seconds
+    it took.
+
+    Raises:
+        AssertionError: `timeout` seconds passed first, naming `what`.
+    """
+    start = time.monotonic()
+    while not done():
+        waited = time.monotonic() - start
+        assert waited < timeout, f"not within {timeout} s: {what}"
+        time.sleep(every)
+    return time.monotonic() - start
+
+
 def wait_for_progress(consumer: Consumer, block_ids: BlockIds, timeout: float = 20.0) -> None:
     """Wait until bytes of `block_ids` changed in the consumer's cache (a fetch is moving
     bytes). Watches the request's first blocks every 2 ms (chunks go in token order) and all

@@ -15,7 +15,7 @@ from kvxfer.connector import KVConsumer, KVProducer, ReleaseReason
 from kvxfer.connector.messages import KV_SERVICE, MAX_FRAME_BYTES, ChunkValid, KVClaim, encode
 from kvxfer.session import auth, wire
 from kvxfer.session.protocol import Opened, Reply, SessionClient
-from kvxfer.testing import make_scenario, poll, side_specs
+from kvxfer.testing import make_scenario, poll, side_specs, wait_until
 
 SMALL = {"staging_bytes": 4096, "staging_slots": 2}
 
@@ -298,10 +298,8 @@ def test_release_happens_once_after_every_decode_rank_is_done(engines):
     time.sleep(0.2)
     assert engines.released == []  # rank 1 of the decode engine has not reported yet
     engines.fetch("r1", ranks=(1,))
-    deadline = time.monotonic() + 5
-    while len(engines.released) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)
+    wait_until(lambda: len(engines.released) >= 2, 30.0, "both producers' releases")
+    time.sleep(0.2)  # a second release of either would come within this
     assert sorted(engines.released) == [(0, "r1"), (1, "r1")]
     assert set(engines.reasons.values()) == {ReleaseReason.READ}
     assert all(p.pending_requests == [] for p in engines.producers)
@@ -310,9 +308,8 @@ def test_release_happens_once_after_every_decode_rank_is_done(engines):
 
 def test_release_at_the_deadline_and_late_fetches_fail(engines):
     engines.publish("short", deadline_s=0.2)
-    deadline = time.monotonic() + 10  # the expiry sweep runs on the side-channel thread
-    while len(engines.released) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    # the expiry sweep runs on the side-channel thread
+    wait_until(lambda: len(engines.released) >= 2, 30.0, "both producers' releases")
     assert sorted(engines.released) == [(0, "short"), (1, "short")]
     assert set(engines.reasons.values()) == {ReleaseReason.EXPIRED}
     assert [p.expired_requests for p in engines.producers] == [1, 1]

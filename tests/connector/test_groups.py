@@ -10,7 +10,6 @@ nothing; a request is released once, when every group released it."""
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -27,7 +26,7 @@ from kvxfer.connector import (
 )
 from kvxfer.connector.groups import _past_null_blocks, fetched_blocks, held_from
 from kvxfer.reference import random_global_kv, write_rank_cells
-from kvxfer.testing import POISON, bits, poll, side_specs
+from kvxfer.testing import POISON, bits, poll, side_specs, wait_until
 
 NULL_BLOCK = 0  # vLLM's null block: never holds a token of a request
 LOCAL = {"transport": "local"}
@@ -165,9 +164,7 @@ def test_full_and_window_groups_move_exactly_their_tokens(request_kv):
         for handle in handles:
             full, windowed = (h.wait() for h in handle.handles)
             assert windowed.bytes < full.bytes
-        deadline = time.monotonic() + 10
-        while not all(released) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: all(released), 30.0, "every prefill rank's release")
         # once each, after every group was done
         assert released == [[("r", ReleaseReason.READ)], [("r", ReleaseReason.READ)]]
 

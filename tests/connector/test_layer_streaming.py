@@ -11,8 +11,7 @@ show; the decode caches start poisoned and are compared with `kvxfer.reference`.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from kvxfer.testing import (
     Rig,
     describe,
     leaks,
+    wait_until,
     watch_for_late_bytes,
 )
 from kvxfer.testing.geometry import Geometry
@@ -53,14 +53,6 @@ CONSUMER = {
 def rig() -> Iterator[Rig]:
     with Rig() as r:
         yield r
-
-
-def wait_until(done: Callable[[], bool], what: str) -> None:
-    """Until `done()` holds (a state to reach, polled), or fail naming `what`."""
-    deadline = time.monotonic() + WAIT_S
-    while not done():
-        assert time.monotonic() < deadline, f"not within {WAIT_S} s: {what}"
-        time.sleep(0.005)
 
 
 def layer_blocks(consumer: Consumer, layer: int, blocks: Sequence[int]) -> tuple[torch.Tensor, ...]:
@@ -100,7 +92,9 @@ def test_a_streamed_fetch_completes_layer_by_layer_as_layers_are_marked(rig, str
     consumer.model.land(dst, request)  # what the blocks must hold in the end
     for layer in range(LAYERS):
         producer.compute(request, src, TOKENS, (layer, layer + 1))
-        wait_until(lambda n=layer + 1: exact(consumer, range(n), dst), f"layers < {layer + 1}")
+        wait_until(
+            lambda n=layer + 1: exact(consumer, range(n), dst), WAIT_S, f"layers < {layer + 1}"
+        )
         # Nothing of a layer not marked yet: the producer holds its chunks.
         assert poisoned(consumer, range(layer + 1, LAYERS), dst)
     result = consumer.result(request.request_id, timeout=WAIT_S)
@@ -121,8 +115,10 @@ def test_a_prefill_killed_after_half_its_layers_fails_exactly_the_blocks_not_wri
     partial = dst[half // DECODE.block_size :]  # tokens [256, 512): layers 0 and 1 only
     producer.compute(request, src, half, (0, LAYERS))
     producer.compute(request, src, TOKENS, (0, LAYERS // 2))
-    wait_until(lambda: exact(consumer, range(LAYERS), written), "the first half's blocks")
-    wait_until(lambda: exact(consumer, range(LAYERS // 2), partial), "the rest's first layers")
+    wait_until(lambda: exact(consumer, range(LAYERS), written), WAIT_S, "the first half's blocks")
+    wait_until(
+        lambda: exact(consumer, range(LAYERS // 2), partial), WAIT_S, "the rest's first layers"
+    )
     producer.kill()
     result = consumer.result(request.request_id, timeout=WAIT_S)
     assert not result["ok"]

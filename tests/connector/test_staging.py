@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvxfer.connector.staging import SLOT_ALIGNMENT, StagingPool
+from kvxfer.testing import wait_until
 from kvxfer.transport.local import LocalTransport
 
 SLOT = 4 * SLOT_ALIGNMENT
@@ -74,9 +75,7 @@ def test_bad_sizes_and_releases_are_refused_with_the_fix(pool: StagingPool) -> N
 
 
 def _wait_for_takers(pool: StagingPool, count: int) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while pool.waiting_takers < count and time.monotonic() < deadline:
-        time.sleep(0.001)
+    wait_until(lambda: pool.waiting_takers >= count, WAIT_S, f"{count} waiting takers", 0.001)
     assert pool.waiting_takers == count
 
 

@@ -29,7 +29,7 @@ from ec_cases import (
 
 from kvxfer.addresses import unused_address
 from kvxfer.ec import ECConnectorFactory, ECLoadError
-from kvxfer.testing import POISON
+from kvxfer.testing import POISON, wait_until
 from kvxfer.testing.processes import start_child
 from kvxfer.testing.signals import freeze, stopped, thread_states, wait_stopped
 
@@ -131,7 +131,7 @@ def test_frozen_and_missing_producers_are_skipped_and_the_others_serve(processes
         assert all(same_bits(got[h], ITEMS[h]) for h in got)
 
         os.kill(proc_a.pid, signal.SIGCONT)
-        _until(lambda: address_a not in consumer.producers_down, skip_s + 60)
+        wait_until(lambda: address_a not in consumer.producers_down, skip_s + 60)
         assert consumer.has(a_item) is True
         assert same_bits(consumer.load(a_item), ITEMS[a_item])
         assert address_a not in consumer.producers_down
@@ -154,7 +154,7 @@ def test_a_producer_killed_while_a_load_waits_fails_it_at_once_not_at_its_timeou
         freeze(proc_a.pid)
         before = _connections_to(port)
         loading = consumer.start_load([item])
-        _until(lambda: _connections_to(port) > before, 120)  # the query's own connection
+        wait_until(lambda: _connections_to(port) > before, 120)  # the query's own connection
         os.kill(proc_a.pid, signal.SIGKILL)
         proc_a.join(120)
         (got, failed), seconds = _timed(loading.results, 2 * query_timeout_s)
@@ -191,7 +191,7 @@ def test_a_sigstopped_producer_answers_until_every_thread_has_stopped(processes,
         assert consumer.has(item)
         proc.conn.send("hold")
         assert proc.conn.recv() == "holding"
-        _until(lambda: thread_states(proc.pid)[proc.pid] == "D", 10)  # in the vfork's wait
+        wait_until(lambda: thread_states(proc.pid)[proc.pid] == "D", 10)  # in the vfork's wait
         os.kill(proc.pid, signal.SIGSTOP)
         assert not stopped(proc.pid)
         assert consumer.has(item) is True  # "SIGSTOPped", and it answers: the flake
@@ -264,7 +264,7 @@ def test_a_consumer_frozen_mid_read_stalls_no_one_and_its_lease_ends(processes):
                 loaded, seconds = _timed(consumer_b.load, mm_hash)
                 assert same_bits(loaded, ITEMS[mm_hash]) and seconds < bound, seconds
         assert stopped(proc_a.pid)
-        _until(lambda: producer.stats_snapshot()["leases"] == 0, lease_s + 60)  # it ended
+        wait_until(lambda: producer.stats_snapshot()["leases"] == 0, lease_s + 60)  # it ended
         producer.save("big-two", big((BIG,), 10))  # evicts A's item, overwrites its bytes
         assert "big-item" not in producer.stored
         os.kill(proc_a.pid, signal.SIGCONT)
@@ -346,14 +346,14 @@ def test_a_producer_frozen_mid_read_and_resumed_lands_nothing_after_the_failure(
             assert consumer.quarantined_bytes >= BIG * 4  # no timer frees it
         finally:
             os.kill(proc_p.pid, signal.SIGCONT)
-        _until(lambda: consumer.quarantined_bytes == 0, 40)  # the read settled
+        wait_until(lambda: consumer.quarantined_bytes == 0, 40)  # the read settled
         ((offset, nbytes),) = quarantined.items()
         outside = torch.cat([recv[:offset], recv[offset + nbytes :]])
         assert bool((outside == POISON).all()), "a byte landed outside the quarantined range"
         inside = recv[offset : offset + nbytes]
         landed = int((inside != POISON).sum())
         assert landed > 0  # the late read did land: in the range kept out of use for it
-        _until(lambda: address_p not in consumer.producers_down, 10)  # P is asked again
+        wait_until(lambda: address_p not in consumer.producers_down, 10)  # P is asked again
         monkeypatch.setattr(buffer, "read", read)
         assert same_bits(consumer.load("big-item"), big((BIG,), 9))
 
@@ -385,17 +385,10 @@ def test_leases_end_with_their_reads_and_idle_sessions_are_shaken_again():
         stats = producer.stats_snapshot()
         assert stats["sessions"] == 2 and stats["leases"] == 0 and stats["pinned"] == 0
         assert stats["threads"] == 2  # no thread per consumer
-        _until(lambda: producer.stats_snapshot()["sessions"] == 0, 60)  # idle: forgotten
+        wait_until(lambda: producer.stats_snapshot()["sessions"] == 0, 60)  # idle: forgotten
         for c in consumers:  # the consumer shakes hands again, transparently
             assert c.has("x") and same_bits(c.load("x"), torch.ones(16))
             assert c.stats_snapshot()["quarantined_bytes"] == 0
             c.close()
     finally:
         producer.close()
-
-
-def _until(predicate, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)

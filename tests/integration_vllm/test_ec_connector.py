@@ -22,6 +22,7 @@ from pd_engines import MULTIMODAL_MODEL, write_model
 from kvxfer.addresses import free_port_run, unused_address
 from kvxfer.ec import ECConnectorFactory
 from kvxfer.ec.shared_storage import SharedStorageECConnector
+from kvxfer.testing import wait_until
 from kvxfer.testing.signals import freeze
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -101,14 +102,6 @@ def model_dir(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("model"), MULTIMODAL_MODEL)
 
 
-def _until(predicate, timeout: float = 10.0) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout, "timed out"
-        time.sleep(0.01)
-    return time.monotonic() - start
-
-
 def test_encoder_output_moves_from_encoder_to_prefill_instance(model_dir):
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory as VF
@@ -141,7 +134,7 @@ def test_encoder_output_moves_from_encoder_to_prefill_instance(model_dir):
         request = _request("req-1", ["img-1", "img-2", "lora1:img-3"])
         assert scheduler.has_cache_item("img-1") is False  # nothing fetched yet
         assert scheduler.ensure_cache_available(request, 0) is False  # fetching
-        _until(lambda: scheduler.ensure_cache_available(request, 0))
+        wait_until(lambda: scheduler.ensure_cache_available(request, 0), 10.0, "the cache")
         assert scheduler.has_cache_item("img-1") is True
         assert scheduler.has_cache_item("img-2") is False  # never encoded: computed locally
         assert scheduler.take_unavailable_requests() == set()
