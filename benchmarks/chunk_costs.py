@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from scenarios import median_seconds
 
-from kvxfer.bench import BenchConfig, _side, _table
+from kvxfer.cli.bench import BenchConfig, _side, _table
 from kvxfer.connector import KVConsumer, KVProducer
 from kvxfer.plan import CostModel
 from kvxfer.plan.cost import choose_chunking
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
 
-    from kvxfer.logs import filtered_stderr, set_mooncake_log_level
+    from kvxfer.cli.native_logs import filtered_stderr, set_mooncake_log_level
 
     set_mooncake_log_level(False)
     with filtered_stderr():

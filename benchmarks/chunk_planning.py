@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from scenarios import median_seconds
 
-from kvxfer.bench import BenchConfig, _side, _table
+from kvxfer.cli.bench import BenchConfig, _side, _table
 from kvxfer.connector.messages import ChunkReady, decode, encode
 from kvxfer.plan import plan_pairs
 from kvxfer.plan.program import (

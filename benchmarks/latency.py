@@ -879,7 +879,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrent_tokens < 1 or args.torch_threads < 1:
         parser.error("--concurrent-tokens and --torch-threads must be >= 1")
 
-    from kvxfer.logs import filtered_stderr, set_mooncake_log_level
+    from kvxfer.cli.native_logs import filtered_stderr, set_mooncake_log_level
 
     set_mooncake_log_level(False)
     try:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvxfer.bench import BenchConfig, _side, _table
+from kvxfer.cli.bench import BenchConfig, _side, _table
 from kvxfer.connector import KVConsumer, KVProducer
 from kvxfer.spec import KVCacheSpec, allocate_kv_caches
 
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="Mooncake's own logs too")
     args = parser.parse_args(argv)
 
-    from kvxfer.logs import filtered_stderr, set_mooncake_log_level
+    from kvxfer.cli.native_logs import filtered_stderr, set_mooncake_log_level
 
     set_mooncake_log_level(args.verbose)
     if args.verbose:

@@ -35,7 +35,7 @@ def child(pair: str, repeat: int) -> dict[str, Any]:
     import torch
     from scenarios import median_seconds
 
-    from kvxfer.bench import BenchConfig, bench_row
+    from kvxfer.cli.bench import BenchConfig, bench_row
     from kvxfer.plan import Segments
     from kvxfer.transport import Peer
     from kvxfer.transport.mooncake import MooncakeTransport
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        from kvxfer.logs import filtered_stderr, set_mooncake_log_level
+        from kvxfer.cli.native_logs import filtered_stderr, set_mooncake_log_level
 
         set_mooncake_log_level(False)
         with filtered_stderr():

@@ -139,7 +139,7 @@ def run_pair(args: argparse.Namespace) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    import kvxfer.bench as bench
+    import kvxfer.cli.bench as bench
     from kvxfer.cli import main
 
     timed = bench._median_seconds

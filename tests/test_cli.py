@@ -295,7 +295,7 @@ def test_help_shows_defaults(argv, defaults):
 
 def test_importing_the_cli_imports_no_heavy_module():
     code = (
-        "import sys, kvxfer, kvxfer.cli, kvxfer.doctor; "
+        "import sys, kvxfer, kvxfer.cli, kvxfer.cli.doctor; "
         "kvxfer.cli.build_parser(); "
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     )
@@ -401,7 +401,7 @@ def test_the_cli_reference_documents_every_json_key_of_plan_and_demo(capsys):
 
 def test_bench_defaults_are_the_connectors():
     """The CLI keeps its parsing light, so it spells the staging default out: the same value."""
-    from kvxfer.bench import BenchConfig
+    from kvxfer.cli.bench import BenchConfig
     from kvxfer.plan import DEFAULT_STAGING_SLOTS
 
     args = parse_args(["bench"])

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from kvxfer.cli.native_logs import is_harmless
 from kvxfer.examples.pd_demo import DemoOptions, _report, reference
-from kvxfer.logs import is_harmless
 
 # A demo small enough to run in a few seconds: for the output checks, not the transfer's.
 SMALL = ["--prefill-tp", "1", "--decode-tp", "2", "--prompt-tokens", "40", "--decode-tokens", "2"]
@@ -280,7 +280,7 @@ def test_other_lines_are_not_harmless(line):
 FILTER_SCRIPT = textwrap.dedent(
     """
     import json, os, subprocess, sys
-    from kvxfer.logs import filtered_stderr
+    from kvxfer.cli.native_logs import filtered_stderr
     harmless = [line + "\\n" for line in json.loads(sys.argv[1])]
     child = "import os, sys; os.write(2, sys.argv[1].encode())"
     with filtered_stderr() as console:

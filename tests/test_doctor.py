@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 
 import pytest
 
-from kvxfer import doctor
-from kvxfer.doctor import FAIL, INFO, OK, WARN
+from kvxfer.cli import doctor
+from kvxfer.cli.doctor import FAIL, INFO, OK, WARN
 
 ENV = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
 NAMES = [

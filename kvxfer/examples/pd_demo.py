@@ -9,8 +9,8 @@ for bit, those of the same model run unsharded in one process.
 
 Quiet by default: Mooncake logs errors only (`MC_LOG_LEVEL=ERROR` unless the user set it; INFO
 with `--verbose`), and its known-harmless lines are filtered out of every process's stderr
-(`kvxfer.logs`). On a terminal a progress bar shows the stages; `--json` and output that is not
-a terminal get none.
+(`kvxfer.cli.native_logs`). On a terminal a progress bar shows the stages; `--json` and output
+that is not a terminal get none.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from kvxfer.addresses import free_port
+from kvxfer.cli.native_logs import filtered_stderr, set_mooncake_log_level
 from kvxfer.examples.model import ModelConfig, ShardedModel, init_weights
-from kvxfer.logs import filtered_stderr, set_mooncake_log_level
 from kvxfer.spec import KVCacheSpec, allocate_kv_caches
 
 REQUEST = "demo-request"

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvxfer import KVCacheSpec, KVConsumer, KVProducer, allocate_kv_caches
-from kvxfer.logs import filtered_stderr, set_mooncake_log_level
+from kvxfer.cli.native_logs import filtered_stderr, set_mooncake_log_level
 from kvxfer.reference import random_global_kv, write_rank_cells
 
 PREFILL = KVCacheSpec(  # rank 0 of the prefill engine; engine_ranks() gives every rank

@@ -1,5 +1,10 @@
 """The `kvxfer` command line: `kvxfer plan`, `kvxfer bench`, `kvxfer demo` and `kvxfer doctor`.
 
+This module parses every command and runs `plan`; the others run in their own modules beside
+it (`bench.py`, `doctor.py` with its subprocess probes in `doctor_probes.py`, and
+`kvxfer.examples.pd_demo`), and `native_logs.py` quiets Mooncake's native log lines for the
+commands and examples that start Mooncake engines.
+
 Only the standard library is imported here: each command imports torch, numpy, Triton or
 Mooncake when it runs, so `--help` and a bad flag answer at once. Every bad flag or value gets
 one line on stderr naming it and the accepted form, and exit code 2.
@@ -373,7 +378,7 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_verbose(p: argparse.ArgumentParser) -> None:
-    """The `--verbose` flag of the commands that start Mooncake engines (`kvxfer.logs`)."""
+    """The `--verbose` flag of the commands that start Mooncake engines (`native_logs.py`)."""
     p.add_argument(
         "--verbose",
         action="store_true",
@@ -557,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvxfer` command."""
     args = parse_args(argv)
     if args.command == "bench":
-        from kvxfer.bench import run as run_bench
+        from kvxfer.cli.bench import run as run_bench
 
         return run_bench(args)
     if args.command == "demo":
@@ -565,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_demo(args)
     if args.command == "doctor":
-        from kvxfer.doctor import run as run_doctor
+        from kvxfer.cli.doctor import run as run_doctor
 
         return run_doctor(args)
     try:
@@ -575,7 +580,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,7 +3,7 @@ a crash there costs only that check and Mooncake's native log lines stay out of 
 real transfer over Mooncake on 127.0.0.1 (a `KVProducer` and a `KVConsumer`, bytes compared
 with `reshard`), the Triton kernels against the torch backend on this machine's device, and
 importing `kvxfer.integrations.vllm`. Each prints its outcome as one JSON line
-(`probe_main`); `kvxfer.doctor` turns the outcomes into checks."""
+(`probe_main`); `kvxfer.cli.doctor` turns the outcomes into checks."""
 
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ class Probe:
     def __init__(self, kind: str, env: dict[str, str] | None = None) -> None:
         self.kind = kind
         self.began = time.monotonic()
-        code = f"from kvxfer.doctor_probes import probe_main; probe_main({kind!r})"
+        code = f"from kvxfer.cli.doctor_probes import probe_main; probe_main({kind!r})"
         child_env = dict(os.environ)
         child_env.setdefault("MC_LOG_LEVEL", "ERROR")
         child_env.update(env or {})

@@ -3,7 +3,7 @@
 One line per check: Python, torch and its device, Triton and whether the kernels compile here
 (a GPU) or run only under the interpreter (CPU), Mooncake's wheel, libibverbs, the RDMA devices,
 the transport and backend a transfer would use, vLLM and kvxfer's integration. Three checks run
-in subprocesses with a timeout (`kvxfer.doctor_probes`): a real transfer over Mooncake on
+in subprocesses with a timeout (`kvxfer.cli.doctor_probes`): a real transfer over Mooncake on
 127.0.0.1, the Triton kernels against the torch backend, and importing
 `kvxfer.integrations.vllm`.
 
@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer.doctor_probes import Probe
+from kvxfer.cli.doctor_probes import Probe
 from kvxfer.rdma import ProtocolChoice, choose_protocol, infiniband_sysfs
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"

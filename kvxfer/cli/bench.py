@@ -300,11 +300,11 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark rows (`kvxfer bench`, parsed by kvxfer.cli) and print them.
 
     Quiet by default: Mooncake logs errors only and its known-harmless lines are dropped
-    (`kvxfer.logs`); `--verbose` shows everything it says. On a terminal (stdout and stderr
-    both TTYs, no `--json`) a progress bar on stderr follows each row's steps; otherwise nothing
-    but the rows is printed.
+    (`kvxfer.cli.native_logs`); `--verbose` shows everything it says. On a terminal (stdout and
+    stderr both TTYs, no `--json`) a progress bar on stderr follows each row's steps; otherwise
+    nothing but the rows is printed.
     """
-    from kvxfer.logs import filtered_stderr, set_mooncake_log_level
+    from kvxfer.cli.native_logs import filtered_stderr, set_mooncake_log_level
 
     verbose = bool(getattr(args, "verbose", False))
     set_mooncake_log_level(verbose)  # before the first engine starts
