@@ -50,20 +50,23 @@ lint: $(STAMP)
 # The suite runs in parallel (pytest-xdist): its tests mostly wait on processes, sockets and
 # timeouts, so more workers than cores pay. The Triton kernels run on CPU tensors under the
 # interpreter, which must be chosen before kvxfer.kernels is imported: hence their own pytest
-# process (tests/triton, and tests/cuda at toy sizes), run beside the other one; its output
+# process (the tests marked `interpreter`, and `cuda` at toy sizes: tests/conftest.py), run
+# beside the other one; its output
 # follows. UNIT_WORKERS=0 INTERPRET_WORKERS=0 runs each in one process.
 UNIT_WORKERS ?= 4
 INTERPRET_WORKERS ?= 2
+# The engine suites run in their own environments (make test-vllm, test-sglang, test-e2e).
+ENGINE_SUITES := --ignore=tests/integration_vllm --ignore=tests/e2e --ignore=tests/integration_sglang
 unit: $(STAMP)
 	@mkdir -p build
 	@TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -n $(INTERPRET_WORKERS) --dist worksteal \
-		tests/triton tests/cuda >build/unit-interpreted.log 2>&1 & interpreted=$$!; \
-	echo "$(VENV)/bin/pytest -n $(UNIT_WORKERS) (tests/triton and tests/cuda beside it:" \
+		-m "interpreter or cuda" $(ENGINE_SUITES) >build/unit-interpreted.log 2>&1 & interpreted=$$!; \
+	echo "$(VENV)/bin/pytest -n $(UNIT_WORKERS) (the interpreter tests beside it:" \
 		"build/unit-interpreted.log)"; \
-	$(VENV)/bin/pytest -q -n $(UNIT_WORKERS) --dist worksteal --ignore=tests/triton \
-		--ignore=tests/integration_vllm --ignore=tests/e2e --ignore=tests/integration_sglang; rest=$$?; \
+	$(VENV)/bin/pytest -q -n $(UNIT_WORKERS) --dist worksteal -m "not interpreter" \
+		$(ENGINE_SUITES); rest=$$?; \
 	wait $$interpreted; status=$$?; \
-	echo "TRITON_INTERPRET=1 $(VENV)/bin/pytest -n $(INTERPRET_WORKERS) tests/triton tests/cuda:"; \
+	echo "TRITON_INTERPRET=1 $(VENV)/bin/pytest -n $(INTERPRET_WORKERS) -m \"interpreter or cuda\":"; \
 	cat build/unit-interpreted.log; \
 	test $$rest -eq 0 && test $$status -eq 0
 
@@ -129,7 +132,7 @@ test-sglang: $(SGLANG_STAMP)
 	cd tests/integration_sglang && PYTHONPATH=stubs HF_HUB_OFFLINE=1 MC_LOG_LEVEL=ERROR \
 		../../$(SGLANG_VENV)/bin/python -m pytest -o addopts=-ra -p no:warnings -v .
 
-# CPU benchmarks; on a CUDA machine also run `pytest -m cuda tests/cuda` (the GPU checks) and
+# CPU benchmarks; on a CUDA machine also run `pytest -m cuda tests/kernels` (the GPU checks) and
 # $(PY) benchmarks/gpu_kernels.py (kernel bandwidth; docs/development.md, "Development").
 bench: $(STAMP)
 	$(VENV)/bin/pytest -q benchmarks --benchmark-enable --benchmark-columns=min,median,max,rounds \

@@ -7,7 +7,7 @@ One command on a CUDA machine with torch and Triton (Mooncake is not needed):
     python benchmarks/gpu_kernels.py --json    # one JSON object {"rows", ...}
 
 It only times. What it times is checked first, bit for bit on poisoned memory, by the `cuda`
-tests: `pytest -m cuda tests/cuda` (tests/cuda/test_cuda_kernels.py: every implementation
+tests: `pytest -m cuda tests/kernels` (tests/kernels/test_cuda_kernels.py: every implementation
 timed here against the torch twin for each kernel variant of the grid, and `kvxfer.reshard`
 end to end on the device; scripts/gpu_vllm_e2e.sh runs them before anything else).
 
@@ -67,7 +67,7 @@ status 130), else the exit status is 0.
 
 `--tiny` runs all of it at toy sizes. Without CUDA it needs TRITON_INTERPRET=1 (the Triton
 interpreter on CPU tensors; timed with perf_counter, the numbers mean nothing): the test suite
-runs it (tests/triton/test_gpu_benchmark_script.py) so the script cannot rot.
+runs it (tests/benchmarks/test_gpu_benchmark_script.py) so the script cannot rot.
 """
 
 from __future__ import annotations

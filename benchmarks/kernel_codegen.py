@@ -16,11 +16,11 @@ then compiled by Triton for sm_90 (Triton ships ptxas, so no GPU is needed). Eac
 - `div64`: whether the PTX divides or takes a remainder in 64 bits (a software routine).
 - `aligned`: whether the host's alignment check passed, so the 16-byte variant was chosen.
 
-`make test` runs `--json` (tests/test_kernel_codegen.py) and requires 128-bit accesses, no
+`make test` runs `--json` (tests/kernels/test_kernel_codegen.py) and requires 128-bit accesses, no
 spills and no 64-bit division on every row where `aligned` is true.
 
 `specialization_key` gives Triton's cache key for a prepared launch, computed as Triton's own
-launcher does; tests/test_kernel_variants.py uses it to show that warm-up and requests share
+launcher does; tests/kernels/test_kernel_variants.py uses it to show that warm-up and requests share
 one compiled variant.
 """
 

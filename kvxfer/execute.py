@@ -175,7 +175,7 @@ def scratch_copy(
     It compiles the variant every request of `copy`'s geometry uses: the kernel's variants
     depend on the layouts, block sizes, head counts and widths and on alignment (fresh
     buffers are aligned, as caches and staging are), never on token ranges, block ids,
-    strides or addresses (tests/test_kernel_variants.py compares Triton's keys).
+    strides or addresses (tests/kernels/test_kernel_variants.py compares Triton's keys).
     """
     scales = None if copy.scales is None else copy.scales[:1]
     one = CellCopy(

@@ -6,7 +6,7 @@
 #
 # 1. checks the prerequisites (nvidia-smi, setsid; vLLM, Mooncake's CUDA wheel and kvxfer
 #    importable by $PYTHON) and that the ports are free, then runs the GPU correctness checks
-#    (`pytest -m cuda tests/cuda`: the kernels and kvxfer.reshard, bit for bit on the GPU;
+#    (`pytest -m cuda tests/kernels`: the kernels and kvxfer.reshard, bit for bit on the GPU;
 #    they fail, not skip, when torch sees no GPU) and stops if one fails;
 # 2. starts a baseline `vllm serve` alone, collects greedy completions (temperature 0, fixed
 #    seed and max_tokens, one request at a time) of a fixed prompt set, stops it;
@@ -36,7 +36,7 @@
 #   START_TIMEOUT [900]  seconds for an engine to answer /health (a first run downloads the model)
 #   REQUEST_TIMEOUT [300]  STOP_TIMEOUT [30]  OUT_DIR [a new temporary directory]
 #   NVIDIA_SMI [nvidia-smi]
-#   CUDA_CHECKS [tests/cuda]  what `pytest -m cuda` runs first, relative to the repository ("" skips)
+#   CUDA_CHECKS [tests/kernels]  what `pytest -m cuda` runs first, relative to the repository ("" skips)
 #   PROBE_BACKENDS [FLASH_ATTN TRITON_ATTN]  backends whose own cache write scripts/backend_probe.py
 #     checks kvxfer's layout table against, before the engines start ("" skips it)
 set -euo pipefail
@@ -70,7 +70,7 @@ REQUEST_TIMEOUT="${REQUEST_TIMEOUT:-300}"
 STOP_TIMEOUT="${STOP_TIMEOUT:-30}"
 OUT_DIR="${OUT_DIR:-}"
 NVIDIA_SMI="${NVIDIA_SMI:-nvidia-smi}"
-CUDA_CHECKS="${CUDA_CHECKS-tests/cuda}"
+CUDA_CHECKS="${CUDA_CHECKS-tests/kernels}"
 PROBE_BACKENDS="${PROBE_BACKENDS-FLASH_ATTN TRITON_ATTN}"
 
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
@@ -90,7 +90,7 @@ die() { echo "gpu_vllm_e2e: $*" >&2; exit 1; }
 # --- 1. prerequisites, before anything starts ---------------------------------------------
 command -v "$NVIDIA_SMI" >/dev/null 2>&1 ||
   die "nvidia-smi not found: this check runs real vLLM engines and needs an NVIDIA GPU" \
-    "with its driver (CI machines have none; its CPU tests: tests/test_gpu_vllm_e2e_script.py)"
+    "with its driver (CI machines have none; its CPU tests: tests/scripts/test_gpu_vllm_e2e_script.py)"
 "$NVIDIA_SMI" -L >/dev/null 2>&1 ||
   die "nvidia-smi -L fails: no usable NVIDIA GPU or driver on this machine"
 command -v setsid >/dev/null 2>&1 || die "setsid not found: install util-linux"

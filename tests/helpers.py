@@ -1,8 +1,8 @@
 """What several test files share that is not part of `kvxfer.testing` (geometries, poisoned
 memory, scenarios; its `strategies` for Hypothesis): `shared_result`, a value computed once for
 a whole parallel run; `run_quick_benchmark`; `documented_moves`, the transition table a state
-module's docstring draws. tests/conftest.py puts this folder on sys.path (the Triton tests in
-tests/triton, run in their own pytest invocation, see the Makefile, import it too)."""
+module's docstring draws; `REPO`, the repository's root. tests/conftest.py puts this folder
+on sys.path for the tests in every subfolder."""
 
 from __future__ import annotations
 

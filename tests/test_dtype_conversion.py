@@ -1,7 +1,7 @@
 """KV dtype conversion through `reshard` (torch backend): a bf16 / fp16 / fp32 prefill into an
 fp8 decode and back, every strategy that can convert, against `kvxfer.reference`'s
 `converted_global_kv` (vLLM's arithmetic with the fp8 side's scales) on poisoned destinations.
-The Triton kernels run the same cases under the interpreter (tests/triton)."""
+The Triton kernels run the same cases under the interpreter (the `interpreter` tests)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from kvxfer.plan import PairPlan
     from kvxfer.spec import KVCacheSpec
 
-# The library's names, copied so that parsing imports nothing heavy; tests/test_cli.py checks
+# The library's names, copied so that parsing imports nothing heavy; tests/cli/test_cli.py checks
 # that they match kvxfer.plan.STRATEGIES, kvxfer.spec.KV_PLACEMENTS and the demo's defaults.
 STRATEGIES: tuple[str, ...] = ("direct", "pack", "unpack", "pack+unpack")
 KV_PLACEMENTS: tuple[str, ...] = ("kv_first", "blocks_first", "kv_inner")

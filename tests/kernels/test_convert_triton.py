@@ -31,6 +31,9 @@ from kvxfer.kernels.convert import (
 from kvxfer.layout import layer_shape
 from kvxfer.testing import make_scenario, side_specs
 
+# Runs the Triton kernels: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import REPO
 
 from kvxfer import allocate_kv_caches
 from kvxfer.execute import kv_buffer, scratch_copy
@@ -23,7 +23,7 @@ from kvxfer.plan import plan_pairs
 from kvxfer.plan.program import STRATEGIES, chunk_bounds, pack_copy, unpack_copy
 from kvxfer.testing import side_specs
 
-_SCRIPT = Path(__file__).parents[1] / "benchmarks" / "kernel_codegen.py"
+_SCRIPT = REPO / "benchmarks" / "kernel_codegen.py"
 _spec = importlib.util.spec_from_file_location("kernel_codegen", _SCRIPT)
 assert _spec is not None and _spec.loader is not None
 codegen = importlib.util.module_from_spec(_spec)

@@ -14,6 +14,9 @@ from state_cases import global_states, layout, pages, write_state
 from kvxfer import reshard
 from kvxfer.testing import POISON
 
+# Runs the Triton kernels: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -9,6 +9,9 @@ from kvxfer import reshard
 from kvxfer.testing import make_scenario, side_specs
 from kvxfer.testing.strategies import geometries, reshard_random_geometry
 
+# Runs the Triton kernels: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(geometries())

@@ -9,9 +9,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import REPO
 
 from kvxfer import cli
 from kvxfer.cli import main, parse_args
@@ -353,7 +353,7 @@ def test_bench_pairs_are_parsed():
 
 def cli_reference() -> str:
     """The JSON-key reference, docs/cli.md."""
-    return (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    return (REPO / "docs" / "cli.md").read_text()
 
 
 def json_keys(value: object) -> set[str]:

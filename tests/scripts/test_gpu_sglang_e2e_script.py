@@ -21,9 +21,11 @@ import textwrap
 import time
 from pathlib import Path
 
+from helpers import REPO
+
 from kvxfer.addresses import free_ports
 
-ROOT = Path(__file__).parents[1]
+ROOT = REPO
 SCRIPT = ROOT / "scripts" / "gpu_sglang_e2e.sh"
 
 # What both stand-ins serve alike: JSON replies, and /health.

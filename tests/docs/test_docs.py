@@ -102,7 +102,7 @@ def test_every_fence_names_a_known_language():
         for block in fenced_blocks(page):
             assert block.language in FENCE_LANGUAGES, (
                 f"{block.where}: fence language {block.language!r}; use one of "
-                f"{sorted(FENCE_LANGUAGES)} (```python blocks run in tests/test_docs.py)"
+                f"{sorted(FENCE_LANGUAGES)} (```python blocks run in tests/docs/test_docs.py)"
             )
 
 

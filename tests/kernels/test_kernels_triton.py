@@ -25,6 +25,9 @@ from kvxfer.reference import random_global_kv, write_rank_cells
 from kvxfer.spec import KV_PLACEMENTS
 from kvxfer.testing import POISON, bits, side_specs
 
+# Runs the Triton kernels: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 DTYPES = ["float16", "bfloat16", "float32"]
 GEOMETRIES = [
     pytest.param(layout, placement, False, id=f"{layout}-{placement}")

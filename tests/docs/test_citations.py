@@ -22,7 +22,7 @@ SCANNED_DIRS = ("kvxfer", "kernels", "tests", "benchmarks", "scripts", "docs", "
 SCANNED_FILES = ("README.md", "Makefile", "pyproject.toml", "mkdocs.yml", ".ci/run")
 SUFFIXES = {".py", ".md", ".sh", ".toml", ".yml", ".yaml", ".ipynb", ".txt", ".cfg"}
 # Files that quote citations as data rather than make them: this test's own made-up samples.
-NOT_SCANNED = {"tests/test_citations.py"}
+NOT_SCANNED = {"tests/docs/test_citations.py"}
 
 ROOTS = "kvxfer|kernels|tests|benchmarks|scripts|docs|notebooks|\\.ci"
 TOP_LEVEL = "README\\.md|DESIGN\\.md|Makefile|pyproject\\.toml|mkdocs\\.yml"
@@ -99,7 +99,7 @@ FILES = scanned_files()
 def test_the_scan_sees_code_tests_and_docs():
     names = {p.relative_to(ROOT).as_posix() for p in FILES}
     assert {"README.md", "docs/design.md", "kernels/copy_cells.py", "Makefile"} <= names
-    assert "tests/docs_markdown.py" in names and "tests/test_citations.py" not in names
+    assert "tests/docs/docs_markdown.py" in names and "tests/docs/test_citations.py" not in names
 
 
 def test_the_patterns_find_what_they_should(tmp_path):

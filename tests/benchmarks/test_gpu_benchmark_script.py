@@ -1,6 +1,6 @@
 """benchmarks/gpu_kernels.py runs end to end at toy sizes (the interpreter, or CUDA): every op
 of every geometry of its grid gets a row with each implementation's times. What it times is
-checked bit for bit by tests/cuda/test_cuda_kernels.py (`pytest -m cuda`; at toy sizes under the
+checked bit for bit by tests/kernels/test_cuda_kernels.py (`pytest -m cuda`; at toy sizes under the
 interpreter too)."""
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 from helpers import shared_result
+
+# Runs the Triton kernels: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
 
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "gpu_kernels.py"
 DEVICE_TIMINGS = {"copy", "new", "previous", "index_select", "per_block"}

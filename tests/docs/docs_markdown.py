@@ -1,8 +1,8 @@
 """Reading the repository's Markdown as the docs tests need it: fenced blocks, headings, anchors.
 
-`tests/test_docs.py` runs the ```python blocks of README.md and docs/; `tests/test_citations.py`
-checks that cited files and sections exist. Both read Markdown through these functions, so a
-block or heading means the same thing to both.
+`tests/docs/test_docs.py` runs the ```python blocks of README.md and docs/;
+`tests/docs/test_citations.py` checks that cited files and sections exist. Both read Markdown
+through these functions, so a block or heading means the same thing to both.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 # Fence info strings a page may use. Python is "python" and nothing else ("py", "pycon",

@@ -8,6 +8,9 @@ import pytest
 from kvxfer import reshard
 from kvxfer.testing import make_scenario, side_specs
 
+# Runs the Triton kernels: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 
 @pytest.mark.parametrize("strategy", ["pack", "unpack", "pack+unpack"])
 @pytest.mark.parametrize(

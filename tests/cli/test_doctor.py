@@ -12,10 +12,10 @@ import platform
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from helpers import REPO
 
 from kvxfer.cli import doctor
 from kvxfer.cli.doctor import FAIL, INFO, OK, WARN
@@ -135,7 +135,7 @@ def test_the_text_report_has_one_line_per_check_and_a_verdict(report):
 
 
 def test_the_cli_reference_documents_every_key(report):
-    section = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    section = (REPO / "docs" / "cli.md").read_text()
     keys = {"ready", "checks", "status", "summary", "fix", *NAMES}
     keys |= {k for check in report["checks"].values() for k in check}
     for key in keys:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "kernel_codegen.py"
+from helpers import REPO
+
+SCRIPT = REPO / "benchmarks" / "kernel_codegen.py"
 
 
 def test_every_aligned_configuration_compiles_to_16_byte_accesses_without_spills():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import REPO
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -137,15 +138,14 @@ def test_chunk_alignment_matches_max_chunk_tokens(strategy):
 def test_chunk_copies_compile_the_warm_up_variant():
     """A chunk's cache views start at its first block (a token shift): the shift is a runtime
     argument, so every chunk's pack and unpack reuse the variant the handshake compiled
-    (Triton's key, computed on the host as in tests/test_kernel_variants.py)."""
+    (Triton's key, computed on the host as in tests/kernels/test_kernel_variants.py)."""
     import importlib.util
     import sys
-    from pathlib import Path
 
     from kvxfer.execute import kv_buffer, scratch_copy
     from kvxfer.kernels import prepare_cell_copy
 
-    script = Path(__file__).parents[1] / "benchmarks" / "kernel_codegen.py"
+    script = REPO / "benchmarks" / "kernel_codegen.py"
     spec = importlib.util.spec_from_file_location("kernel_codegen", script)
     assert spec is not None and spec.loader is not None
     codegen = sys.modules.get("kernel_codegen") or importlib.util.module_from_spec(spec)

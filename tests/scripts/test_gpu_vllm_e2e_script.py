@@ -24,14 +24,14 @@ import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from helpers import REPO
 
 from kvxfer.addresses import free_ports
 from kvxfer.integrations.pd_proxy import make_server as make_proxy
 
-ROOT = Path(__file__).parents[1]
+ROOT = REPO
 SCRIPT = ROOT / "scripts" / "gpu_vllm_e2e.sh"
 HELPER = ROOT / "scripts" / "gpu_vllm_e2e.py"
 
@@ -579,7 +579,7 @@ def test_script_runs_baseline_then_prefill_decode_and_proxy_and_passes(tmp_path)
     # The GPU correctness checks ran first, from the repository, required to find a GPU.
     checks = json.loads((tmp_path / "pytest.json").read_text())
     assert checks["argv"][checks["argv"].index("-m") + 1] == "cuda"
-    assert checks["argv"][-1] == "tests/cuda" and checks["cwd"] == str(ROOT)
+    assert checks["argv"][-1] == "tests/kernels" and checks["cwd"] == str(ROOT)
     assert checks["require_cuda"] == "1"
     assert done.stdout.index("GPU correctness checks") < done.stdout.index("baseline engine")
     assert "126 passed" in done.stdout
