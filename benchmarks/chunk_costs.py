@@ -43,7 +43,7 @@ from kvxfer.cli.bench import BenchConfig, _side, _table
 from kvxfer.connector import KVConsumer, KVProducer
 from kvxfer.plan import CostModel
 from kvxfer.plan.cost import choose_chunking
-from kvxfer.plan.program import max_chunk_tokens
+from kvxfer.plan.sizing import max_chunk_tokens
 from kvxfer.spec import allocate_kv_caches
 
 

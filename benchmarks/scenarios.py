@@ -11,7 +11,8 @@ import torch
 
 from kvxfer import KVCacheSpec, allocate_kv_caches
 from kvxfer.plan import build_program
-from kvxfer.plan.program import chunk_bounds, max_chunk_tokens, pack_copy
+from kvxfer.plan.program import pack_copy
+from kvxfer.plan.sizing import chunk_bounds, max_chunk_tokens
 from kvxfer.reference import random_global_kv, write_rank_cells
 
 

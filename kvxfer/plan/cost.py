@@ -30,9 +30,9 @@ from kvxfer.plan.program import (
     ProgramShape,
     Strategy,
     count_program_segments,
-    preferred_chunk_unit,
     program_shape,
 )
+from kvxfer.plan.sizing import preferred_chunk_unit
 from kvxfer.spec import KVCacheSpec
 
 

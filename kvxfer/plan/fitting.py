@@ -17,7 +17,7 @@ from typing import NamedTuple
 from kvxfer.plan.cost import Chunking, CostModel, choose_chunking, choose_stream_layers
 from kvxfer.plan.heads import HeadRoute
 from kvxfer.plan.pairs import PairPlan, by_preference
-from kvxfer.plan.program import chunk_alignment, chunk_bounds, max_chunk_tokens
+from kvxfer.plan.sizing import chunk_alignment, chunk_bounds, max_chunk_tokens
 from kvxfer.spec import KVCacheSpec
 
 

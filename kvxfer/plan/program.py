@@ -10,6 +10,10 @@ local cell copy on the destination"; they differ only in the buffers the segment
 | unpack      | -                            | cache -> mirror of src  | scatter from the mirror  |
 | pack+unpack | gather into the wire layout  | wire -> wire (one run)  | scatter from the wire    |
 
+`TRAITS` holds this table as values (`StrategyTraits`): what each strategy's segments leave from
+and arrive in, and which side converts; every rule about a strategy (its staging views, the
+strategies a pair allows, `sizing.py`'s chunk sizes) reads it rather than naming strategies.
+
 Between two KV dtypes (`check_dtypes`) the bytes change on the way, so `direct` is out; the
 conversion runs in a cell copy: `pack` converts on the source (its mirror holds the
 destination's dtype), `unpack` on the destination (its mirror holds the source's), and
@@ -34,7 +38,6 @@ itself once the transfer is complete and confirmed (docs/connectors.md, "No late
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from math import lcm
 from typing import Literal, cast
 
 import numpy as np
@@ -69,9 +72,57 @@ def check_strategy(name: str) -> Strategy:
     return cast(Strategy, name)
 
 
+Buffer = Literal["cache", "mirror_of_source", "mirror_of_destination", "wire"]
+
+
+@dataclass(frozen=True)
+class StrategyTraits:
+    """A strategy as values: the buffers its segments join (the module docstring's first
+    table) and the side that converts between two dtypes.
+
+    Attributes:
+        send_from: what the segments leave from on the source: its cache, a mirror of the
+            destination's blocks (gathered into), or the wire buffer.
+        send_to: what they arrive in on the destination, outside landing programs: its cache,
+            a mirror of the source's blocks (scattered from), or the wire buffer. A landing
+            program lands "cache" in a mirror of the destination's blocks instead.
+        converts_on: "source", "destination", or "narrower": the side whose dtype is the
+            narrower one carries the wire (`conversion_side`).
+    """
+
+    send_from: Buffer
+    send_to: Buffer
+    converts_on: Literal["source", "destination", "narrower"]
+
+
+TRAITS: dict[Strategy, StrategyTraits] = {
+    "direct": StrategyTraits("cache", "cache", "destination"),
+    "pack": StrategyTraits("mirror_of_destination", "cache", "source"),
+    "unpack": StrategyTraits("cache", "mirror_of_source", "destination"),
+    "pack+unpack": StrategyTraits("wire", "wire", "narrower"),
+}
+"""Every strategy's traits: the one place that says what a strategy does."""
+
 # The strategies whose byte segments address the source's or the destination's cache itself.
-_SEGMENTS_FROM_SOURCE_CACHE: frozenset[Strategy] = frozenset({"direct", "unpack"})
-_SEGMENTS_INTO_DESTINATION_CACHE: frozenset[Strategy] = frozenset({"direct", "pack"})
+_SEGMENTS_FROM_SOURCE_CACHE = frozenset(s for s, t in TRAITS.items() if t.send_from == "cache")
+_SEGMENTS_INTO_DESTINATION_CACHE = frozenset(s for s, t in TRAITS.items() if t.send_to == "cache")
+
+
+def landed_in(strategy: Strategy, landing: bool) -> Buffer:
+    """What `strategy`'s segments arrive in on the destination: a landing program lands what
+    would go into the cache in a mirror of the destination's blocks."""
+    send_to = TRAITS[strategy].send_to
+    return "mirror_of_destination" if landing and send_to == "cache" else send_to
+
+
+def staged_block_size(buffer: Buffer, src: KVCacheSpec, dst: KVCacheSpec) -> int:
+    """The tokens a chunk's staging of `buffer` holds whole: a mirror holds whole blocks of the
+    side it mirrors, the wire buffer one row per token (1); the cache stages nothing (1)."""
+    if buffer == "mirror_of_source":
+        return src.block_size
+    if buffer == "mirror_of_destination":
+        return dst.block_size
+    return 1
 
 
 def strategies_for(src_spec: KVCacheSpec, dst_spec: KVCacheSpec) -> tuple[Strategy, ...]:
@@ -88,9 +139,9 @@ def strategies_for(src_spec: KVCacheSpec, dst_spec: KVCacheSpec) -> tuple[Strate
     """
     excluded: set[Strategy] = set()
     if src_spec.dtype != dst_spec.dtype:
-        excluded.add("direct")
+        excluded |= _SEGMENTS_FROM_SOURCE_CACHE & _SEGMENTS_INTO_DESTINATION_CACHE  # no copy
         if dst_spec.fp8_rounding != "nearest_even":  # converts on its own side only
-            excluded.add("pack")
+            excluded |= {s for s, t in TRAITS.items() if t.converts_on == "source"}
     if _cpu_placement(src_spec):
         excluded |= _SEGMENTS_FROM_SOURCE_CACHE
     if _cpu_placement(dst_spec):
@@ -138,12 +189,11 @@ def conversion_side(
     on its own side, with the torch backend."""
     if src.dtype == dst.dtype:
         return None
-    if strategy == "pack":
-        return "source"
+    converts_on = TRAITS[strategy].converts_on
+    if converts_on != "narrower":
+        return converts_on
     narrower = dst.itemsize < src.itemsize
-    if strategy == "pack+unpack" and narrower and dst.fp8_rounding == "nearest_even":
-        return "source"
-    return "destination"
+    return "source" if narrower and dst.fp8_rounding == "nearest_even" else "destination"
 
 
 def _cpu_placement(spec: KVCacheSpec) -> bool:
@@ -234,16 +284,20 @@ def _staging_views(
     are then planned without enumerating cells (`segments.staging_copy_template`).
     """
     n, t0, t1 = num_heads, token_start, token_end
-    if strategy == "pack":
-        mirror = staging_mirror(dst_geometry, n, t0, t1)
-        return mirror, mirror if landing else None
-    if strategy == "unpack":
-        return None, staging_mirror(src_geometry, n, t0, t1)
-    if strategy == "pack+unpack":  # in the dtype of the side that does not convert
-        source_converts = conversion_side(strategy, src_geometry, dst_geometry) == "source"
-        wire = wire_buffer(dst_geometry if source_converts else src_geometry, n, t0, t1)
-        return wire, wire
-    return None, staging_mirror(dst_geometry, n, t0, t1) if landing else None
+
+    def view(buffer: Buffer) -> PagedView | None:
+        if buffer == "mirror_of_destination":
+            return staging_mirror(dst_geometry, n, t0, t1)
+        if buffer == "mirror_of_source":
+            return staging_mirror(src_geometry, n, t0, t1)
+        if buffer == "wire":  # in the dtype of the side that does not convert
+            source_converts = conversion_side(strategy, src_geometry, dst_geometry) == "source"
+            return wire_buffer(dst_geometry if source_converts else src_geometry, n, t0, t1)
+        return None  # the cache
+
+    send_from, lands_in = TRAITS[strategy].send_from, landed_in(strategy, landing)
+    source = view(send_from)
+    return source, source if lands_in == send_from else view(lands_in)
 
 
 def program_shape(
@@ -414,79 +468,6 @@ def count_program_segments(
     """Segments a program shape would list over `num_layers` layers, without listing them."""
     template = shape_template(shape, route, start, end)
     return count_segments(template, shape.send_from, shape.send_to, num_layers)
-
-
-def max_chunk_tokens(
-    strategy: Strategy,
-    route: HeadRoute,
-    src_spec: KVCacheSpec,
-    dst_spec: KVCacheSpec,
-    src_slot_bytes: int,
-    dst_slot_bytes: int,
-    landing: bool = False,
-) -> int | None:
-    """The most tokens one chunk may carry so that its staging fits each side's slot; None
-    when the strategy uses no staging (never with `landing`).
-
-    Chunks must end at multiples of the returned size (`chunk_bounds`): a mirror of blocks of
-    `bs` tokens holds whole blocks, so the size is a multiple of `bs` and an aligned chunk
-    touches no more blocks than it has tokens' worth. A wire buffer needs one row per token.
-    """
-    planes = 1 if src_spec.mla else 2
-    layers, _, _ = route.layer_span(src_spec, dst_spec)
-    itemsize = max(src_spec.itemsize, dst_spec.itemsize)  # staging of either dtype fits
-    row = layers * planes * route.num_heads * src_spec.head_dim * itemsize
-    limits = []
-    if strategy == "pack+unpack":
-        limits.append(min(src_slot_bytes, dst_slot_bytes) // row)
-    elif strategy == "pack":  # both mirrors (the destination's only when landing) are of dst
-        slot = min(src_slot_bytes, dst_slot_bytes) if landing else src_slot_bytes
-        limits.append(_whole_blocks(slot // row, dst_spec.block_size))
-    elif strategy == "unpack":
-        limits.append(_whole_blocks(dst_slot_bytes // row, src_spec.block_size))
-    elif landing:  # direct, landing in a mirror of the destination's blocks
-        limits.append(_whole_blocks(dst_slot_bytes // row, dst_spec.block_size))
-    return min(limits) if limits else None
-
-
-def chunk_bounds(start: int, end: int, chunk_tokens: int) -> list[tuple[int, int]]:
-    """Cut tokens `[start, end)` into chunks that end at multiples of `chunk_tokens` (the first
-    may be shorter), as `max_chunk_tokens` requires."""
-    bounds, lo = [], start
-    while lo < end:
-        hi = min(end, (lo // chunk_tokens + 1) * chunk_tokens)
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
-
-
-def _whole_blocks(rows: int, block_size: int) -> int:
-    return rows // block_size * block_size
-
-
-def chunk_alignment(
-    strategy: Strategy, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, landing: bool = False
-) -> int:
-    """The multiple of tokens a chunk size must be for `strategy`'s staging to hold whole
-    blocks (see `max_chunk_tokens`, whose sizes are such multiples): the destination's block
-    size for a (landing) mirror of its blocks, the source's for unpack, 1 for the wire buffer."""
-    if strategy == "unpack":
-        return src_spec.block_size
-    if strategy == "pack" or (strategy == "direct" and landing):
-        return dst_spec.block_size
-    return 1
-
-
-def preferred_chunk_unit(
-    strategy: Strategy, src_spec: KVCacheSpec, dst_spec: KVCacheSpec, max_tokens: int
-) -> int:
-    """The step of chunk sizes worth trying: a whole number of blocks on both sides when a
-    chunk of that many tokens fits (then no block is shared by two chunks, so a failed chunk
-    lists no neighbour's blocks), else the alignment the strategy needs."""
-    both = lcm(src_spec.block_size, dst_spec.block_size)
-    if both <= max_tokens:
-        return both
-    return chunk_alignment(strategy, src_spec, dst_spec, landing=True)
 
 
 def chunk_blocks(

@@ -17,7 +17,8 @@ from kvxfer.connector import KVConsumer, KVProducer
 from kvxfer.connector.messages import ChunkReady, RegionInfo
 from kvxfer.plan import CostModel, plan_pairs
 from kvxfer.plan.cost import Chunking, choose_chunking
-from kvxfer.plan.program import chunk_blocks, chunk_bounds, max_chunk_tokens
+from kvxfer.plan.program import chunk_blocks
+from kvxfer.plan.sizing import chunk_bounds, max_chunk_tokens
 from kvxfer.testing import make_scenario, side_specs
 
 STAGING = {"staging_bytes": 1 << 16, "staging_slots": 4}  # 16 KiB slots: 64 tokens of wire

@@ -19,7 +19,7 @@ import kvxfer.connector.producer.packing as producer_mod
 import kvxfer.connector.streams as streams_mod
 from kvxfer.connector import KVConsumer, KVProducer
 from kvxfer.connector.streams import CudaCopyStream, InlineCopyStream, copy_stream_for
-from kvxfer.plan.program import chunk_bounds
+from kvxfer.plan.sizing import chunk_bounds
 from kvxfer.testing import make_scenario, side_specs
 
 NUM_TOKENS = 512

@@ -10,8 +10,9 @@ import pytest
 from kvxfer.plan import CostModel, plan_pairs
 from kvxfer.plan.cost import choose_chunking
 from kvxfer.plan.fitting import fit_pair
-from kvxfer.plan.program import build_program, chunk_blocks, chunk_program, max_chunk_tokens
+from kvxfer.plan.program import build_program, chunk_blocks, chunk_program
 from kvxfer.plan.reads import chunk_read_program, chunk_source_blocks, reads_from_staging
+from kvxfer.plan.sizing import max_chunk_tokens
 from kvxfer.testing import side_specs
 
 (SRC,) = side_specs(1, heads=4, block_size=16, num_blocks=40)

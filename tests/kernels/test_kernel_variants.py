@@ -20,7 +20,8 @@ from kvxfer import allocate_kv_caches
 from kvxfer.execute import kv_buffer, scratch_copy
 from kvxfer.kernels import KVBuffer, prepare_cell_copy, wire_kv_buffer
 from kvxfer.plan import plan_pairs
-from kvxfer.plan.program import STRATEGIES, chunk_bounds, pack_copy, unpack_copy
+from kvxfer.plan.program import STRATEGIES, pack_copy, unpack_copy
+from kvxfer.plan.sizing import chunk_bounds
 from kvxfer.testing import side_specs
 
 _SCRIPT = REPO / "benchmarks" / "kernel_codegen.py"

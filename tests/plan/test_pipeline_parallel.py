@@ -23,7 +23,8 @@ from kvxfer.plan import (
     route_pair,
 )
 from kvxfer.plan.heads import heads_of_rank
-from kvxfer.plan.program import max_chunk_tokens, pack_copy, unpack_copy
+from kvxfer.plan.program import pack_copy, unpack_copy
+from kvxfer.plan.sizing import max_chunk_tokens
 from kvxfer.reference import random_global_kv, rank_heads, rank_layers, write_rank_cells
 from kvxfer.spec import pp_layer_ranges
 from kvxfer.testing import make_scenario, side_specs

@@ -234,7 +234,7 @@ def test_landing_chunks_fit_both_staging_slots_wherever_the_fetch_starts(
 ):
     """Chunks cut by `chunk_bounds` at `max_chunk_tokens` never need more staging than a slot,
     on either side, and together cover the token range exactly once."""
-    from kvxfer.plan.program import chunk_bounds, max_chunk_tokens
+    from kvxfer.plan.sizing import chunk_bounds, max_chunk_tokens
 
     (s,) = side_specs(1, heads=4, block_size=src_bs, num_blocks=64)
     (d,) = side_specs(1, heads=4, block_size=dst_bs, num_blocks=64)

@@ -14,7 +14,7 @@ import pytest
 
 from kvxfer.plan import STRATEGIES, CostModel, plan_pairs
 from kvxfer.plan.cost import choose_chunking, chunk_cost
-from kvxfer.plan.program import chunk_alignment, max_chunk_tokens
+from kvxfer.plan.sizing import chunk_alignment, max_chunk_tokens
 from kvxfer.testing import side_specs
 
 

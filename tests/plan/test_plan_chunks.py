@@ -17,17 +17,15 @@ from kvxfer.plan import STRATEGIES, plan_pairs
 from kvxfer.plan.program import (
     CellCopy,
     build_program,
-    chunk_alignment,
     chunk_block_count,
     chunk_blocks,
-    chunk_bounds,
     chunk_pack_copy,
     chunk_program,
     chunk_unpack_copy,
-    max_chunk_tokens,
     pack_copy,
     unpack_copy,
 )
+from kvxfer.plan.sizing import chunk_alignment, chunk_bounds, max_chunk_tokens
 from kvxfer.spec import allocate_kv_caches
 from kvxfer.testing import POISON, bits, side_specs
 from kvxfer.testing.strategies import geometry_specs, pp_geometries
