@@ -51,7 +51,7 @@ def constants() -> dict[str, float]:
     """Per-descriptor, per-byte and per-pass costs (see the module docstring)."""
     from kvxfer.execute import run_cell_copy
     from kvxfer.plan import Segments, plan_pairs
-    from kvxfer.plan.program import chunk_blocks, chunk_pack_copy, chunk_unpack_copy
+    from kvxfer.plan.program import PairChunk
     from kvxfer.transport import Peer
     from kvxfer.transport.mooncake import MooncakeTransport
 
@@ -85,12 +85,9 @@ def constants() -> dict[str, float]:
         t.view(torch.int16).random_()
     src_ids, dst_ids = _table(s, cfg.tokens, 1), _table(d, cfg.tokens, 2)
     t0, t1 = 0, cfg.tokens
-    pack = chunk_pack_copy(
-        "pack+unpack", plan.route, s, d, chunk_blocks(src_ids, 16, t0, t1), t0, t1
-    )
-    unpack = chunk_unpack_copy(
-        "pack+unpack", plan.route, s, d, chunk_blocks(dst_ids, 32, t0, t1), t0, t1, True
-    )
+    chunk = PairChunk(plan.route, "pack+unpack", s, d, t0, t1, landing=True)
+    pack = chunk.pack(chunk.source_blocks(src_ids))
+    unpack = chunk.unpack(chunk.destination_blocks(dst_ids))
     assert pack is not None and unpack is not None
     wire = torch.empty(cfg.layers * pack.dst.geometry.layer_elements, dtype=src_caches[0].dtype)
     nbytes = wire.numel() * wire.element_size()

@@ -11,7 +11,7 @@ import torch
 
 from kvxfer import KVCacheSpec, allocate_kv_caches
 from kvxfer.plan import build_program
-from kvxfer.plan.program import pack_copy
+from kvxfer.plan.program import PairChunk
 from kvxfer.plan.sizing import chunk_bounds, max_chunk_tokens
 from kvxfer.reference import random_global_kv, write_rank_cells
 
@@ -86,38 +86,28 @@ def plan_request(src, dst, pairs, num_tokens, src_ids, dst_ids, landing=False):
 
 
 def connector_request(src, dst, pairs, num_tokens, src_ids, dst_ids):
-    """The whole-table planning of one request sent in one chunk: the producer's pack
-    (`pack_copy`) and the consumer's landing program, for every pair. (The connectors now plan
-    per chunk from views that start at the chunk's first block: `benchmarks/chunk_planning.py`
-    measures that.)"""
+    """The planning of one request sent in one chunk, as the connectors plan it: the producer's
+    pack and the consumer's landing program, for every pair."""
     return connector_chunks(src, dst, pairs, num_tokens, src_ids, dst_ids, None)
 
 
 def connector_chunks(src, dst, pairs, num_tokens, src_ids, dst_ids, slot_bytes):
-    """Whole-table planning of one request cut into the chunks that fit `slot_bytes` on both
-    sides (None: one chunk): the planning the connectors did before they planned each chunk
-    from its own blocks (kept as the comparison point of `benchmarks/test_bench_plan.py`)."""
+    """The planning of one request cut into the chunks that fit `slot_bytes` on both sides
+    (None: one chunk), as the connectors plan it: each chunk from its own blocks
+    (`PairChunk`), the producer's pack and the consumer's landing program."""
     programs = []
     for p in pairs:
         s, d = src[p.src_rank], dst[p.dst_rank]
-        chunk = num_tokens
+        chunk_tokens = num_tokens
         if slot_bytes is not None:
             fits = max_chunk_tokens(p.strategy, p.route, s, d, slot_bytes, slot_bytes, True)
-            chunk = fits or num_tokens
-        for lo, hi in chunk_bounds(0, num_tokens, chunk):
-            pack_copy(p.strategy, p.route, s, d, src_ids[p.src_rank], lo, hi)
+            chunk_tokens = fits or num_tokens
+        for lo, hi in chunk_bounds(0, num_tokens, chunk_tokens):
+            chunk = PairChunk(p.route, p.strategy, s, d, lo, hi, landing=True)
+            src_blocks = chunk.source_blocks(src_ids[p.src_rank])
+            chunk.pack(src_blocks)
             programs.append(
-                build_program(
-                    p.route,
-                    p.strategy,
-                    s,
-                    d,
-                    src_ids[p.src_rank],
-                    dst_ids[p.dst_rank],
-                    lo,
-                    hi,
-                    landing=True,
-                )
+                chunk.program(src_blocks, chunk.destination_blocks(dst_ids[p.dst_rank]))
             )
     return programs
 

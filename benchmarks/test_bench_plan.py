@@ -44,7 +44,7 @@ def test_plan_request(benchmark, num_tokens, ranks):
 @pytest.mark.parametrize("num_tokens", TOKENS, ids=lambda t: f"{t}tok")
 def test_plan_connector_request(benchmark, num_tokens):
     """What a producer and a consumer plan for one request in one chunk (landing programs):
-    `pack_copy` on the producer, `build_program(landing=True)` on the consumer."""
+    `PairChunk.pack` on the producer, `PairChunk.program` on the consumer."""
     benchmark.group = "connector request, one chunk: TP 8->8, bs16 NHD -> bs64 HND, landing"
     src, dst, src_ids, dst_ids = _engines(8, num_tokens)
     pairs = plan_pairs(src, dst, reference_tokens=num_tokens, landing=True)

@@ -27,10 +27,10 @@ from kvxfer.plan.heads import HeadRoute
 from kvxfer.plan.paged import moved_bytes
 from kvxfer.plan.program import (
     CellCopy,
+    PairChunk,
     ProgramShape,
     Strategy,
     count_program_segments,
-    program_shape,
 )
 from kvxfer.plan.sizing import preferred_chunk_unit
 from kvxfer.spec import KVCacheSpec
@@ -147,9 +147,8 @@ def estimate_strategies(
     layers, _, _ = route.layer_span(src_spec, dst_spec)
     estimates = []
     for strategy in strategies:
-        shape = program_shape(
-            strategy, route, src_spec, dst_spec, src_ids, dst_ids, 0, tokens, landing
-        )
+        chunk = PairChunk(route, strategy, src_spec, dst_spec, 0, tokens, landing)
+        shape = chunk.shape(src_ids, dst_ids)
         nbytes = wire_bytes(shape, route, tokens)
         ops = count_program_segments(shape, route, 0, tokens, layers)
         passes = sum(_copy_passes(shape, model))
@@ -226,7 +225,8 @@ def chunk_cost(
     dst_ids = reference_block_ids(tokens, dst_spec.block_size, model.contiguous_blocks)
     src_spec = msgspec.structs.replace(src_spec, num_blocks=int(src_ids[-1]) + 1)
     dst_spec = msgspec.structs.replace(dst_spec, num_blocks=int(dst_ids[-1]) + 1)
-    shape = program_shape(strategy, route, src_spec, dst_spec, src_ids, dst_ids, 0, tokens, landing)
+    chunk = PairChunk(route, strategy, src_spec, dst_spec, 0, tokens, landing)
+    shape = chunk.shape(src_ids, dst_ids)
     layers = shape.num_layers
     ops = count_program_segments(shape, route, 0, tokens, layers)
     nbytes = wire_bytes(shape, route, tokens)

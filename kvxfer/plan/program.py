@@ -300,87 +300,101 @@ def _staging_views(
     return source, source if lands_in == send_from else view(lands_in)
 
 
-def program_shape(
-    strategy: Strategy,
-    route: HeadRoute,
-    src_spec: KVCacheSpec,
-    dst_spec: KVCacheSpec,
-    src_block_ids: np.ndarray,
-    dst_block_ids: np.ndarray,
-    token_start: int,
-    token_end: int,
-    landing: bool = False,
-) -> ProgramShape:
-    """Lay out the buffers of `strategy` for one pair and token range (`landing`: a
-    connector's program, see the module docstring)."""
-    n, t0, t1 = route.num_heads, token_start, token_end
-    layers, src_layer, dst_layer = route.layer_span(src_spec, dst_spec)
-    src_cache = cache_view(src_spec, src_block_ids, route.src_head_offset, src_layer)
-    dst_cache = cache_view(dst_spec, dst_block_ids, route.dst_head_offset, dst_layer)
-    src_staging, dst_staging = _staging_views(
-        strategy, src_cache.geometry, dst_cache.geometry, n, t0, t1, landing
-    )
-    specs = (src_spec, dst_spec)
-    pack = _cell_copy(src_cache, src_staging, route, specs, t0, t1) if src_staging else None
-    unpack = _cell_copy(dst_staging, dst_cache, route, specs, t0, t1) if dst_staging else None
-    send_from, send_to = src_staging or src_cache, dst_staging or dst_cache
-    return ProgramShape(strategy, send_from, send_to, pack, unpack, layers)
+@dataclass(frozen=True)
+class PairChunk:
+    """One rank pair's tokens `[token_start, token_end)` under one strategy: what every program
+    and cell copy of the pair is built from. A whole request is the chunk of all its tokens.
+
+    Its methods take the chunk's blocks on each side: the block ids from the one holding
+    `token_start` to the one holding the last token (`source_blocks` and `destination_blocks`
+    cut them from a whole table, a view), so their work and memory are O(the chunk), never
+    O(the request). `landing`: a connector's program (the module docstring).
+    """
+
+    route: HeadRoute
+    strategy: Strategy
+    src_spec: KVCacheSpec
+    dst_spec: KVCacheSpec
+    token_start: int
+    token_end: int
+    landing: bool = False
+
+    def source_blocks(self, table: np.ndarray) -> np.ndarray:
+        """The chunk's part of the source's whole block table (a view)."""
+        return chunk_blocks(table, self.src_spec.block_size, self.token_start, self.token_end)
+
+    def destination_blocks(self, table: np.ndarray) -> np.ndarray:
+        """The chunk's part of the destination's whole block table (a view)."""
+        return chunk_blocks(table, self.dst_spec.block_size, self.token_start, self.token_end)
+
+    def shape(self, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> ProgramShape:
+        """The strategy's buffers for the chunk, before segments are listed."""
+        src_cache, dst_cache = self._source_cache(src_blocks), self._destination_cache(dst_blocks)
+        src_staging, dst_staging = self._staging(src_cache.geometry, dst_cache.geometry)
+        pack = self._copy(src_cache, src_staging) if src_staging else None
+        unpack = self._copy(dst_staging, dst_cache) if dst_staging else None
+        send_from, send_to = src_staging or src_cache, dst_staging or dst_cache
+        layers, _, _ = self.route.layer_span(self.src_spec, self.dst_spec)
+        return ProgramShape(self.strategy, send_from, send_to, pack, unpack, layers)
+
+    def program(self, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> TransferProgram:
+        """The chunk's transfer program: pack, byte segments, unpack."""
+        shape = self.shape(src_blocks, dst_blocks)
+        t0, t1 = self.token_start, self.token_end
+        template = layer_template(shape.send_from, shape.send_to, self.route.num_heads, t0, t1)
+        return TransferProgram(
+            route=self.route,
+            strategy=self.strategy,
+            token_start=t0,
+            token_end=t1,
+            num_layers=shape.num_layers,
+            pack=shape.pack,
+            segments=expand_layers(template, shape.send_from, shape.send_to, shape.num_layers),
+            unpack=shape.unpack,
+            src_staging=shape.src_staging,
+            dst_staging=shape.dst_staging,
+        )
+
+    def pack(self, src_blocks: np.ndarray) -> CellCopy | None:
+        """The source's part alone (what a producer runs into its staging before a consumer
+        reads the chunk), or None when the strategy sends from the cache."""
+        src_cache = self._source_cache(src_blocks)
+        src_staging, _ = self._staging(src_cache.geometry, BlockGeometry.of_spec(self.dst_spec))
+        return None if src_staging is None else self._copy(src_cache, src_staging)
+
+    def unpack(self, dst_blocks: np.ndarray) -> CellCopy | None:
+        """The destination's part alone (what a consumer runs once the chunk landed in its
+        staging), or None when the strategy writes the cache directly."""
+        dst_cache = self._destination_cache(dst_blocks)
+        _, dst_staging = self._staging(BlockGeometry.of_spec(self.src_spec), dst_cache.geometry)
+        return None if dst_staging is None else self._copy(dst_staging, dst_cache)
+
+    def _source_cache(self, blocks: np.ndarray) -> PagedView:
+        _, layer, _ = self.route.layer_span(self.src_spec, self.dst_spec)
+        view = cache_view(self.src_spec, blocks, self.route.src_head_offset, layer)
+        return _from_chunk_start(view, self.token_start)
+
+    def _destination_cache(self, blocks: np.ndarray) -> PagedView:
+        _, _, layer = self.route.layer_span(self.src_spec, self.dst_spec)
+        view = cache_view(self.dst_spec, blocks, self.route.dst_head_offset, layer)
+        return _from_chunk_start(view, self.token_start)
+
+    def _staging(
+        self, src: BlockGeometry, dst: BlockGeometry
+    ) -> tuple[PagedView | None, PagedView | None]:
+        n, t0, t1 = self.route.num_heads, self.token_start, self.token_end
+        return _staging_views(self.strategy, src, dst, n, t0, t1, self.landing)
+
+    def _copy(self, src: PagedView, dst: PagedView) -> CellCopy:
+        specs = (self.src_spec, self.dst_spec)
+        return _cell_copy(src, dst, self.route, specs, self.token_start, self.token_end)
 
 
-def unpack_copy(
-    strategy: Strategy,
-    route: HeadRoute,
-    src_spec: KVCacheSpec,
-    dst_spec: KVCacheSpec,
-    dst_block_ids: np.ndarray,
-    token_start: int,
-    token_end: int,
-    landing: bool = False,
-) -> CellCopy | None:
-    """The destination's part of a program alone (what a consumer runs once a chunk landed
-    in its staging), or None when the strategy writes the cache directly."""
-    _, dst_staging = _staging_views(
-        strategy,
-        BlockGeometry.of_spec(src_spec),
-        BlockGeometry.of_spec(dst_spec),
-        route.num_heads,
-        token_start,
-        token_end,
-        landing,
-    )
-    if dst_staging is None:
-        return None
-    _, _, dst_layer = route.layer_span(src_spec, dst_spec)
-    dst_cache = cache_view(dst_spec, dst_block_ids, route.dst_head_offset, dst_layer)
-    specs = (src_spec, dst_spec)
-    return _cell_copy(dst_staging, dst_cache, route, specs, token_start, token_end)
-
-
-def pack_copy(
-    strategy: Strategy,
-    route: HeadRoute,
-    src_spec: KVCacheSpec,
-    dst_spec: KVCacheSpec,
-    src_block_ids: np.ndarray,
-    token_start: int,
-    token_end: int,
-) -> CellCopy | None:
-    """The source's part of a program alone (what a producer runs into its staging before a
-    consumer reads the chunk), or None when the strategy sends from the cache."""
-    src_staging, _ = _staging_views(
-        strategy,
-        BlockGeometry.of_spec(src_spec),
-        BlockGeometry.of_spec(dst_spec),
-        route.num_heads,
-        token_start,
-        token_end,
-    )
-    if src_staging is None:
-        return None
-    _, src_layer, _ = route.layer_span(src_spec, dst_spec)
-    src_cache = cache_view(src_spec, src_block_ids, route.src_head_offset, src_layer)
-    specs = (src_spec, dst_spec)
-    return _cell_copy(src_cache, src_staging, route, specs, token_start, token_end)
+def _from_chunk_start(view: PagedView, token_start: int) -> PagedView:
+    """A cache view over the chunk's blocks alone: its block table starts at the block holding
+    `token_start` (the token shift of that block's first token)."""
+    bs = view.geometry.block_size
+    return replace(view, token_shift=token_start // bs * bs)
 
 
 def _cell_copy(
@@ -421,7 +435,8 @@ def build_program(
     token_end: int,
     landing: bool = False,
 ) -> TransferProgram:
-    """The transfer program of one pair for tokens `[token_start, token_end)`.
+    """The transfer program of one pair for tokens `[token_start, token_end)` of a request:
+    the `PairChunk` of those tokens, over the request's whole block tables.
 
     Args:
         route: the heads and layers this pair moves.
@@ -434,31 +449,9 @@ def build_program(
         token_end: one past the last token to move.
         landing: a connector's program: every strategy lands in the destination's staging.
     """
-    shape = program_shape(
-        strategy,
-        route,
-        src_spec,
-        dst_spec,
-        src_block_ids,
-        dst_block_ids,
-        token_start,
-        token_end,
-        landing,
-    )
-    layers = shape.num_layers
-    template = shape_template(shape, route, token_start, token_end)
-    segments = expand_layers(template, shape.send_from, shape.send_to, layers)
-    return TransferProgram(
-        route=route,
-        strategy=strategy,
-        token_start=token_start,
-        token_end=token_end,
-        num_layers=layers,
-        pack=shape.pack,
-        segments=segments,
-        unpack=shape.unpack,
-        src_staging=shape.src_staging,
-        dst_staging=shape.dst_staging,
+    chunk = PairChunk(route, strategy, src_spec, dst_spec, token_start, token_end, landing)
+    return chunk.program(
+        chunk.source_blocks(src_block_ids), chunk.destination_blocks(dst_block_ids)
     )
 
 
@@ -475,106 +468,10 @@ def chunk_blocks(
 ) -> np.ndarray:
     """The part of a block table that holds tokens `[token_start, token_end)`: the ids from
     block `token_start // block_size` to the one holding the last token (a view, O(1)). A
-    chunk's programs need no more of a request's table (`chunk_program`)."""
+    chunk's programs need no more of a request's table (`PairChunk`)."""
     return block_ids[token_start // block_size : (token_end - 1) // block_size + 1]
 
 
 def chunk_block_count(block_size: int, token_start: int, token_end: int) -> int:
     """How many blocks of `block_size` tokens hold tokens `[token_start, token_end)`."""
     return (token_end - 1) // block_size - token_start // block_size + 1
-
-
-def _chunk_cache(view: PagedView | None, token_start: int) -> PagedView | None:
-    """A cache view whose block table starts at the block holding `token_start` (the token
-    shift of that block's first token): the view of a chunk's blocks alone. Staging views are
-    unchanged."""
-    if view is None or view.region != "cache":
-        return view
-    bs = view.geometry.block_size
-    return replace(view, token_shift=token_start // bs * bs)
-
-
-def _chunk_copy(copy: CellCopy | None, token_start: int) -> CellCopy | None:
-    if copy is None:
-        return None
-    src, dst = _chunk_cache(copy.src, token_start), _chunk_cache(copy.dst, token_start)
-    assert src is not None and dst is not None
-    return replace(copy, src=src, dst=dst)
-
-
-def chunk_program(
-    route: HeadRoute,
-    strategy: Strategy,
-    src_spec: KVCacheSpec,
-    dst_spec: KVCacheSpec,
-    src_chunk_ids: np.ndarray,
-    dst_chunk_ids: np.ndarray,
-    token_start: int,
-    token_end: int,
-    landing: bool = False,
-) -> TransferProgram:
-    """`build_program` for one chunk from each side's blocks of that chunk only
-    (`chunk_blocks`): the same segments and copies, with cache views whose block tables start
-    at the chunk's first block. Work and memory are O(the chunk), never O(the request).
-    """
-    shape = program_shape(
-        strategy,
-        route,
-        src_spec,
-        dst_spec,
-        src_chunk_ids,
-        dst_chunk_ids,
-        token_start,
-        token_end,
-        landing,
-    )
-    send_from = _chunk_cache(shape.send_from, token_start)
-    send_to = _chunk_cache(shape.send_to, token_start)
-    assert send_from is not None and send_to is not None
-    layers = shape.num_layers
-    template = layer_template(send_from, send_to, route.num_heads, token_start, token_end)
-    return TransferProgram(
-        route=route,
-        strategy=strategy,
-        token_start=token_start,
-        token_end=token_end,
-        num_layers=layers,
-        pack=_chunk_copy(shape.pack, token_start),
-        segments=expand_layers(template, send_from, send_to, layers),
-        unpack=_chunk_copy(shape.unpack, token_start),
-        src_staging=shape.src_staging,
-        dst_staging=shape.dst_staging,
-    )
-
-
-def chunk_pack_copy(
-    strategy: Strategy,
-    route: HeadRoute,
-    src_spec: KVCacheSpec,
-    dst_spec: KVCacheSpec,
-    src_chunk_ids: np.ndarray,
-    token_start: int,
-    token_end: int,
-) -> CellCopy | None:
-    """`pack_copy` for one chunk from the source's blocks of that chunk only
-    (`chunk_blocks`), O(the chunk)."""
-    copy = pack_copy(strategy, route, src_spec, dst_spec, src_chunk_ids, token_start, token_end)
-    return _chunk_copy(copy, token_start)
-
-
-def chunk_unpack_copy(
-    strategy: Strategy,
-    route: HeadRoute,
-    src_spec: KVCacheSpec,
-    dst_spec: KVCacheSpec,
-    dst_chunk_ids: np.ndarray,
-    token_start: int,
-    token_end: int,
-    landing: bool = False,
-) -> CellCopy | None:
-    """`unpack_copy` for one chunk from the destination's blocks of that chunk only
-    (`chunk_blocks`), O(the chunk)."""
-    copy = unpack_copy(
-        strategy, route, src_spec, dst_spec, dst_chunk_ids, token_start, token_end, landing
-    )
-    return _chunk_copy(copy, token_start)

@@ -5,7 +5,7 @@ the strategies that pack (the chunk was packed there), or else the ids of its ca
 hold the chunk's tokens. The consumer checks that answer against the chunk (O(the chunk), never
 O(the request): a 128k-token request's chunks cost what a short one's do) and builds the
 chunk's landing program: the segments it reads into its own staging slot and the copy that
-unpacks the slot into its cache (`chunk_program`). Pure numpy: the connector maps the program's
+unpacks the slot into its cache (`PairChunk.program`). Pure numpy: the connector maps the program's
 region keys onto registered memory.
 """
 
@@ -19,22 +19,19 @@ import numpy as np
 
 from kvxfer.plan.heads import HeadRoute
 from kvxfer.plan.program import (
+    TRAITS,
+    PairChunk,
     Strategy,
     TransferProgram,
     chunk_block_count,
-    chunk_blocks,
-    chunk_program,
-    chunk_unpack_copy,
 )
 from kvxfer.spec import KVCacheSpec
-
-_PACKING: frozenset[Strategy] = frozenset({"pack", "pack+unpack"})
 
 
 def reads_from_staging(strategy: Strategy) -> bool:
     """Whether a chunk of `strategy` is read from the producer's staging slot (it packs),
     rather than from the producer's cache blocks."""
-    return strategy in _PACKING
+    return TRAITS[strategy].send_from != "cache"
 
 
 def chunk_source_blocks(
@@ -96,27 +93,15 @@ def chunk_read_program(
     if staged != (src_block_ids is None):
         where = "its staging" if src_block_ids is None else "its cache"
         raise ValueError(f"it offered {where} for a chunk of strategy {strategy}")
-    dst_ids = chunk_blocks(dst_block_ids, consumer.block_size, token_start, token_end)
+    chunk = PairChunk(route, strategy, producer, consumer, token_start, token_end, landing=True)
+    dst_ids = chunk.destination_blocks(dst_block_ids)
     if src_block_ids is None:
         # Staging to staging: the segments do not depend on any block id, only the unpack does
         # (the reads of a 16-token chunk were a quarter of its consumer's host work).
         shared = _staged_program(route, strategy, producer, consumer, token_start, token_end)
-        unpack = chunk_unpack_copy(
-            strategy, route, producer, consumer, dst_ids, token_start, token_end, landing=True
-        )
-        return dataclasses.replace(shared, unpack=unpack)
+        return dataclasses.replace(shared, unpack=chunk.unpack(dst_ids))
     src_ids = chunk_source_blocks(producer, src_block_ids, token_start, token_end)
-    return chunk_program(
-        route,
-        strategy,
-        producer,
-        consumer,
-        src_ids,
-        dst_ids,
-        token_start,
-        token_end,
-        landing=True,
-    )
+    return chunk.program(src_ids, dst_ids)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -132,9 +117,8 @@ def _staged_program(
     every chunk of that shape: its arrays are made read-only."""
     src_ids = np.zeros(chunk_block_count(producer.block_size, token_start, token_end), np.int64)
     dst_ids = np.zeros(chunk_block_count(consumer.block_size, token_start, token_end), np.int64)
-    program = chunk_program(
-        route, strategy, producer, consumer, src_ids, dst_ids, token_start, token_end, landing=True
-    )
+    chunk = PairChunk(route, strategy, producer, consumer, token_start, token_end, landing=True)
+    program = chunk.program(src_ids, dst_ids)
     arrays = [getattr(program.segments, f.name) for f in dataclasses.fields(program.segments)]
     if program.pack is not None:
         arrays += [program.pack.src.block_ids, program.pack.dst.block_ids, program.pack.scales]

@@ -10,7 +10,7 @@ import pytest
 from kvxfer.plan import CostModel, plan_pairs
 from kvxfer.plan.cost import choose_chunking
 from kvxfer.plan.fitting import fit_pair
-from kvxfer.plan.program import build_program, chunk_blocks, chunk_program
+from kvxfer.plan.program import PairChunk, build_program, chunk_blocks
 from kvxfer.plan.reads import chunk_read_program, chunk_source_blocks, reads_from_staging
 from kvxfer.plan.sizing import max_chunk_tokens
 from kvxfer.testing import side_specs
@@ -113,10 +113,8 @@ def test_a_staged_chunks_program_is_made_once_per_shape_and_unpacks_into_its_own
     for dst_ids in (np.arange(5, dtype=np.int64), np.array([9, 2, 7, 4, 30], dtype=np.int64)):
         program = chunk_read_program(pair.route, strategy, SRC, DST, dst_ids, lo, hi, None)
         src_ids = np.zeros(4, dtype=np.int64)  # what a staged source's ids are: none read
-        fresh = chunk_program(
-            pair.route, strategy, SRC, DST, src_ids, chunk_blocks(dst_ids, 32, lo, hi), lo, hi,
-            landing=True,
-        )  # fmt: skip
+        chunk = PairChunk(pair.route, strategy, SRC, DST, lo, hi, landing=True)
+        fresh = chunk.program(src_ids, chunk.destination_blocks(dst_ids))
         for name in ("src_region", "src_offset", "dst_region", "dst_offset", "length"):
             assert (
                 getattr(program.segments, name).tolist() == getattr(fresh.segments, name).tolist()

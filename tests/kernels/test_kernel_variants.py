@@ -20,7 +20,7 @@ from kvxfer import allocate_kv_caches
 from kvxfer.execute import kv_buffer, scratch_copy
 from kvxfer.kernels import KVBuffer, prepare_cell_copy, wire_kv_buffer
 from kvxfer.plan import plan_pairs
-from kvxfer.plan.program import STRATEGIES, pack_copy, unpack_copy
+from kvxfer.plan.program import STRATEGIES, PairChunk
 from kvxfer.plan.sizing import chunk_bounds
 from kvxfer.testing import side_specs
 
@@ -85,11 +85,10 @@ def test_warm_up_and_requests_share_one_variant(src_geometry, dst_geometry, stra
         dst_ids = rng.permutation(BLOCKS)[: -(-end // dst_spec.block_size)].astype(np.int64)
         bounds = chunk_bounds(start, end, chunk) if chunk else [(start, end)]
         for (lo, hi), slot in zip(bounds, itertools.cycle([0, 1 << 20, 3 << 20]), strict=False):
+            chunk = PairChunk(pair.route, strategy, src_spec, dst_spec, lo, hi, landing=True)
             copies = {
-                "pack": pack_copy(strategy, pair.route, src_spec, dst_spec, src_ids, lo, hi),
-                "unpack": unpack_copy(
-                    strategy, pair.route, src_spec, dst_spec, dst_ids, lo, hi, landing=True
-                ),
+                "pack": chunk.pack(chunk.source_blocks(src_ids)),
+                "unpack": chunk.unpack(chunk.destination_blocks(dst_ids)),
             }
             for side, copy in copies.items():
                 if copy is None:

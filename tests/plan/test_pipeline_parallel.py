@@ -23,7 +23,7 @@ from kvxfer.plan import (
     route_pair,
 )
 from kvxfer.plan.heads import heads_of_rank
-from kvxfer.plan.program import pack_copy, unpack_copy
+from kvxfer.plan.program import PairChunk
 from kvxfer.plan.sizing import max_chunk_tokens
 from kvxfer.reference import random_global_kv, rank_heads, rank_layers, write_rank_cells
 from kvxfer.spec import pp_layer_ranges
@@ -239,8 +239,9 @@ def test_programs_move_only_the_routes_layers(strategy, landing):
             cache = copy.src if copy.src.region == "cache" else copy.dst
             assert cache.layer_offset == (0 if cache is copy.src else 1)
     # What a producer packs and a consumer unpacks alone: the same layers.
-    pack = pack_copy(strategy, plan.route, s, d, src_ids, 3, 60)
-    unpack = unpack_copy(strategy, plan.route, s, d, dst_ids, 3, 60, landing)
+    chunk = PairChunk(plan.route, strategy, s, d, 3, 60, landing)
+    pack = chunk.pack(chunk.source_blocks(src_ids))
+    unpack = chunk.unpack(chunk.destination_blocks(dst_ids))
     for alone, within in ((pack, program.pack), (unpack, program.unpack)):
         assert (alone is None) == (within is None)
         if alone is not None and within is not None:

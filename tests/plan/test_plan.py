@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvxfer.plan import STRATEGIES, CostModel, build_program, plan_pairs, route_heads
 from kvxfer.plan.heads import heads_of_rank
-from kvxfer.plan.program import program_shape
+from kvxfer.plan.program import PairChunk
 from kvxfer.plan.segments import Segments, coalesce, count_segments, layer_template
 from kvxfer.spec import KV_PLACEMENTS
 from kvxfer.testing import side_specs
@@ -146,15 +146,9 @@ def test_counting_segments_agrees_with_listing_them(
     )
     plan, program = _program(strategy, src, dst, tokens, contiguous=contiguous)
     step = 1 if contiguous else 2
-    shape = program_shape(
-        strategy,
-        plan.route,
-        src[0],
-        dst[0],
+    shape = PairChunk(plan.route, strategy, src[0], dst[0], 0, tokens).shape(
         np.arange(-(-tokens // block_sizes[0])) * step,
         np.arange(-(-tokens // block_sizes[1])) * step,
-        0,
-        tokens,
     )
     template = layer_template(shape.send_from, shape.send_to, plan.route.num_heads, 0, tokens)
     assert count_segments(template, shape.send_from, shape.send_to, layers) == len(program.segments)

@@ -1,7 +1,6 @@
-"""A chunk is planned from its own blocks: `chunk_program`, `chunk_pack_copy` and
-`chunk_unpack_copy` see only the block ids of the chunk's tokens (`chunk_blocks`) and give the
-same segments and the same bytes as the whole-table `build_program`, `pack_copy` and
-`unpack_copy`, for every strategy, layout, block size and pipeline split."""
+"""A chunk is planned from its own blocks: `PairChunk`'s programs and copies see only the block
+ids of the chunk's tokens (`chunk_blocks`), and a request moved chunk by chunk lands the same
+bytes as the request moved whole, for every strategy, layout, block size and pipeline split."""
 
 from __future__ import annotations
 
@@ -12,20 +11,11 @@ from helpers import REPO
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.execute import run_cell_copy
+from kvxfer import reshard
 from kvxfer.plan import STRATEGIES, plan_pairs
-from kvxfer.plan.program import (
-    CellCopy,
-    build_program,
-    chunk_block_count,
-    chunk_blocks,
-    chunk_pack_copy,
-    chunk_program,
-    chunk_unpack_copy,
-    pack_copy,
-    unpack_copy,
-)
+from kvxfer.plan.program import PairChunk, chunk_block_count
 from kvxfer.plan.sizing import chunk_alignment, chunk_bounds, max_chunk_tokens
+from kvxfer.reference import random_global_kv, write_rank_cells
 from kvxfer.spec import allocate_kv_caches
 from kvxfer.testing import POISON, bits, side_specs
 from kvxfer.testing.strategies import geometry_specs, pp_geometries
@@ -36,28 +26,33 @@ def _table(spec, tokens: int, rng: np.random.Generator) -> np.ndarray:
     return rng.permutation(spec.num_blocks)[:needed].astype(np.int64)
 
 
-def _run(copy: CellCopy, src_spec, dst_spec, seed: int) -> list[torch.Tensor]:
-    """Run a pack (source cache -> staging) or an unpack (staging -> destination cache) from
-    random bytes into poisoned buffers; the destination's bytes."""
-    gen = torch.Generator().manual_seed(seed)
-    layers = copy.num_layers or src_spec.num_layers
-    packs = copy.src.region == "cache"
-    cache = allocate_kv_caches(src_spec if packs else dst_spec)
-    staging_view = copy.dst if packs else copy.src
-    staging = [torch.empty(layers * staging_view.geometry.layer_elements, dtype=cache[0].dtype)]
-    src, dst = (cache, staging) if packs else (staging, cache)
-    for t in src:
-        b = bits(t)
-        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen))
-    for t in dst:
-        bits(t).fill_(POISON)
-    run_cell_copy(copy, src, dst, "torch")
-    return [bits(t).clone() for t in dst]
+def _other_blocks_changed(table, block_size, lo, hi, rng) -> np.ndarray:
+    """The same table for the chunk's blocks, other (still distinct) ids everywhere else."""
+    other = table.copy()
+    first, last = lo // block_size, (hi - 1) // block_size
+    outside = [i for i in range(len(table)) if not first <= i <= last]
+    other[outside] = table[rng.permutation(outside)] if outside else other[outside]
+    return other
+
+
+def _copy_key(copy):
+    if copy is None:
+        return None
+    views = (copy.src, copy.dst)
+    return tuple((v.region, v.token_shift, v.block_ids.tolist()) for v in views)
+
+
+def _assert_same_program(a, b) -> None:
+    for field in ("src_region", "src_offset", "dst_region", "dst_offset", "length"):
+        assert np.array_equal(getattr(a.segments, field), getattr(b.segments, field))
+    assert (a.src_staging, a.dst_staging) == (b.src_staging, b.dst_staging)
+    assert _copy_key(a.pack) == _copy_key(b.pack)
+    assert _copy_key(a.unpack) == _copy_key(b.unpack)
 
 
 @given(g=pp_geometries(), cut=st.integers(1, 40), data=st.data())
 @settings(max_examples=120, deadline=None)
-def test_chunk_programs_equal_whole_table_programs(g, cut, data):
+def test_a_chunk_is_planned_from_its_own_blocks_alone(g, cut, data):
     src_specs, dst_specs = geometry_specs(g)
     rng = np.random.default_rng(g["seed"])
     tokens, start = g["tokens"], min(g["start"], g["tokens"] - 1)
@@ -67,17 +62,27 @@ def test_chunk_programs_equal_whole_table_programs(g, cut, data):
         s, d = src_specs[plan.src_rank], dst_specs[plan.dst_rank]
         src_ids, dst_ids = _table(s, tokens, rng), _table(d, tokens, rng)
         for lo, hi in chunk_bounds(start, tokens, cut):
-            s_chunk = chunk_blocks(src_ids, s.block_size, lo, hi)
-            d_chunk = chunk_blocks(dst_ids, d.block_size, lo, hi)
+            chunk = PairChunk(plan.route, strategy, s, d, lo, hi, landing)
+            s_chunk, d_chunk = chunk.source_blocks(src_ids), chunk.destination_blocks(dst_ids)
             assert len(s_chunk) == chunk_block_count(s.block_size, lo, hi)
             assert len(d_chunk) == chunk_block_count(d.block_size, lo, hi)
-            whole = build_program(plan.route, strategy, s, d, src_ids, dst_ids, lo, hi, landing)
-            part = chunk_program(plan.route, strategy, s, d, s_chunk, d_chunk, lo, hi, landing)
-            for field in ("src_region", "src_offset", "dst_region", "dst_offset", "length"):
-                assert np.array_equal(getattr(whole.segments, field), getattr(part.segments, field))
-            assert (whole.src_staging, whole.dst_staging) == (part.src_staging, part.dst_staging)
-            assert (whole.pack is None) == (part.pack is None)
-            assert (whole.unpack is None) == (part.unpack is None)
+            program = chunk.program(s_chunk, d_chunk)
+            other_src = _other_blocks_changed(src_ids, s.block_size, lo, hi, rng)
+            other_dst = _other_blocks_changed(dst_ids, d.block_size, lo, hi, rng)
+            again = chunk.program(
+                chunk.source_blocks(other_src), chunk.destination_blocks(other_dst)
+            )
+            _assert_same_program(program, again)
+            assert _copy_key(program.pack) == _copy_key(chunk.pack(s_chunk))
+            assert _copy_key(program.unpack) == _copy_key(chunk.unpack(d_chunk))
+
+
+def _poisoned(specs):
+    caches = [allocate_kv_caches(spec) for spec in specs]
+    for rank in caches:
+        for t in rank:
+            bits(t).fill_(POISON)
+    return caches
 
 
 @pytest.mark.parametrize(
@@ -92,33 +97,30 @@ def test_chunk_programs_equal_whole_table_programs(g, cut, data):
         ]
     ],
 )
-def test_chunk_copies_move_the_same_bytes(strategy, src, dst):
-    """Bit for bit: the pack and unpack of every chunk, from the chunk's block ids only, write
-    exactly what the whole-table copies write (and leave the rest poisoned alike)."""
-    (s,) = side_specs(1, heads=3, layout=src[0], block_size=src[1], num_blocks=40, head_dim=4)
-    (d,) = side_specs(1, heads=3, layout=dst[0], block_size=dst[1], num_blocks=40, head_dim=4)
-    (plan,) = plan_pairs([s], [d], strategy=strategy, landing=True)
+def test_a_request_moved_chunk_by_chunk_lands_what_it_lands_moved_whole(strategy, src, dst):
+    """Bit for bit: every chunk's programs (cache views shifted to the chunk's first block)
+    write what the whole request's do, and that is the reference's, the rest poisoned."""
+    specs = side_specs(2, heads=4, layout=src[0], block_size=src[1], num_blocks=40, head_dim=4)
+    dspecs = side_specs(2, heads=4, layout=dst[0], block_size=dst[1], num_blocks=40, head_dim=4)
     rng = np.random.default_rng(3)
-    tokens = 150
-    src_ids, dst_ids = _table(s, tokens, rng), _table(d, tokens, rng)
-    unit = chunk_alignment(strategy, s, d, landing=True)
-    for lo, hi in chunk_bounds(7, tokens, unit * max(1, 48 // unit)):
-        route = plan.route
-        whole = pack_copy(strategy, route, s, d, src_ids, lo, hi)
-        part = chunk_pack_copy(
-            strategy, route, s, d, chunk_blocks(src_ids, s.block_size, lo, hi), lo, hi
-        )
-        if whole is not None:
-            assert part is not None
-            for a, b in zip(_run(whole, s, d, lo), _run(part, s, d, lo), strict=True):
-                assert torch.equal(a, b), (lo, hi)
-        whole = unpack_copy(strategy, route, s, d, dst_ids, lo, hi, landing=True)
-        part = chunk_unpack_copy(
-            strategy, route, s, d, chunk_blocks(dst_ids, d.block_size, lo, hi), lo, hi, True
-        )
-        assert whole is not None and part is not None
-        for a, b in zip(_run(whole, s, d, lo), _run(part, s, d, lo), strict=True):
-            assert torch.equal(a, b), (lo, hi)
+    tokens, first = 150, 7
+    kv = random_global_kv(specs[0], tokens, seed=5)
+    src_caches = [allocate_kv_caches(spec) for spec in specs]
+    src_ids = [_table(spec, tokens, rng) for spec in specs]
+    dst_ids = [_table(spec, tokens, rng) for spec in dspecs]
+    for spec, caches, ids in zip(specs, src_caches, src_ids, strict=True):
+        write_rank_cells(spec, caches, ids, kv, 0, tokens)
+    source = list(zip(specs, src_caches, src_ids, strict=True))
+    whole, chunked, expected = _poisoned(dspecs), _poisoned(dspecs), _poisoned(dspecs)
+    reshard(source, list(zip(dspecs, whole, dst_ids, strict=True)), tokens, first, strategy)
+    unit = chunk_alignment(strategy, specs[0], dspecs[0], landing=True)
+    for lo, hi in chunk_bounds(first, tokens, unit * max(1, 48 // unit)):
+        reshard(source, list(zip(dspecs, chunked, dst_ids, strict=True)), hi, lo, strategy)
+    for spec, caches, ids in zip(dspecs, expected, dst_ids, strict=True):
+        write_rank_cells(spec, caches, ids, kv, first, tokens)
+    for got_whole, got_chunked, want in zip(whole, chunked, expected, strict=True):
+        for a, b, c in zip(got_whole, got_chunked, want, strict=True):
+            assert torch.equal(bits(a), bits(c)) and torch.equal(bits(b), bits(c))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -168,13 +170,10 @@ def test_chunk_copies_compile_the_warm_up_variant():
         seen: dict[str, set] = {"pack": set(), "unpack": set()}
         warm: dict[str, object] = {}
         for lo, hi in chunk_bounds(5, 1000, 96):
+            chunk = PairChunk(plan.route, strategy, s, d, lo, hi, landing=True)
             copies = {
-                "pack": chunk_pack_copy(
-                    strategy, plan.route, s, d, chunk_blocks(src_ids, 16, lo, hi), lo, hi
-                ),
-                "unpack": chunk_unpack_copy(
-                    strategy, plan.route, s, d, chunk_blocks(dst_ids, 48, lo, hi), lo, hi, True
-                ),
+                "pack": chunk.pack(chunk.source_blocks(src_ids)),
+                "unpack": chunk.unpack(chunk.destination_blocks(dst_ids)),
             }
             for side, copy in copies.items():
                 if copy is None:
@@ -191,11 +190,8 @@ def test_chunk_copies_compile_the_warm_up_variant():
                 seen[side].add(key(copy, src, dst))
                 if side not in warm:  # what the connectors compile at the handshake
                     one_id = np.zeros(1, np.int64)
-                    first = (
-                        pack_copy(strategy, plan.route, s, d, one_id, 0, 1)
-                        if side == "pack"
-                        else unpack_copy(strategy, plan.route, s, d, one_id, 0, 1, True)
-                    )
+                    one_token = PairChunk(plan.route, strategy, s, d, 0, 1, landing=True)
+                    first = one_token.pack(one_id) if side == "pack" else one_token.unpack(one_id)
                     assert first is not None
                     one, a, b = scratch_copy(first, caches[0].dtype, caches[0].device)
                     warm[side] = key(one, a, b)

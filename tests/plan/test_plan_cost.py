@@ -19,10 +19,8 @@ from kvxfer.plan.paged import (
 )
 from kvxfer.plan.program import (
     CellCopy,
+    PairChunk,
     count_program_segments,
-    pack_copy,
-    program_shape,
-    unpack_copy,
 )
 from kvxfer.plan.segments import (
     LayerTemplate,
@@ -113,7 +111,9 @@ def test_programs_list_the_segments_of_the_general_enumeration(
 
     program = build_program(plan.route, strategy, s, d, src_ids, dst_ids, start, end, landing)
 
-    shape = program_shape(strategy, plan.route, s, d, src_ids, dst_ids, start, end, landing)
+    chunk = PairChunk(plan.route, strategy, s, d, start, end, landing)
+    src_blocks, dst_blocks = chunk.source_blocks(src_ids), chunk.destination_blocks(dst_ids)
+    shape = chunk.shape(src_blocks, dst_blocks)
     n = plan.route.num_heads
     general = enumerated_layer_template(shape.send_from, shape.send_to, n, start, end)
     want = expand_layers(general, shape.send_from, shape.send_to, s.num_layers)
@@ -121,9 +121,8 @@ def test_programs_list_the_segments_of_the_general_enumeration(
     assert count_program_segments(shape, plan.route, start, end, s.num_layers) == len(want)
     assert program.nbytes == s.num_layers * moved_bytes(BlockGeometry.of_spec(s), n, length)
     # The connectors' halves of the program are the program's.
-    assert _same_copy(pack_copy(strategy, plan.route, s, d, src_ids, start, end), program.pack)
-    unpack = unpack_copy(strategy, plan.route, s, d, dst_ids, start, end, landing)
-    assert _same_copy(unpack, program.unpack)
+    assert _same_copy(chunk.pack(src_blocks), program.pack)
+    assert _same_copy(chunk.unpack(dst_blocks), program.unpack)
     # The kernel strategies stage in one layout on both sides, and take the shortcut.
     fast = strategy == "pack+unpack" or (strategy == "pack" and landing)
     assert (shape.send_from is shape.send_to) == fast
@@ -252,11 +251,10 @@ def test_kernel_strategies_plan_without_enumerating_cells(monkeypatch, strategy,
         program = build_program(plan.route, strategy, s, d, src_ids, dst_ids, 0, tokens, landing)
         assert len(program.segments) == 1
         assert program.nbytes == layers * 2 * tokens * 128 * 2
-        pack = pack_copy(strategy, plan.route, s, d, src_ids, 0, tokens)
-        assert _same_copy(pack, program.pack)
-        unpack = unpack_copy(strategy, plan.route, s, d, dst_ids, 0, tokens, landing)
-        assert _same_copy(unpack, program.unpack)
-        shape = program_shape(strategy, plan.route, s, d, src_ids, dst_ids, 0, tokens, landing)
+        chunk = PairChunk(plan.route, strategy, s, d, 0, tokens, landing)
+        assert _same_copy(chunk.pack(src_ids), program.pack)
+        assert _same_copy(chunk.unpack(dst_ids), program.unpack)
+        shape = chunk.shape(src_ids, dst_ids)
         assert count_program_segments(shape, plan.route, 0, tokens, layers) == 1
         # A partial last block: a handful of runs per layer, still no enumeration.
         partial = build_program(plan.route, strategy, s, d, src_ids, dst_ids, 5, tokens - 3, True)

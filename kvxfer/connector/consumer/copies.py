@@ -23,7 +23,7 @@ from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.streams import Fence, copies_inline, copy_stream_for
 from kvxfer.execute import Backend, run_cell_copy, warm_up
 from kvxfer.plan.fitting import FittedPair
-from kvxfer.plan.program import CellCopy, unpack_copy
+from kvxfer.plan.program import CellCopy, PairChunk
 from kvxfer.spec import KVCacheSpec
 
 
@@ -69,7 +69,8 @@ class CacheCopier:
         device; nothing to do for the torch backend or a strategy without an unpack)."""
         plan = pair.plan
         ids = np.zeros(1, np.int64)
-        unpack = unpack_copy(plan.strategy, plan.route, producer, consumer, ids, 0, 1, landing=True)
+        chunk = PairChunk(plan.route, plan.strategy, producer, consumer, 0, 1, landing=True)
+        unpack = chunk.unpack(ids)
         if unpack is None:
             return
         dtype, device = self._caches[0].dtype, self._caches[0].device

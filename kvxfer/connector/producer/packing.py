@@ -27,7 +27,7 @@ from kvxfer.connector.staging import StagingPool
 from kvxfer.connector.streams import CopyStream, Fence, copies_inline
 from kvxfer.execute import Backend, run_cell_copy, warm_up
 from kvxfer.plan import HeadRoute
-from kvxfer.plan.program import CellCopy, program_shape
+from kvxfer.plan.program import TRAITS, CellCopy, PairChunk
 from kvxfer.spec import KVCacheSpec
 from kvxfer.transport.base import Transport
 
@@ -125,11 +125,11 @@ class Packer:
         if key in self._warmed:
             return
         one = np.zeros(1, dtype=np.int64)
-        for strategy in ("pack", "pack+unpack"):
-            shape = program_shape(strategy, route, self.spec, consumer_spec, one, one, 0, 1)
-            assert shape.pack is not None
+        for strategy in (s for s, traits in TRAITS.items() if traits.send_from != "cache"):
+            pack = PairChunk(route, strategy, self.spec, consumer_spec, 0, 1).pack(one)
+            assert pack is not None
             dtype, device = self.caches[0].dtype, self.caches[0].device
-            compile_pack = functools.partial(warm_up, shape.pack, dtype, device, self._backend)
+            compile_pack = functools.partial(warm_up, pack, dtype, device, self._backend)
             self._copy_stream.launch(compile_pack).wait()  # on the side stream's device
         self._warmed.add(key)
 

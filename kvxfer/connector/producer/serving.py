@@ -26,7 +26,7 @@ from kvxfer.connector.producer.states import ServedEvent, ServedState
 from kvxfer.connector.requests import PublishedRequest, RequestTable
 from kvxfer.connector.staging import StagingPool
 from kvxfer.plan import HeadRoute
-from kvxfer.plan.program import check_strategy, chunk_blocks, chunk_pack_copy
+from kvxfer.plan.program import PairChunk, check_strategy
 from kvxfer.spec import KVCacheSpec
 
 log = logging.getLogger(__name__)
@@ -143,9 +143,9 @@ class ChunkServer:
         # The chunk's blocks only (validated once, at publish): a chunk's work and message
         # are O(its tokens), never O(the request).
         lo, hi = ask.token_start, ask.token_end
-        blocks = chunk_blocks(request.block_ids, self.spec.block_size, lo, hi)
-        strategy = check_strategy(ask.strategy)
-        pack = chunk_pack_copy(strategy, route, self.spec, session.spec, blocks, lo, hi)
+        pair = PairChunk(route, check_strategy(ask.strategy), self.spec, session.spec, lo, hi)
+        blocks = pair.source_blocks(request.block_ids)
+        pack = pair.pack(blocks)
         ready = ChunkReady(
             request_id=ask.request_id,
             chunk_id=ask.chunk_id,
