@@ -7,12 +7,12 @@ from kvxfer.kernels.buffers import (
     check_cell_copy,
     wire_kv_buffer,
 )
+from kvxfer.kernels.cell_copy_flags import tile_tokens
 from kvxfer.kernels.copy_cells import (
     CellCopyLaunch,
     check_launchable,
     copy_cells,
     prepare_cell_copy,
-    tile_tokens,
 )
 from kvxfer.kernels.copy_cells_torch import copy_cells_torch
 from kvxfer.kernels.gather_kv import gather_kv, gather_kv_torch

@@ -21,13 +21,14 @@ Every runtime integer is excluded from Triton's specialization (`do_not_speciali
 pointers from alignment specialization), so one compiled variant per geometry serves every
 request: the warm-up at handshake compiles exactly what requests use.
 
-gather_kv, scatter_kv and remap_kv are this kernel specialized on which side is paged.
+gather_kv, scatter_kv and remap_kv are this kernel specialized on which side is paged. The
+launch's choices (word width, tile, warps) are `cell_copy_flags.py`'s; `prepare_cell_copy`
+checks a copy, takes those choices and turns them into the kernel's arguments.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import threading
 from dataclasses import dataclass
@@ -39,13 +40,18 @@ import triton.language as tl
 
 from kvxfer.kernels.buffers import (
     KVBuffer,
-    canonical_kv_view,
     check_copy_pair,
+)
+from kvxfer.kernels.cell_copy_flags import (
+    SideGeometry,
+    Tiling,
+    choose_tiling,
+    copy_words,
 )
 from kvxfer.kernels.convert import KIND_NONE, KINDS, scale_mode
 from kvxfer.kernels.convert import from_float32 as _from_float32
 from kvxfer.kernels.convert import to_float32 as _to_float32
-from kvxfer.kernels.layer_sets import VECTOR_BYTES, LayerSet, layer_set, with_words
+from kvxfer.kernels.layer_sets import LayerSet, layer_set, with_words
 
 # The interpreter is chosen when `triton.jit` decorates, i.e. when this module is imported.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -54,10 +60,6 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # compiled kernels have no such limit.
 _INTERPRETER_LOCK = threading.Lock()
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# Bytes per program: 32 KiB keeps every configuration of benchmarks/kernel_codegen.py at or
-# under 96 registers without spills on sm_90 (16 tokens x 8 heads x 128 bf16 = 32 KiB).
-_TILE_BYTES = 32 * 1024
-_MAX_TILE_TOKENS = 64
 # CUDA limits grid axis 1 to 65535 programs; axis 1 walks (layer, plane).
 _MAX_GRID_Y = 65535
 _INT32_MAX = 2**31 - 1
@@ -247,90 +249,6 @@ def _copy_cells_kernel(
     tl.store(dst_words, cells, mask=mask)
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()  # triton.next_power_of_2 costs 2 us per call
-
-
-@dataclass(frozen=True)
-class _SideGeometry:
-    """One side's canonical strides (elements), block size and how positions map to slots."""
-
-    shape: tuple[int, int, int, int, int]  # plane, block, slot, head, head_dim
-    strides: tuple[int, int, int, int]  # plane, block, slot, head
-    itemsize: int
-    linear: bool  # position p sits at p * slot stride: no block arithmetic needed
-
-    @classmethod
-    def of(cls, buf: KVBuffer) -> _SideGeometry:
-        first = buf.layers[0]
-        view = canonical_kv_view(first, buf.layout, buf.kv_placement, buf.mla)
-        planes, blocks, block_size, heads, head_dim = view.shape
-        if view.stride(4) != 1:
-            raise ValueError("layers: head_dim must be the contiguous axis (stride 1)")
-        sp, sb, ss, sh, _ = view.stride()
-        linear = buf.block_ids is None and sb == block_size * ss
-        shape = (planes, blocks, block_size, heads, head_dim)
-        return cls(shape, (sp, sb, ss, sh), first.element_size(), linear)
-
-    @property
-    def planes(self) -> int:
-        return self.shape[0]
-
-    @property
-    def block_size(self) -> int:
-        return self.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.shape[4]
-
-
-def _word_bytes(itemsize: int, head_dim: int, sides: list[tuple[_SideGeometry, LayerSet]]) -> int:
-    """The widest word (up to 16 bytes) dividing every row start, stride and row length."""
-    granule = VECTOR_BYTES
-    granule = math.gcd(granule, head_dim * itemsize)
-    for geometry, layers in sides:
-        granule = math.gcd(granule, layers.alignment, layers.layer_stride_bytes or granule)
-        for stride in geometry.strides:
-            granule = math.gcd(granule, stride * itemsize)
-    return granule
-
-
-def _convert_words(head_dim: int, *sides: tuple[_SideGeometry, LayerSet]) -> tuple[int, int, bool]:
-    """A converting copy's words: each side's element width, and whether every row start on
-    both sides is 16-byte aligned (then the compiler is told so and issues 16-byte accesses:
-    8 bf16 elements in, 8 fp8 bytes out per thread)."""
-    aligned = all(
-        _word_bytes(geo.itemsize, head_dim, [(geo, layers)]) == VECTOR_BYTES
-        for geo, layers in sides
-    )
-    src, dst = (geo.itemsize for geo, _ in sides)
-    return src, dst, aligned
-
-
-def tile_tokens(block_sizes: list[int], row_bytes: int) -> int:
-    """Tokens per program: a power of two that divides every given block size (so a tile
-    never straddles a block on either side), with at most `_TILE_BYTES` per program.
-
-    Measured on one H200 with the previous kernel (benchmarks/RESULTS.md): 4 KiB tiles moved
-    2,275 GB/s and 16 KiB tiles 1,322, because each thread then walked a whole column; this
-    kernel spreads a tile over every thread (benchmarks/kernel_codegen.py: no spills), so the
-    tile is sized by the bytes a program should move, 32 KiB at most.
-    """
-    tokens = _MAX_TILE_TOKENS
-    for bs in block_sizes:
-        tokens = math.gcd(tokens, bs & -bs)  # the largest power of two dividing bs
-    while tokens > 1 and tokens * row_bytes > _TILE_BYTES:
-        tokens //= 2
-    return tokens
-
-
-def warps_for(tile_bytes: int) -> int:
-    """Warps per program: one per 4 KiB of tile, 1 to 8 (16 words of 4 bytes per thread at
-    most in flight: the registers stay under 96 without spills on sm_90)."""
-    return max(1, min(8, tile_bytes // 4096))
-
-
 def check_launchable(device: torch.device) -> None:
     """Raise unless Triton can run on `device` (CUDA, or any device under the interpreter)."""
     if device.type != "cuda" and not INTERPRETED:
@@ -384,6 +302,52 @@ def prepare_cell_copy(
             `toward_zero` (vLLM CPU attention's layouts and fp8 write: only CPU engines have
             them, and the torch backend moves them), or buffers `check_copy_pair` refuses.
     """
+    _refuse_cpu_engine_copies(src, dst)
+    src_geo, dst_geo = SideGeometry.of(src), SideGeometry.of(dst)
+    check_copy_pair(
+        src, dst, src_geo.shape, dst_geo.shape, token_start, token_end, num_heads, scales
+    )
+    num_layers = len(src.layers)
+    if num_layers * src_geo.planes > _MAX_GRID_Y:
+        raise ValueError(
+            f"src.layers: {num_layers} layers x {src_geo.planes} planes exceed {_MAX_GRID_Y} "
+            "programs on grid axis 1; split the copy by layers"
+        )
+    # Word width first from the tensors' own alignment (uint8 words fit any), then the views.
+    src_set, dst_set = layer_set("src", src), layer_set("dst", dst)
+    src_dtype, dst_dtype = src.layers[0].dtype, dst.layers[0].dtype
+    converting = src_dtype != dst_dtype
+    words = copy_words((src_geo, src_set), (dst_geo, dst_set), converting)
+    tiling = choose_tiling(src_geo, dst_geo, words, num_heads, block_t)
+    tile_origin = token_start - token_start % tiling.block_t
+    grid = (triton.cdiv(token_end - tile_origin, tiling.block_t), num_layers * src_geo.planes)
+    arguments: dict[str, Any] = {
+        "tile_origin": tile_origin,
+        "token_start": token_start,
+        "token_end": token_end,
+    }
+    src_set = with_words(src_set, _WORDS[words.src])
+    dst_set = with_words(dst_set, _WORDS[words.dst])
+    arguments.update(_side_arguments("src", src, src_geo, src_set, words.src, tiling))
+    arguments.update(_side_arguments("dst", dst, dst_geo, dst_set, words.dst, tiling))
+    arguments.update(
+        scales_ptr=scales if scales is not None else src_set.word_view,
+        NUM_PLANES=src_geo.planes,
+        NUM_HEADS=num_heads,
+        BLOCK_H=tiling.block_h,
+        HEAD_WORDS=tiling.head_words,
+        BLOCK_W=tiling.block_w,
+        BLOCK_T=tiling.block_t,
+        ALIGNED=words.aligned,
+        SRC_KIND=KINDS[src_dtype] if converting else KIND_NONE,
+        DST_KIND=KINDS[dst_dtype] if converting else KIND_NONE,
+        SCALE_MODE=scale_mode(src_dtype, dst_dtype),
+    )
+    return CellCopyLaunch(grid, arguments, tiling.num_warps)
+
+
+def _refuse_cpu_engine_copies(src: KVBuffer, dst: KVBuffer) -> None:
+    """vLLM CPU attention's layouts and truncating fp8 write have no Triton kernel."""
     for name, buf in (("src", src), ("dst", dst)):
         if buf.cpu_placement:
             raise ValueError(
@@ -395,96 +359,42 @@ def prepare_cell_copy(
             f"dst: fp8_rounding {dst.fp8_rounding!r} (vLLM CPU attention's fp8 write) has no "
             "Triton kernel: it exists on CPU engines only; use backend='torch'"
         )
-    src_geo, dst_geo = _SideGeometry.of(src), _SideGeometry.of(dst)
-    check_copy_pair(
-        src, dst, src_geo.shape, dst_geo.shape, token_start, token_end, num_heads, scales
-    )
-    head_dim = src_geo.head_dim
-    num_layers = len(src.layers)
-    if num_layers * src_geo.planes > _MAX_GRID_Y:
-        raise ValueError(
-            f"src.layers: {num_layers} layers x {src_geo.planes} planes exceed {_MAX_GRID_Y} "
-            "programs on grid axis 1; split the copy by layers"
-        )
-    # Word width first from the tensors' own alignment (uint8 words fit any), then the views.
-    src_set, dst_set = layer_set("src", src), layer_set("dst", dst)
-    src_dtype, dst_dtype = src.layers[0].dtype, dst.layers[0].dtype
-    converting = src_dtype != dst_dtype
-    if converting:  # each element its own word, of its side's width (`_convert_words`)
-        src_word, dst_word, aligned = _convert_words(
-            head_dim, (src_geo, src_set), (dst_geo, dst_set)
-        )
-    else:
-        word = _word_bytes(src_geo.itemsize, head_dim, [(src_geo, src_set), (dst_geo, dst_set)])
-        aligned = word == VECTOR_BYTES
-        src_word = dst_word = 4 if aligned else word
-    src_set = with_words(src_set, _WORDS[src_word])
-    dst_set = with_words(dst_set, _WORDS[dst_word])
-    head_words = head_dim * src_geo.itemsize // src_word  # the same count on both sides
-    block_h, block_w = _next_power_of_2(num_heads), _next_power_of_2(head_words)
-    row_bytes = block_h * block_w * max(src_word, dst_word)
-    sizes = [g.block_size for g in (src_geo, dst_geo) if not g.linear]
-    block_t = block_t or tile_tokens(sizes, row_bytes)
-    if any(bs % block_t for bs in sizes):
-        raise ValueError(f"block_t: {block_t} must divide the block sizes {sizes}")
 
-    words = {"src": (src_geo.itemsize, src_word), "dst": (dst_geo.itemsize, dst_word)}
 
-    def to_words(name: str, elements: int) -> int:
-        itemsize, word = words[name]
+def _side_arguments(
+    name: str, buf: KVBuffer, geo: SideGeometry, side_set: LayerSet, word: int, tiling: Tiling
+) -> dict[str, Any]:
+    """One side's kernel arguments, its strides in words.
+
+    Raises:
+        ValueError: a tile of this side would span more than 2^31 words (int32 offsets).
+    """
+    itemsize = geo.itemsize
+
+    def to_words(elements: int) -> int:
         return elements * itemsize // word  # exact: `word` divides every stride in bytes
 
-    for name, geo in (("src", src_geo), ("dst", dst_geo)):
-        _, _, slot, head = geo.strides
-        extent = block_t * abs(slot) + block_h * abs(head) + block_w
-        if to_words(name, extent) > _INT32_MAX:
-            raise ValueError(f"{name}: a tile spans more than 2^31 words; use smaller tiles")
-    tile_origin = token_start - token_start % block_t
-    grid = (triton.cdiv(token_end - tile_origin, block_t), num_layers * src_geo.planes)
-    arguments: dict[str, Any] = {
-        "tile_origin": tile_origin,
-        "token_start": token_start,
-        "token_end": token_end,
+    sp, sb, ss, sh = geo.strides
+    extent = tiling.block_t * abs(ss) + tiling.block_h * abs(sh) + tiling.block_w
+    if to_words(extent) > _INT32_MAX:
+        raise ValueError(f"{name}: a tile spans more than 2^31 words; use smaller tiles")
+    table, ids = side_set.table, buf.block_ids
+    return {
+        f"{name}_ptr": side_set.word_view,
+        # An unused pointer argument still needs a tensor: the words stand in.
+        f"{name}_layers_ptr": table if table is not None else side_set.word_view,
+        f"{name}_block_ids_ptr": ids if ids is not None else side_set.word_view,
+        f"{name}_layer_stride": side_set.layer_stride_bytes // word,
+        f"{name}_token_shift": buf.token_shift,
+        f"{name}_plane_stride": to_words(sp),
+        f"{name}_block_stride": to_words(sb),
+        f"{name}_slot_stride": to_words(ss),
+        f"{name}_head_stride": to_words(sh),
+        f"{name}_head_offset": buf.head_offset,
+        f"{name.upper()}_BLOCK_SIZE": 0 if geo.linear else geo.block_size,
+        f"{name.upper()}_PAGED": ids is not None,
+        f"{name.upper()}_TABLE": table is not None,
     }
-    for name, buf, geo, side_set in (
-        ("src", src, src_geo, src_set),
-        ("dst", dst, dst_geo, dst_set),
-    ):
-        sp, sb, ss, sh = geo.strides
-        table = side_set.table
-        ids = buf.block_ids
-        arguments.update(
-            {
-                f"{name}_ptr": side_set.word_view,
-                # An unused pointer argument still needs a tensor: the words stand in.
-                f"{name}_layers_ptr": table if table is not None else side_set.word_view,
-                f"{name}_block_ids_ptr": ids if ids is not None else side_set.word_view,
-                f"{name}_layer_stride": side_set.layer_stride_bytes // words[name][1],
-                f"{name}_token_shift": buf.token_shift,
-                f"{name}_plane_stride": to_words(name, sp),
-                f"{name}_block_stride": to_words(name, sb),
-                f"{name}_slot_stride": to_words(name, ss),
-                f"{name}_head_stride": to_words(name, sh),
-                f"{name}_head_offset": buf.head_offset,
-                f"{name.upper()}_BLOCK_SIZE": 0 if geo.linear else geo.block_size,
-                f"{name.upper()}_PAGED": ids is not None,
-                f"{name.upper()}_TABLE": table is not None,
-            }
-        )
-    arguments.update(
-        scales_ptr=scales if scales is not None else src_set.word_view,
-        NUM_PLANES=src_geo.planes,
-        NUM_HEADS=num_heads,
-        BLOCK_H=block_h,
-        HEAD_WORDS=head_words,
-        BLOCK_W=block_w,
-        BLOCK_T=block_t,
-        ALIGNED=aligned,
-        SRC_KIND=KINDS[src_dtype] if converting else KIND_NONE,
-        DST_KIND=KINDS[dst_dtype] if converting else KIND_NONE,
-        SCALE_MODE=scale_mode(src_dtype, dst_dtype),
-    )
-    return CellCopyLaunch(grid, arguments, warps_for(block_t * row_bytes))
 
 
 def copy_cells(
