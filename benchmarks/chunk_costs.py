@@ -37,7 +37,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from scenarios import median_seconds
 
 from kvxfer.cli.bench import BenchConfig, _side, _table
 from kvxfer.connector import KVConsumer, KVProducer
@@ -45,6 +44,7 @@ from kvxfer.plan import CostModel
 from kvxfer.plan.cost import choose_chunking
 from kvxfer.plan.sizing import max_chunk_tokens
 from kvxfer.spec import allocate_kv_caches
+from kvxfer.testing.timing import median_seconds
 
 
 def constants() -> dict[str, float]:

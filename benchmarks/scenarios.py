@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
@@ -110,14 +106,3 @@ def connector_chunks(src, dst, pairs, num_tokens, src_ids, dst_ids, slot_bytes):
                 chunk.program(src_blocks, chunk.destination_blocks(dst_ids[p.dst_rank]))
             )
     return programs
-
-
-def median_seconds(run: Callable[[], object], repeats: int) -> float:
-    """Median wall time of `repeats` calls of `run`, after one untimed warm-up call."""
-    run()
-    samples = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - began)
-    return statistics.median(samples)

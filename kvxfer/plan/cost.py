@@ -53,7 +53,7 @@ class CostModel:
     contiguous_blocks: bool = False
     # Passes one copy to or from a mirror of blocks costs. 1 for the Triton kernels; 2 for the
     # CPU's torch copies, whose mirror side takes a temporary while a dense wire buffer takes
-    # one pass (benchmarks/cell_copy_passes.py: 37.1 ms against 8.6 ms, 65k rows of 768 B).
+    # one pass (benchmarks/studies/cell_copy_passes.py: 37.1 ms against 8.6 ms, 65k rows of 768 B).
     mirror_copy_passes: int = 1
     # Fixed cost of one chunk of a connector's fetch besides its operations and launches: its
     # side-channel round trips (ask -> ready; read -> valid too for a chunk read from the

@@ -1,8 +1,8 @@
 """Mooncake's TCP slice size (`MC_TCP_SLICE_SIZE`) against throughput, over loopback: what
 kvxfer's default for it rests on (`kvxfer.transport.mooncake.TCP_SLICE_SIZE`).
 
-    MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/tcp_slice_size.py            # a table
-    MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/tcp_slice_size.py --json     # JSON
+    MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/studies/tcp_slice_size.py            # a table
+    MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/studies/tcp_slice_size.py --json     # JSON
 
 Mooncake reads the variable once per process, so every value runs in its own process; values
 alternate in a new random order each round (a noisy neighbour hits all alike), and the table
@@ -33,10 +33,10 @@ def child(pair: str, repeat: int) -> dict[str, Any]:
     """One process's measurements, at the slice size in its environment."""
     import numpy as np
     import torch
-    from scenarios import median_seconds
 
     from kvxfer.cli.bench import BenchConfig, bench_row
     from kvxfer.plan import Segments
+    from kvxfer.testing.timing import median_seconds
     from kvxfer.transport import Peer
     from kvxfer.transport.mooncake import MooncakeTransport
 

@@ -1,9 +1,9 @@
 """Where a fetch's CPU goes, thread by thread (Linux: `/proc/self/task`), in one process.
 
-    MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/thread_cpu.py pair
-    MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/thread_cpu.py pair --tokens 2048 \\
+    MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/studies/thread_cpu.py pair
+    MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/studies/thread_cpu.py pair --tokens 2048 \\
         --kv-heads 12 --dst-layout NHD --fetches 20 --time-copies
-    MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/thread_cpu.py bench --pairs 2:4
+    MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/studies/thread_cpu.py bench --pairs 2:4
 
 `pair`: one producer rank (of a TP-2 prefill engine, blocks of 16, NHD) and one consumer rank (of
 a TP-4 decode engine, blocks of 32, HND by default; 8 layers, heads of 128, bf16: the geometry of

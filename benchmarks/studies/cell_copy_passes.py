@@ -5,7 +5,7 @@ pack+unpack) with `index_select(..., out=...)`, and scatters straight from a den
 instead of `index_select` into a temporary and `index_copy_` out of it. This measures the two on
 the same rows, one torch thread, and checks they agree bit for bit.
 
-    .venv/bin/python benchmarks/cell_copy_passes.py [--rows 65536] [--row-bytes 768]
+    .venv/bin/python benchmarks/studies/cell_copy_passes.py [--rows 65536] [--row-bytes 768]
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from scenarios import median_seconds
+
+from kvxfer.testing.timing import median_seconds
 
 
 def main() -> None:
