@@ -80,15 +80,20 @@ def test_warm_up_and_requests_share_one_variant(src_geometry, dst_geometry, stra
     chunkings = [None, 48, 256]
     keys: dict[str, set[str]] = {"pack": set(), "unpack": set()}
     warm: dict[str, str] = {}
+    # The connectors' warm-up copies: one token over block 0 (producer/packing.py,
+    # consumer/copies.py).
+    one_token = PairChunk(pair.route, strategy, src_spec, dst_spec, 0, 1, landing=True)
+    block_0 = np.zeros(1, np.int64)
+    handshake = {"pack": one_token.pack(block_0), "unpack": one_token.unpack(block_0)}
     for (start, end), chunk in itertools.product(requests, chunkings):
         src_ids = rng.permutation(BLOCKS)[: -(-end // src_spec.block_size)].astype(np.int64)
         dst_ids = rng.permutation(BLOCKS)[: -(-end // dst_spec.block_size)].astype(np.int64)
         bounds = chunk_bounds(start, end, chunk) if chunk else [(start, end)]
         for (lo, hi), slot in zip(bounds, itertools.cycle([0, 1 << 20, 3 << 20]), strict=False):
-            chunk = PairChunk(pair.route, strategy, src_spec, dst_spec, lo, hi, landing=True)
+            piece = PairChunk(pair.route, strategy, src_spec, dst_spec, lo, hi, landing=True)
             copies = {
-                "pack": chunk.pack(chunk.source_blocks(src_ids)),
-                "unpack": chunk.unpack(chunk.destination_blocks(dst_ids)),
+                "pack": piece.pack(piece.source_blocks(src_ids)),
+                "unpack": piece.unpack(piece.destination_blocks(dst_ids)),
             }
             for side, copy in copies.items():
                 if copy is None:
@@ -100,8 +105,10 @@ def test_warm_up_and_requests_share_one_variant(src_geometry, dst_geometry, stra
                     _tensors(copy.dst, caches, pool, slot),
                 )
                 keys[side].add(codegen.specialization_key(launch))
-                if side not in warm:
-                    one, src, dst = scratch_copy(copy, caches[0].dtype, caches[0].device)
+                if side not in warm:  # what the connectors compile at the handshake
+                    first = handshake[side]
+                    assert first is not None
+                    one, src, dst = scratch_copy(first, caches[0].dtype, caches[0].device)
                     warm[side] = codegen.specialization_key(_launch(one, src, dst))
     for side, seen in keys.items():
         if not seen:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import REPO
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -133,67 +132,3 @@ def test_chunk_alignment_matches_max_chunk_tokens(strategy):
     for slot in (1 << 12, 1 << 14, 12345, 1 << 17):
         cap = max_chunk_tokens(strategy, plan.route, s, d, slot, slot, landing=True)
         assert cap is not None and cap % unit == 0, (slot, cap, unit)
-
-
-def test_chunk_copies_compile_the_warm_up_variant():
-    """A chunk's cache views start at its first block (a token shift): the shift is a runtime
-    argument, so every chunk's pack and unpack reuse the variant the handshake compiled
-    (Triton's key, computed on the host as in tests/kernels/test_kernel_variants.py)."""
-    import importlib.util
-    import sys
-
-    from kvxfer.execute import kv_buffer, scratch_copy
-    from kvxfer.kernels import prepare_cell_copy
-
-    script = REPO / "benchmarks" / "kernel_codegen.py"
-    spec = importlib.util.spec_from_file_location("kernel_codegen", script)
-    assert spec is not None and spec.loader is not None
-    codegen = sys.modules.get("kernel_codegen") or importlib.util.module_from_spec(spec)
-    if "kernel_codegen" not in sys.modules:
-        sys.modules["kernel_codegen"] = codegen
-        spec.loader.exec_module(codegen)
-
-    def key(copy, src, dst):
-        a, b = kv_buffer(copy.src, src), kv_buffer(copy.dst, dst)
-        launch = prepare_cell_copy(a, b, copy.token_start, copy.token_end, copy.num_heads)
-        return codegen.specialization_key(launch)
-
-    (s,) = side_specs(1, heads=8, head_dim=128, block_size=16, num_blocks=64, dtype="bfloat16")
-    (d,) = side_specs(
-        1, heads=8, head_dim=128, block_size=48, layout="HND", num_blocks=64, dtype="bfloat16"
-    )
-    src_caches, dst_caches = allocate_kv_caches(s), allocate_kv_caches(d)
-    rng = np.random.default_rng(1)
-    src_ids, dst_ids = _table(s, 1000, rng), _table(d, 1000, rng)
-    for strategy in STRATEGIES:
-        (plan,) = plan_pairs([s], [d], strategy=strategy, landing=True)
-        seen: dict[str, set] = {"pack": set(), "unpack": set()}
-        warm: dict[str, object] = {}
-        for lo, hi in chunk_bounds(5, 1000, 96):
-            chunk = PairChunk(plan.route, strategy, s, d, lo, hi, landing=True)
-            copies = {
-                "pack": chunk.pack(chunk.source_blocks(src_ids)),
-                "unpack": chunk.unpack(chunk.destination_blocks(dst_ids)),
-            }
-            for side, copy in copies.items():
-                if copy is None:
-                    continue
-                caches = src_caches if side == "pack" else dst_caches
-                layers = copy.num_layers or len(caches)
-                staging_view = copy.dst if side == "pack" else copy.src
-                staging = [
-                    torch.empty(
-                        layers * staging_view.geometry.layer_elements, dtype=caches[0].dtype
-                    )
-                ]
-                src, dst = (caches, staging) if side == "pack" else (staging, caches)
-                seen[side].add(key(copy, src, dst))
-                if side not in warm:  # what the connectors compile at the handshake
-                    one_id = np.zeros(1, np.int64)
-                    one_token = PairChunk(plan.route, strategy, s, d, 0, 1, landing=True)
-                    first = one_token.pack(one_id) if side == "pack" else one_token.unpack(one_id)
-                    assert first is not None
-                    one, a, b = scratch_copy(first, caches[0].dtype, caches[0].device)
-                    warm[side] = key(one, a, b)
-        for side, keys in seen.items():
-            assert not keys or keys == {warm[side]}, (strategy, side, len(keys))
