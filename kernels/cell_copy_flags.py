@@ -128,10 +128,10 @@ def tile_tokens(block_sizes: list[int], row_bytes: int) -> int:
     """Tokens per program: a power of two that divides every given block size (so a tile
     never straddles a block on either side), with at most `TILE_BYTES` per program.
 
-    Measured on one H200 with the previous kernel (benchmarks/RESULTS.md): 4 KiB tiles moved
-    2,275 GB/s and 16 KiB tiles 1,322, because each thread then walked a whole column; this
-    kernel spreads a tile over every thread (benchmarks/kernel_codegen.py: no spills), so the
-    tile is sized by the bytes a program should move, 32 KiB at most.
+    Measured on one H200 with the previous kernel (benchmarks/history/2026-11-30.md): 4 KiB
+    tiles moved 2,275 GB/s and 16 KiB tiles 1,322, because each thread then walked a whole
+    column; this kernel spreads a tile over every thread (benchmarks/kernel_codegen.py: no
+    spills), so the tile is sized by the bytes a program should move, 32 KiB at most.
     """
     tokens = MAX_TILE_TOKENS
     for bs in block_sizes:

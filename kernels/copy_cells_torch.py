@@ -4,7 +4,8 @@ semantics for the Triton kernels, and the CPU backend.
 A "cell" is one (plane, token, head) vector of `head_dim` contiguous elements. Cells are
 addressed as rows of the underlying memory, so one layer is one `index_select` (a gather into
 dense staging) or one row scatter (numpy's on CPU, `index_copy_` elsewhere): on CPU this is
-several times faster than advanced indexing into the permuted 5-D views (benchmarks/RESULTS.md).
+several times faster than advanced indexing into the permuted 5-D views
+(benchmarks/history/2026-11-30.md).
 The host work around them (index math, row views) is what a short chunk's copy costs; it is
 kept to a few numpy calls and, for a cache, views made once.
 """
@@ -230,7 +231,7 @@ def _copy_rows_host(
 
     A short chunk's copy is mostly host work: numpy views made without a torch call per layer
     and numpy's gather took a 16-token pack from 139 to 123 us, and numpy scatters rows 2-4
-    times faster than `index_copy_` (benchmarks/RESULTS.md).
+    times faster than `index_copy_` (benchmarks/history/2026-12-02.md).
     """
     (unit, src_step), (src_rows, dst_rows) = shape, rows
     reads = _host_rows(src, src_side, word, unit, src_step)

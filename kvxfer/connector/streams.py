@@ -141,7 +141,7 @@ class CudaCopyStream:
 # (`CacheCopier.start`). A 16-token chunk's copy costs less than the two thread hand-overs a
 # worker costs it (the worker's wake-up, then its answer back to the loop). 4 MiB (0.6 ms of
 # copying, 512 tokens of 8 layers and 2 heads of 128) and not 1: sixteen 256-token requests at
-# once went from 91-99 to 108-112 a second (benchmarks/RESULTS.md).
+# once went from 91-99 to 108-112 a second (benchmarks/history/2026-12-03.md).
 INLINE_COPY_BYTES = 4 << 20
 
 

@@ -32,8 +32,8 @@ read (a small request's, under 1.6 ms) is found as soon as before; a long one wa
 eighth of its age, 2 ms at most, and is polled several times less often (a 20 ms read about 30
 times instead of 100). Each poll of a driven pump is a turn of its consumer's loop, CPU that
 the copies need on a small machine: in `kvxfer bench` on the project's 2-core machine the
-consumers' loops went from 13-16 to 7-13 ms of CPU per 100.7 MB run (benchmarks/RESULTS.md,
-measured with benchmarks/studies/thread_cpu.py).
+consumers' loops went from 13-16 to 7-13 ms of CPU per 100.7 MB run
+(benchmarks/history/2026-12-03.md, measured with benchmarks/studies/thread_cpu.py).
 
 Caps: more than about 2,048 descriptors in flight make an engine fail every later transfer
 (module docstring of `kvxfer.transport.mooncake`), so at most `TOTAL_IN_FLIGHT` are in flight

@@ -53,8 +53,8 @@ TCP_SLICE_SIZE = 64 << 10
 """Bytes per Mooncake TCP slice (`MC_TCP_SLICE_SIZE`) when the environment sets none: Mooncake's
 own default, which no other size beat beyond the noise over loopback (64 KiB to 4 MiB, one
 stream, four streams and `kvxfer bench`; `benchmarks/studies/tcp_slice_size.py`,
-benchmarks/RESULTS.md). Set explicitly so that the value kvxfer was measured with does not move
-with Mooncake's."""
+benchmarks/history/2026-11-30.md). Set explicitly so that the value kvxfer was measured with
+does not move with Mooncake's."""
 
 
 def check_protocol(protocol: object) -> str:

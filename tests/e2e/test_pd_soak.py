@@ -2,7 +2,7 @@
 and restarted, frozen (SIGSTOP) for 30 s, a decode engine restarted, 8 clients throughout, on
 kvxfer's default settings. Every completed output equals one engine's, nothing stays waiting
 for remote KV, both engines' KV caches drain to empty, and no load is reported failed outside
-a fault's window. The figures of a longer run are in benchmarks/RESULTS.md."""
+a fault's window. The figures of a longer run are in benchmarks/RESULTS.md (the soak's row)."""
 
 from __future__ import annotations
 

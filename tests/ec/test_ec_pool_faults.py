@@ -143,7 +143,7 @@ def test_a_producer_killed_while_a_load_waits_fails_it_at_once_not_at_its_timeou
     is SIGKILLed: the kernel closes its sockets, and the load fails well before the query's
     timeout, naming the closed connection, with A skipped from then on. Without the watch it
     waited out the timeout. The bound is half the timeout: a loaded machine stalls whole
-    processes for tens of seconds (benchmarks/RESULTS.md), never for minutes."""
+    processes for tens of seconds (benchmarks/history/2026-12-03.md), never for minutes."""
     query_timeout_s = 300.0
     proc_a, address_a = _producer(processes, picks=range(0, 6))
     item = HASHES[0]
