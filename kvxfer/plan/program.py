@@ -86,8 +86,8 @@ class StrategyTraits:
         send_to: what they arrive in on the destination, outside landing programs: its cache,
             a mirror of the source's blocks (scattered from), or the wire buffer. A landing
             program lands "cache" in a mirror of the destination's blocks instead.
-        converts_on: "source", "destination", or "narrower": the side whose dtype is the
-            narrower one carries the wire (`conversion_side`).
+        converts_on: "source", "destination", or "narrower": the wire holds the narrower
+            dtype, so the side with the wider one converts (`conversion_side`).
     """
 
     send_from: Buffer
@@ -139,7 +139,8 @@ def strategies_for(src_spec: KVCacheSpec, dst_spec: KVCacheSpec) -> tuple[Strate
     """
     excluded: set[Strategy] = set()
     if src_spec.dtype != dst_spec.dtype:
-        excluded |= _SEGMENTS_FROM_SOURCE_CACHE & _SEGMENTS_INTO_DESTINATION_CACHE  # no copy
+        # no cell copy on either side to convert in
+        excluded |= _SEGMENTS_FROM_SOURCE_CACHE & _SEGMENTS_INTO_DESTINATION_CACHE
         if dst_spec.fp8_rounding != "nearest_even":  # converts on its own side only
             excluded |= {s for s, t in TRAITS.items() if t.converts_on == "source"}
     if _cpu_placement(src_spec):
