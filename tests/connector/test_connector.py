@@ -440,7 +440,7 @@ def test_a_failed_prefill_and_a_close_release_with_their_reasons(engines):
         p.publish("failing", ids, engines.num_tokens, ready_tokens=0)
         p.publish("pending", ids, engines.num_tokens)
         p.fail("failing")
-    poll(lambda: len(engines.released), lambda n: n == 2, 10.0)
+    wait_until(lambda: len(engines.released) == 2, 60.0, "both producers' failed releases")
     for p in engines.producers:
         p.close()
     assert engines.reasons == {

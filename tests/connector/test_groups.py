@@ -26,7 +26,7 @@ from kvxfer.connector import (
 )
 from kvxfer.connector.groups import _past_null_blocks, fetched_blocks, held_from
 from kvxfer.reference import random_global_kv, write_rank_cells
-from kvxfer.testing import POISON, bits, poll, side_specs, wait_until
+from kvxfer.testing import POISON, bits, side_specs, wait_until
 
 NULL_BLOCK = 0  # vLLM's null block: never holds a token of a request
 LOCAL = {"transport": "local"}
@@ -176,7 +176,7 @@ def test_a_request_is_released_with_the_first_groups_reason_other_than_read(requ
     try:
         producer.publish("r", src_tables[0], NUM_TOKENS, ready_tokens=0)
         producer.producers[1].fail("r")  # one group's prefill failed, the other's is pending
-        poll(lambda: producer.producers[1].pending_requests, lambda p: not p, 10.0)
+        wait_until(lambda: not producer.producers[1].pending_requests, 60.0, "group 1's release")
         assert released == []  # group 0 still holds it
     finally:
         producer.close()  # group 0 releases it as closed: the request goes as failed
