@@ -4,4 +4,5 @@ import sys
 
 from kvxfer.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing the module (a walk of the package) runs nothing
+    sys.exit(main())
