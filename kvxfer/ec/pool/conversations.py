@@ -103,7 +103,7 @@ class Conversations:
         closed: threading.Event,
         heard: Callable[[str], None],
     ) -> None:
-        self._secret, self._name, self._transport = secret, name, transport
+        self._secret, self._name, self._kind = secret, name, transport
         self._closed, self._heard = closed, heard
         self._links: dict[str, Link | None] = dict.fromkeys(addresses)
         self._lock = threading.Lock()
@@ -146,7 +146,7 @@ class Conversations:
             raise ProtocolError(f"expected a welcome, got {type(event).__name__}")
         terms = decode_terms(event.terms, ECTerms)
         try:
-            endpoint = check_peer_endpoint(self._transport, terms.transport, terms.endpoint)
+            endpoint = check_peer_endpoint(self._kind, terms.transport, terms.endpoint)
         except ValueError as exc:
             raise ProtocolError(f"producer {address}'s terms refused: {exc}") from exc
         link = Link(client, endpoint)

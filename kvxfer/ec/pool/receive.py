@@ -64,7 +64,7 @@ class ReceiveBuffer:
         self._ranges = ByteRanges(capacity)
         self._quarantine: dict[int, int] = {}  # offset -> bytes, of reads given up on
         self._engines: dict[str, _Engine] = {}  # by producer address
-        self._transport, self._options = transport, options
+        self._kind, self._options = transport, options  # a kind of `KINDS`
         self._closed = closed
         self._lock = threading.Condition()  # ranges, quarantine, unsettled counts
         self._engine_lock = threading.Lock()  # engines are made one at a time
@@ -213,7 +213,7 @@ class ReceiveBuffer:
             if engine is None:
                 if self._closed.is_set():  # close() closes the engines made until then
                     raise ECLoadError("the encoder-cache connector was closed")
-                transport = create_transport(self._transport, self._options)
+                transport = create_transport(self._kind, self._options)
                 try:
                     region = transport.register(self.memory)
                 except BaseException:
