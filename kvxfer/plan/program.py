@@ -37,6 +37,7 @@ itself once the transfer is complete and confirmed (docs/connectors.md, "No late
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Literal, cast
 
@@ -335,7 +336,7 @@ class PairChunk:
         pack = self._copy(src_cache, src_staging) if src_staging else None
         unpack = self._copy(dst_staging, dst_cache) if dst_staging else None
         send_from, send_to = src_staging or src_cache, dst_staging or dst_cache
-        layers, _, _ = self.route.layer_span(self.src_spec, self.dst_spec)
+        layers, _, _ = self._span
         return ProgramShape(self.strategy, send_from, send_to, pack, unpack, layers)
 
     def program(self, src_blocks: np.ndarray, dst_blocks: np.ndarray) -> TransferProgram:
@@ -370,13 +371,18 @@ class PairChunk:
         _, dst_staging = self._staging(BlockGeometry.of_spec(self.src_spec), dst_cache.geometry)
         return None if dst_staging is None else self._copy(dst_staging, dst_cache)
 
+    @functools.cached_property
+    def _span(self) -> tuple[int, int, int]:
+        """The route's (layers, first local layer on the source, on the destination)."""
+        return self.route.layer_span(self.src_spec, self.dst_spec)
+
     def _source_cache(self, blocks: np.ndarray) -> PagedView:
-        _, layer, _ = self.route.layer_span(self.src_spec, self.dst_spec)
+        _, layer, _ = self._span
         view = cache_view(self.src_spec, blocks, self.route.src_head_offset, layer)
         return _from_chunk_start(view, self.token_start)
 
     def _destination_cache(self, blocks: np.ndarray) -> PagedView:
-        _, _, layer = self.route.layer_span(self.src_spec, self.dst_spec)
+        _, _, layer = self._span
         view = cache_view(self.dst_spec, blocks, self.route.dst_head_offset, layer)
         return _from_chunk_start(view, self.token_start)
 
