@@ -270,7 +270,7 @@ def test_a_prefill_rank_killed_before_it_sends_fails_the_decode_with_its_pages(
     model_dir, bootstrap_port
 ):
     # TP 2 -> TP 2: decode rank 0 reads only from prefill rank 0, which dies (SIGKILL) once
-    # bootstrapped; prefill rank 1 publishes and its decode rank completes.
+    # bootstrapped; prefill rank 1 publishes.
     prefills, decodes, cfgs = _run_pair(
         model_dir, bootstrap_port, 4001, (2, 16), (2, 32),
         faults={("prefill", 0): {"killed_before_send": True}},
@@ -286,7 +286,15 @@ def test_a_prefill_rank_killed_before_it_sends_fails_the_decode_with_its_pages(
     assert dead["states"][-1] == 0, dead["states"]  # KVPoll.Failed
     assert f"pages {sorted(cfgs[0].pages)}" in dead["reason"], dead["reason"]
     assert dead["untouched"], "a failed load wrote outside its pages"
-    assert alive["states"][-1] == 4 and alive["untouched"]
+    # Decode rank 1 races the same ABORT: `Success` with prefill rank 1's heads when its read
+    # came first, `Failed` naming the released request when the ABORT did. SGLang's decode
+    # polls its ranks together, so the request fails whole either way; nothing is corrupted.
+    assert alive["untouched"], "the surviving decode rank wrote outside its pages"
+    if alive["states"][-1] == 4:
+        assert torch.equal(torch.from_numpy(alive["held"]), torch.from_numpy(survivor["held"]))
+    else:
+        assert alive["states"][-1] == 0, alive["states"]
+        assert "already released" in alive["reason"], alive["reason"]
 
 
 def test_a_decode_abort_frees_the_prefill_and_writes_nothing(model_dir, bootstrap_port):
