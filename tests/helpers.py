@@ -1,7 +1,9 @@
 """What several test files share that is not part of `kvxfer.testing` (geometries, poisoned
 memory, scenarios; its `strategies` for Hypothesis): `shared_result`, a value computed once for
 a whole parallel run; `run_quick_benchmark`; `documented_moves`, the transition table a state
-module's docstring draws; `REPO`, the repository's root. tests/conftest.py puts this folder
+module's docstring draws; `cpu_attention_rank`, one small rank on a vLLM CPU attention layout, and
+`assert_run_offsets`, where the reference writes each element inside a (block, head) run;
+`REPO`, the repository's root. tests/conftest.py puts this folder
 on sys.path for the tests in every subfolder."""
 
 from __future__ import annotations
@@ -16,9 +18,13 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from kvxfer import KVCacheSpec
+    from kvxfer.testing import Geometry
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,7 +59,27 @@ def shared_result(factory: pytest.TempPathFactory, name: str, compute: Callable[
         return value
 
 
-__all__ = ["documented_moves", "run_quick_benchmark", "shared_result", "unlisted_moves"]
+__all__ = [
+    "assert_run_offsets",
+    "cpu_attention_rank",
+    "documented_moves",
+    "run_quick_benchmark",
+    "shared_result",
+    "unlisted_moves",
+]
+
+
+def cpu_attention_rank(placement: str) -> Geometry:
+    """One small rank on one of vLLM CPU attention's layouts (HND, behind kv_inner's strides):
+    `k_transposed` (its `vec` ISAs') float32, 2 heads of 3 in blocks of 4; `amx_tiles` bf16, 2
+    heads of 32 in blocks of 32 (AMX's groups of 16)."""
+    from kvxfer.testing import Geometry  # not at the top: the files that need only REPO stay light
+
+    if placement == "amx_tiles":
+        shape: dict[str, Any] = dict(head_dim=32, block_size=32)
+    else:
+        shape = dict(head_dim=3, dtype="float32", block_size=4)
+    return Geometry(layers=1, heads=2, num_blocks=3, layout="HND", placement=placement, **shape)
 
 
 def documented_moves(doc: str | None, states: type[enum.Enum], events: type[enum.Enum]) -> dict:
@@ -74,3 +100,30 @@ def unlisted_moves(
     """Every (state, event) that a table test's `legal` rows (state, event, next) do not list."""
     listed = {(state, event) for state, event, _ in legal}
     return [move for move in itertools.product(states, events) if move not in listed]
+
+
+def assert_run_offsets(
+    spec: KVCacheSpec,
+    num_tokens: int,
+    k_at: Callable[[int, int], int],
+    v_at: Callable[[int, int], int],
+) -> None:
+    """Write `num_tokens` tokens of the reference KV (`kvxfer.reference`) into blocks 2 then 0
+    of a one-layer cache of `spec` (a (block, head) run per head, as CPU attention's layouts
+    have), and check that inside the run of its block and head, element d of the token in slot
+    s has its K at `k_at(s, d)` and its V at `v_at(s, d)`."""
+    import torch
+
+    from kvxfer.reference import random_global_kv, write_rank_cells
+
+    cache = torch.zeros(spec.layer_shape, dtype=spec.torch_dtype)
+    kv = random_global_kv(spec, num_tokens)
+    block_ids = [2, 0]
+    write_rank_cells(spec, [cache], block_ids, kv, 0, num_tokens)
+    for t in range(num_tokens):
+        block, slot = block_ids[t // spec.block_size], t % spec.block_size
+        for h in range(spec.heads_per_rank):
+            run = cache[block, h].reshape(-1)
+            for d in range(spec.head_dim):
+                assert run[k_at(slot, d)] == kv[0, 0, t, h, d]
+                assert run[v_at(slot, d)] == kv[0, 1, t, h, d]

@@ -9,7 +9,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from kvxfer.plan import STRATEGIES
+from kvxfer.plan import STRATEGIES, strategies_for
 from kvxfer.reference import rank_heads, rank_layers
 from kvxfer.reshard import ReshardResult, reshard
 from kvxfer.spec import KV_PLACEMENTS, KVCacheSpec
@@ -99,6 +99,13 @@ def geometry_specs(g: dict[str, Any]) -> list[list[KVCacheSpec]]:
             )
         )
     return specs
+
+
+def movable_strategy(draw: st.DrawFn, g: dict[str, Any]) -> str | None:
+    """A strategy that can move the pair `g` describes (`strategies_for` its first ranks), or
+    None: the cost model's choice."""
+    src, dst = (specs[0] for specs in geometry_specs(g))
+    return draw(st.sampled_from([None, *strategies_for(src, dst)]))
 
 
 def reshard_random_geometry(g: dict[str, Any], backend: str) -> None:

@@ -11,36 +11,26 @@ other.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import pytest
 import torch
+from helpers import assert_run_offsets, cpu_attention_rank
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvxfer import KVCacheSpec, reshard
-from kvxfer.layout import canonical_shape, canonical_view, cell_planes, plane_views
-from kvxfer.plan import plan_pairs, strategies_for
+from kvxfer.layout import canonical_shape, cell_planes, plane_views
 from kvxfer.reference import random_global_kv, write_rank_cells
 from kvxfer.testing import make_scenario, side_specs
-from kvxfer.testing.strategies import geometries, geometry_specs
+from kvxfer.testing.strategies import geometries, movable_strategy, reshard_random_geometry
 
 AMX = "amx_tiles"
 
 
-def _amx_spec(**overrides: object) -> KVCacheSpec:
-    fields: dict = dict(
-        num_layers=1,
-        num_kv_heads=2,
-        head_dim=32,
-        dtype="bfloat16",
-        tp_size=1,
-        tp_rank=0,
-        block_size=32,
-        num_blocks=3,
-        layout="HND",
-        kv_placement=AMX,
-    )
-    fields.update(overrides)
-    return KVCacheSpec(**fields)
+def _amx_spec(**changes: Any) -> KVCacheSpec:
+    return replace(cpu_attention_rank(AMX), **changes).spec()
 
 
 def test_reference_writes_the_amx_offsets() -> None:
@@ -49,23 +39,16 @@ def test_reference_writes_the_amx_offsets() -> None:
     (d % 16) * 2 + s % 2` inside the (b, h) run: what vLLM 0.32's cpu_attn_amx.hpp writes."""
     spec = _amx_spec()
     bs, dim = spec.block_size, spec.head_dim
-    cache = torch.zeros(spec.layer_shape, dtype=torch.bfloat16)
-    kv = random_global_kv(spec, 40)
-    block_ids = [2, 0]
-    write_rank_cells(spec, [cache], block_ids, kv, 0, 40)
-    for t in range(40):
-        block, s = block_ids[t // bs], t % bs
-        for h in range(2):
-            run = cache[block, h].reshape(-1)
-            for d in range(dim):
-                k_at = (s // 16) * 16 * dim + (d // 2) * 32 + (s % 16) * 2 + d % 2
-                v_at = bs * dim + (d // 16) * 16 * bs + (s // 2) * 32 + (d % 16) * 2 + s % 2
-                assert run[k_at] == kv[0, 0, t, h, d]
-                assert run[v_at] == kv[0, 1, t, h, d]
+    assert_run_offsets(
+        spec,
+        40,
+        k_at=lambda s, d: (s // 16) * 16 * dim + (d // 2) * 32 + (s % 16) * 2 + d % 2,
+        v_at=lambda s, d: bs * dim + (d // 16) * 16 * bs + (s // 2) * 32 + (d % 16) * 2 + s % 2,
+    )
 
 
 def test_cell_planes_match_the_reference() -> None:
-    spec = _amx_spec(num_kv_heads=4, head_dim=48, block_size=16, num_blocks=4)
+    spec = _amx_spec(heads=4, head_dim=48, block_size=16, num_blocks=4)
     cache = torch.zeros(spec.layer_shape, dtype=torch.bfloat16)
     kv = random_global_kv(spec, 40)
     ids = [3, 1, 0]
@@ -78,29 +61,17 @@ def test_cell_planes_match_the_reference() -> None:
     assert canonical_shape(cache, "HND", AMX, False) == (2, 4, 16, 4, 48)
 
 
-def test_no_plane_view_no_canonical_view_and_no_guess() -> None:
-    spec = _amx_spec()
-    tensor = torch.zeros(spec.layer_shape)
-    with pytest.raises(ValueError, match="cell_planes"):
-        canonical_view(tensor, "HND", AMX, False)
+def test_no_plane_view_and_no_guess() -> None:
+    """No K and V planes to view (tests/kernels/test_k_transposed.py checks that there is no
+    canonical view and that the layout is HND only, for both CPU attention layouts)."""
+    tensor = torch.zeros(_amx_spec().layer_shape)
     with pytest.raises(ValueError, match="cell_planes"):
         plane_views(tensor, "HND", AMX, False)
     with pytest.raises(ValueError, match="dense run"):
         cell_planes(tensor[:, :, :, :32], "HND", AMX, False)  # a slice: not the engine's tensor
-    with pytest.raises(ValueError, match="layout='HND'"):
-        _amx_spec(layout="NHD")
     for field, value in (("block_size", 24), ("head_dim", 40)):
         with pytest.raises(ValueError, match="groups of 16"):
             _amx_spec(**{field: value})
-
-
-def test_strategies_never_address_an_amx_cache() -> None:
-    amx, gpu = _amx_spec(), _amx_spec(kv_placement="kv_inner")
-    assert strategies_for(amx, gpu) == ("pack", "pack+unpack")
-    assert strategies_for(gpu, amx) == ("unpack", "pack+unpack")
-    assert strategies_for(amx, amx) == ("pack+unpack",)
-    with pytest.raises(ValueError, match=r"'pack'.*destination cache is 'amx_tiles'"):
-        plan_pairs([gpu], [amx], strategy="pack")
 
 
 @st.composite
@@ -120,21 +91,17 @@ def amx_geometries(draw: st.DrawFn) -> dict:
             side["block_size"] = draw(st.sampled_from([16, 32, 48]))
         elif draw(st.booleans()):
             side["layout"], side["placement"] = "HND", "k_transposed"
-    src, dst = (specs[0] for specs in geometry_specs(g))
-    g["strategy"] = draw(st.sampled_from([None, *strategies_for(src, dst)]))
+    g["strategy"] = movable_strategy(draw, g)
     return g
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(amx_geometries())
 def test_reshard_amx_tiles_bit_exact(g: dict) -> None:
-    """Any TP pair, block sizes, start token and partial blocks, every allowed strategy:
-    every destination byte equals the reference, poisoned cells outside the moved range
-    included."""
-    specs = geometry_specs(g)
-    sc = make_scenario(specs[0], specs[1], g["tokens"], g["start"], g["seed"], g["contiguous"])
-    reshard(sc.src, sc.dst, g["tokens"], g["start"], strategy=g["strategy"], backend="torch")
-    sc.assert_exact()
+    """AMX on one side or both with any TP pair, block sizes in its groups of 16, start token
+    and partial blocks, every allowed strategy: byte-exact, poison outside the moved range
+    intact (`reshard_random_geometry`)."""
+    reshard_random_geometry(g, "torch")
 
 
 @pytest.mark.parametrize(("src", "dst"), [(AMX, "k_transposed"), ("k_transposed", AMX)])

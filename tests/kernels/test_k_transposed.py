@@ -8,8 +8,12 @@ partial first and last blocks, and a CPU engine on one side with any GPU layout 
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import pytest
 import torch
+from helpers import assert_run_offsets, cpu_attention_rank
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,26 +22,13 @@ from kvxfer.layout import canonical_view, plane_views
 from kvxfer.plan import STRATEGIES, plan_pairs, strategies_for
 from kvxfer.reference import random_global_kv, write_rank_cells
 from kvxfer.testing import make_scenario, side_specs
-from kvxfer.testing.strategies import geometries, geometry_specs
+from kvxfer.testing.strategies import geometries, movable_strategy, reshard_random_geometry
 
 K_T = "k_transposed"
 
 
-def _cpu_spec(**overrides: object) -> KVCacheSpec:
-    fields: dict = dict(
-        num_layers=1,
-        num_kv_heads=2,
-        head_dim=3,
-        dtype="float32",
-        tp_size=1,
-        tp_rank=0,
-        block_size=4,
-        num_blocks=3,
-        layout="HND",
-        kv_placement=K_T,
-    )
-    fields.update(overrides)
-    return KVCacheSpec(**fields)
+def _cpu_spec(**changes: Any) -> KVCacheSpec:
+    return replace(cpu_attention_rank(K_T), **changes).spec()
 
 
 def test_reference_writes_cpu_attention_offsets() -> None:
@@ -46,21 +37,13 @@ def test_reference_writes_cpu_attention_offsets() -> None:
     cpu_attn_reshape_and_cache writes for its vec and vec16 ISAs."""
     spec = _cpu_spec()
     bs, dim = spec.block_size, spec.head_dim
-    cache = torch.zeros(spec.layer_shape)
-    kv = random_global_kv(spec, 6)
-    block_ids = [2, 0]
-    write_rank_cells(spec, [cache], block_ids, kv, 0, 6)
-    for t in range(6):
-        block, slot = block_ids[t // bs], t % bs
-        for h in range(2):
-            run = cache[block, h].reshape(-1)
-            for d in range(dim):
-                assert run[d * bs + slot] == kv[0, 0, t, h, d]
-                assert run[bs * dim + slot * dim + d] == kv[0, 1, t, h, d]
+    assert_run_offsets(
+        spec, 6, k_at=lambda s, d: d * bs + s, v_at=lambda s, d: bs * dim + s * dim + d
+    )
 
 
 def test_plane_views_match_the_reference() -> None:
-    spec = _cpu_spec(num_kv_heads=4, head_dim=5, block_size=8, num_blocks=4)
+    spec = _cpu_spec(heads=4, head_dim=5, block_size=8, num_blocks=4)
     cache = torch.zeros(spec.layer_shape)
     kv = random_global_kv(spec, 20)
     write_rank_cells(spec, [cache], [3, 1, 0], kv, 0, 20)
@@ -72,26 +55,38 @@ def test_plane_views_match_the_reference() -> None:
         assert torch.equal(v[block, slot], kv[0, 1, t])
 
 
-def test_no_canonical_view_and_no_guess() -> None:
-    spec = _cpu_spec()
-    tensor = torch.zeros(spec.layer_shape)
-    with pytest.raises(ValueError, match="cell_planes"):
-        canonical_view(tensor, "HND", K_T, False)
+def test_no_guess_at_a_slice() -> None:
+    tensor = torch.zeros(_cpu_spec().layer_shape)
     with pytest.raises(ValueError, match="dense run"):
         plane_views(tensor[:, :, :, :4], "HND", K_T, False)  # a slice: not the engine's tensor
+
+
+# Both of vLLM CPU attention's layouts: its `vec` ISAs' (k_transposed) and AMX's.
+CPU_ATTENTION = [K_T, "amx_tiles"]
+
+
+@pytest.mark.parametrize("placement", CPU_ATTENTION)
+def test_no_canonical_view_and_hnd_only(placement: str) -> None:
+    rank = cpu_attention_rank(placement)
+    with pytest.raises(ValueError, match="cell_planes"):
+        canonical_view(torch.zeros(rank.spec().layer_shape), "HND", placement, False)
     with pytest.raises(ValueError, match="layout='HND'"):
-        _cpu_spec(layout="NHD")
+        replace(rank, layout="NHD").spec()
 
 
-def test_strategies_never_address_a_k_transposed_cache() -> None:
-    cpu, gpu = _cpu_spec(), _cpu_spec(kv_placement="kv_inner")
+@pytest.mark.parametrize("placement", CPU_ATTENTION)
+def test_strategies_never_address_a_cpu_attention_cache(placement: str) -> None:
+    """Only pack and unpack address a CPU attention cache: no strategy reads a source or
+    writes a destination on one in place."""
+    rank = cpu_attention_rank(placement)
+    cpu, gpu = rank.spec(), replace(rank, placement="kv_inner").spec()
     assert strategies_for(gpu, gpu) == STRATEGIES
     assert strategies_for(cpu, gpu) == ("pack", "pack+unpack")
     assert strategies_for(gpu, cpu) == ("unpack", "pack+unpack")
     assert strategies_for(cpu, cpu) == ("pack+unpack",)
-    with pytest.raises(ValueError, match=r"'direct'.*source cache is 'k_transposed'"):
+    with pytest.raises(ValueError, match=rf"'direct'.*source cache is '{placement}'"):
         plan_pairs([cpu], [gpu], strategy="direct")
-    with pytest.raises(ValueError, match=r"'pack'.*destination cache is 'k_transposed'"):
+    with pytest.raises(ValueError, match=rf"'pack'.*destination cache is '{placement}'"):
         plan_pairs([gpu], [cpu], strategy="pack")
 
 
@@ -109,21 +104,17 @@ def cpu_geometries(draw: st.DrawFn) -> dict:
     for side, cpu in zip(g["sides"], which, strict=True):
         if cpu:
             side["layout"], side["placement"] = "HND", K_T
-    src, dst = (specs[0] for specs in geometry_specs(g))
-    g["strategy"] = draw(st.sampled_from([None, *strategies_for(src, dst)]))
+    g["strategy"] = movable_strategy(draw, g)
     return g
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cpu_geometries())
 def test_reshard_k_transposed_bit_exact(g: dict) -> None:
-    """Any TP pair, block sizes, start token and partial blocks, every allowed strategy:
-    every destination byte equals the reference, poisoned cells outside the moved range
-    included."""
-    specs = geometry_specs(g)
-    sc = make_scenario(specs[0], specs[1], g["tokens"], g["start"], g["seed"], g["contiguous"])
-    reshard(sc.src, sc.dst, g["tokens"], g["start"], strategy=g["strategy"], backend="torch")
-    sc.assert_exact()
+    """Any TP pair, block sizes, start token and partial blocks, every allowed strategy, CPU
+    attention on one side or both: every destination byte equals the reference, poisoned
+    cells outside the moved range included (`reshard_random_geometry`)."""
+    reshard_random_geometry(g, "torch")
 
 
 @pytest.mark.parametrize(
