@@ -9,16 +9,9 @@ import torch
 
 from kvxfer import KVCacheSpec, allocate_kv_caches, decode_spec, encode_spec
 
-BASE = dict(
-    num_layers=2,
-    num_kv_heads=8,
-    head_dim=16,
-    dtype="bfloat16",
-    tp_size=4,
-    tp_rank=1,
-    block_size=16,
-    num_blocks=10,
-)
+MODEL = dict(num_layers=2, num_kv_heads=8, head_dim=16, dtype="bfloat16")  # the model fixes
+RANK = dict(tp_size=4, tp_rank=1, block_size=16, num_blocks=10)  # one engine rank chooses
+BASE = {**MODEL, **RANK}
 
 
 def spec(**changes) -> KVCacheSpec:
@@ -84,20 +77,14 @@ def test_invalid_fields_are_named(changes, field):
         spec(**changes)
 
 
-INT_FIELDS = (
-    "num_layers",
-    "num_kv_heads",
-    "head_dim",
-    "tp_size",
-    "tp_rank",
-    "block_size",
-    "num_blocks",
-    "pp_size",
-    "pp_rank",
-    "layer_start",
-    "total_layers",
-)
+# Every field the contract types as int (read from the struct, not from kvxfer.spec's list).
+INT_FIELDS = tuple(f.name for f in msgspec.structs.fields(KVCacheSpec) if f.type is int)
 PP_BASE = dict(pp_size=3, pp_rank=1, layer_start=2, total_layers=6)
+
+
+def test_every_count_index_and_stride_is_an_int_field():
+    others = {"dtype", "layout", "kv_placement", "mla", "k_scales", "v_scales", "fp8_rounding"}
+    assert set(KVCacheSpec.__struct_fields__) - set(INT_FIELDS) == others
 
 
 @pytest.mark.parametrize("np_type", [np.int64, np.int32, np.uint16, np.intp])
