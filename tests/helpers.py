@@ -1,10 +1,10 @@
 """What several test files share that is not part of `kvxfer.testing` (geometries, poisoned
 memory, scenarios; its `strategies` for Hypothesis): `shared_result`, a value computed once for
-a whole parallel run; `run_quick_benchmark`; `documented_moves`, the transition table a state
-module's docstring draws; `cpu_attention_rank`, one small rank on a vLLM CPU attention layout, and
-`assert_run_offsets`, where the reference writes each element inside a (block, head) run;
-`REPO`, the repository's root. tests/conftest.py puts this folder
-on sys.path for the tests in every subfolder."""
+a whole parallel run; `run_quick_benchmark`; `TransitionTableCases`, the checks every state
+module's transition table gets (with `documented_moves`, the table its docstring draws);
+`cpu_attention_rank`, one small rank on a vLLM CPU attention layout, and `assert_run_offsets`,
+where the reference writes each element inside a (block, head) run; `REPO`, the repository's
+root. tests/conftest.py puts this folder on sys.path for the tests in every subfolder."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -60,6 +61,7 @@ def shared_result(factory: pytest.TempPathFactory, name: str, compute: Callable[
 
 
 __all__ = [
+    "TransitionTableCases",
     "assert_run_offsets",
     "cpu_attention_rank",
     "documented_moves",
@@ -100,6 +102,56 @@ def unlisted_moves(
     """Every (state, event) that a table test's `legal` rows (state, event, next) do not list."""
     listed = {(state, event) for state, event, _ in legal}
     return [move for move in itertools.product(states, events) if move not in listed]
+
+
+class TransitionTableCases:
+    """The checks every state machine's transition table gets, for a `Test...` class to inherit
+    with `module` (the states module: its `TRANSITIONS`, `next_state`, `IllegalTransition`,
+    `accepts` where it has one, and the docstring that draws the table), `states` and `events`
+    (its two enums) and `legal` (state -> {event: next state}, every legal move): each legal
+    move leads where `legal` says, the table has exactly those moves, every other move raises,
+    and the docstring draws the same table."""
+
+    module: ModuleType
+    states: type[enum.Enum]
+    events: type[enum.Enum]
+    legal: dict[Any, dict[Any, Any]]
+
+    def rows(self) -> list[tuple[Any, Any, Any]]:
+        """`legal` as (state, event, next) rows."""
+        return [(s, e, after) for s, moves in self.legal.items() for e, after in moves.items()]
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        name = metafunc.function.__name__
+        if name == "test_every_legal_move":
+            metafunc.parametrize(("state", "event", "after"), self.rows(), ids=_value)
+        elif name == "test_every_other_move_raises":
+            moves = unlisted_moves(self.rows(), self.states, self.events)
+            metafunc.parametrize(("state", "event"), moves, ids=_value)
+
+    def test_every_legal_move(self, state: Any, event: Any, after: Any) -> None:
+        if hasattr(self.module, "accepts"):
+            assert self.module.accepts(state, event)
+        assert self.module.next_state(state, event) is after
+
+    def test_the_table_has_exactly_the_legal_moves(self) -> None:
+        assert {(s, e): after for s, e, after in self.rows()} == self.module.TRANSITIONS
+
+    def test_every_other_move_raises(self, state: Any, event: Any) -> None:
+        if hasattr(self.module, "accepts"):
+            assert not self.module.accepts(state, event)
+        with pytest.raises(
+            self.module.IllegalTransition, match=f"{state.value!r} cannot take event"
+        ):
+            self.module.next_state(state, event)
+
+    def test_the_docstring_table_is_the_table(self) -> None:
+        drawn = documented_moves(self.module.__doc__, self.states, self.events)
+        assert drawn == self.module.TRANSITIONS
+
+
+def _value(member: enum.Enum) -> str:
+    return member.value
 
 
 def assert_run_offsets(

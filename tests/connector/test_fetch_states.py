@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
-from helpers import documented_moves, unlisted_moves
+from helpers import TransitionTableCases
 
 from kvxfer.connector.consumer import FetchHandle
 from kvxfer.connector.consumer import states as states_mod
@@ -19,7 +19,6 @@ from kvxfer.connector.consumer.fetches import Chunk, Fetch
 from kvxfer.connector.consumer.machine import FetchMachine
 from kvxfer.connector.consumer.sessions import ProducerSession, SessionState
 from kvxfer.connector.consumer.states import (
-    TRANSITIONS,
     ChunkEvent,
     ChunkState,
     IllegalTransition,
@@ -47,52 +46,23 @@ from kvxfer.transport.base import Region
 
 S, E = ChunkState, ChunkEvent
 
-LEGAL = [
-    (S.QUEUED, E.ASK, S.ASKED),
-    (S.QUEUED, E.FAIL, S.FAILED),
-    (S.ASKED, E.OFFERED, S.READY),
-    (S.ASKED, E.REQUEUE, S.QUEUED),
-    (S.ASKED, E.FAIL, S.FAILED),
-    (S.READY, E.READ, S.READING),
-    (S.READY, E.REQUEUE, S.QUEUED),
-    (S.READY, E.FAIL, S.FAILED),
-    (S.READING, E.LANDED, S.CONFIRMING),
-    (S.READING, E.REQUEUE, S.QUEUED),
-    (S.READING, E.FAIL, S.FAILED),
-    (S.CONFIRMING, E.CONFIRMED, S.COPYING),
-    (S.CONFIRMING, E.REQUEUE, S.QUEUED),
-    (S.CONFIRMING, E.FAIL, S.FAILED),
-    (S.COPYING, E.COPIED, S.DONE),
-    (S.COPYING, E.COPY_FAILED, S.FAILED),
-    (S.COPYING, E.FAIL, S.COPYING),
-    (S.DONE, E.FAIL, S.DONE),
-    (S.FAILED, E.FAIL, S.FAILED),
-]
-ILLEGAL = unlisted_moves(LEGAL, ChunkState, ChunkEvent)
+# Every legal move: state -> {event: next state}.
+LEGAL = {
+    S.QUEUED: {E.ASK: S.ASKED, E.FAIL: S.FAILED},
+    S.ASKED: {E.OFFERED: S.READY, E.REQUEUE: S.QUEUED, E.FAIL: S.FAILED},
+    S.READY: {E.READ: S.READING, E.REQUEUE: S.QUEUED, E.FAIL: S.FAILED},
+    S.READING: {E.LANDED: S.CONFIRMING, E.REQUEUE: S.QUEUED, E.FAIL: S.FAILED},
+    S.CONFIRMING: {E.CONFIRMED: S.COPYING, E.REQUEUE: S.QUEUED, E.FAIL: S.FAILED},
+    S.COPYING: {E.COPIED: S.DONE, E.COPY_FAILED: S.FAILED, E.FAIL: S.COPYING},
+    S.DONE: {E.FAIL: S.DONE},
+    S.FAILED: {E.FAIL: S.FAILED},
+}
 
 
-# ---- the table ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("state", "event", "after"), LEGAL, ids=lambda x: x.value)
-def test_every_legal_move(state, event, after):
-    assert accepts(state, event)
-    assert next_state(state, event) is after
-
-
-def test_the_table_has_exactly_the_legal_moves():
-    assert {(s, e): after for s, e, after in LEGAL} == TRANSITIONS
-
-
-@pytest.mark.parametrize(("state", "event"), ILLEGAL, ids=lambda x: x.value)
-def test_every_other_move_raises(state, event):
-    assert not accepts(state, event)
-    with pytest.raises(IllegalTransition, match=f"{state.value!r} cannot take event"):
-        next_state(state, event)
-
-
-def test_the_docstring_table_is_the_table():
-    assert documented_moves(states_mod.__doc__, ChunkState, ChunkEvent) == TRANSITIONS
+class TestChunkTable(TransitionTableCases):
+    module = states_mod
+    states, events = ChunkState, ChunkEvent
+    legal = LEGAL
 
 
 def test_a_failure_while_copying_waits_for_the_copy():

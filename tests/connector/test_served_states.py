@@ -7,7 +7,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import documented_moves, unlisted_moves
+from helpers import TransitionTableCases
 
 from kvxfer.connector.messages import TransferRequest
 from kvxfer.connector.producer import states as states_mod
@@ -23,43 +23,25 @@ from kvxfer.testing.geometry import Geometry
 
 S, E = ServedState, ServedEvent
 
-LEGAL = [
-    (S.WAITING, E.PACK, S.PACKING),
-    (S.WAITING, E.OFFER, S.SETTLED),
-    (S.WAITING, E.FAIL, S.SETTLED),
-    (S.WAITING, E.FORGET, S.SETTLED),
-    (S.WAITING, E.END, S.SETTLED),
-    (S.PACKING, E.PACKED, S.LEASED),
-    (S.PACKING, E.FAIL, S.SETTLED),
-    (S.PACKING, E.FORGET, S.DROPPED),
-    (S.PACKING, E.END, S.DROPPED),
-    (S.DROPPED, E.PACKED, S.SETTLED),
-    (S.DROPPED, E.FAIL, S.SETTLED),
-    (S.LEASED, E.READ, S.SETTLED),
-    (S.LEASED, E.EXPIRE, S.SETTLED),
-    (S.LEASED, E.FORGET, S.SETTLED),
-    (S.LEASED, E.END, S.LEASED),
-]
-ILLEGAL = unlisted_moves(LEGAL, ServedState, ServedEvent)
+# Every legal move: state -> {event: next state}.
+LEGAL = {
+    S.WAITING: {
+        E.PACK: S.PACKING,
+        E.OFFER: S.SETTLED,
+        E.FAIL: S.SETTLED,
+        E.FORGET: S.SETTLED,
+        E.END: S.SETTLED,
+    },
+    S.PACKING: {E.PACKED: S.LEASED, E.FAIL: S.SETTLED, E.FORGET: S.DROPPED, E.END: S.DROPPED},
+    S.DROPPED: {E.PACKED: S.SETTLED, E.FAIL: S.SETTLED},
+    S.LEASED: {E.READ: S.SETTLED, E.EXPIRE: S.SETTLED, E.FORGET: S.SETTLED, E.END: S.LEASED},
+}
 
 
-@pytest.mark.parametrize(("state", "event", "after"), LEGAL, ids=lambda x: x.value)
-def test_every_legal_move(state, event, after):
-    assert next_state(state, event) is after
-
-
-def test_the_table_has_exactly_the_legal_moves():
-    assert {(s, e): after for s, e, after in LEGAL} == TRANSITIONS
-
-
-@pytest.mark.parametrize(("state", "event"), ILLEGAL, ids=lambda x: x.value)
-def test_every_other_move_raises(state, event):
-    with pytest.raises(IllegalTransition, match=f"{state.value!r} cannot take event"):
-        next_state(state, event)
-
-
-def test_the_docstring_table_is_the_table():
-    assert documented_moves(states_mod.__doc__, ServedState, ServedEvent) == TRANSITIONS
+class TestServedTable(TransitionTableCases):
+    module = states_mod
+    states, events = ServedState, ServedEvent
+    legal = LEGAL
 
 
 def test_a_pack_under_way_is_never_cut_short():
