@@ -78,13 +78,7 @@ class BootstrapClient:
 
     def unregister(self, info: WorkerInfo, timeout_s: float | None = None) -> bool:
         """Remove `info`'s entry (only while it is this generation's); whether it was there."""
-        gone = Unregister(
-            engine_id=info.engine_id,
-            dp_rank=info.dp_rank,
-            tp_rank=info.tp_rank,
-            pp_rank=info.pp_rank,
-            generation=info.generation,
-        )
+        gone = Unregister(**msgspec.structs.asdict(info.key), generation=info.generation)
         answer = self._call("POST", "/v1/unregister", msgspec.json.encode(gone), timeout_s)
         return bool(answer["removed"])
 

@@ -74,12 +74,7 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     @property
     def key(self) -> WorkerKey:
         """Its place."""
-        return WorkerKey(
-            engine_id=self.engine_id,
-            dp_rank=self.dp_rank,
-            tp_rank=self.tp_rank,
-            pp_rank=self.pp_rank,
-        )
+        return msgspec.convert(self, WorkerKey, from_attributes=True)
 
 
 class Unregister(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -94,12 +89,7 @@ class Unregister(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     @property
     def key(self) -> WorkerKey:
         """The place it names."""
-        return WorkerKey(
-            engine_id=self.engine_id,
-            dp_rank=self.dp_rank,
-            tp_rank=self.tp_rank,
-            pp_rank=self.pp_rank,
-        )
+        return msgspec.convert(self, WorkerKey, from_attributes=True)
 
 
 class EngineWorkers(msgspec.Struct, frozen=True, kw_only=True):
