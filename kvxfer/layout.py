@@ -236,8 +236,7 @@ def canonical_shape(
         ValueError: as `canonical_view`, or as `cell_planes` for a CPU attention placement.
     """
     if is_cpu_placement(kv_placement, mla):
-        k_plane = cell_planes(tensor, layout, kv_placement, mla)[0]
-        return 2, k_plane.num_blocks, k_plane.block_size, k_plane.num_heads, k_plane.head_dim
+        return 2, *cell_planes(tensor, layout, kv_placement, mla)[0].cell_shape
     p, b, s, h, d = canonical_view(tensor, layout, kv_placement, mla).shape
     return p, b, s, h, d
 
@@ -290,24 +289,11 @@ class CellPlane(NamedTuple):
         return self.view.shape
 
     @property
-    def num_blocks(self) -> int:
-        """Blocks of the layer."""
-        return int(self.view.shape[0])
-
-    @property
-    def block_size(self) -> int:
-        """Slots of a block."""
-        return int(self.view.shape[1] * self.view.shape[2])
-
-    @property
-    def num_heads(self) -> int:
-        """Heads of the layer."""
-        return int(self.view.shape[3])
-
-    @property
-    def head_dim(self) -> int:
-        """Elements of a head."""
-        return int(self.view.shape[4] * self.view.shape[5])
+    def cell_shape(self) -> tuple[int, int, int, int]:
+        """`(blocks, block_size, heads, head_dim)` of the layer: the view's axes with each
+        split one joined again."""
+        blocks, slot_groups, slots, heads, dim_groups, dims = self.view.shape
+        return blocks, slot_groups * slots, heads, dim_groups * dims
 
     def as_bits(self, dtype: torch.dtype) -> CellPlane:
         """The same plane seen as `dtype` (an integer type of the element's width)."""
