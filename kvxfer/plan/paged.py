@@ -74,15 +74,7 @@ class BlockGeometry:
     @property
     def shape(self) -> tuple[int, ...]:
         """The per-layer tensor shape (the layout contract, `kvxfer.layout`)."""
-        return layer_shape(
-            self.num_blocks,
-            self.block_size,
-            self.num_heads,
-            self.head_dim,
-            self.layout,
-            self.kv_placement,
-            self.mla,
-        )
+        return layer_shape(*self._layout_contract_args)
 
     @property
     def layer_elements(self) -> int:
@@ -98,16 +90,15 @@ class BlockGeometry:
     def strides(self) -> tuple[int, int, int, int]:
         """Element strides of the canonical axes (plane, block, slot, head); 0 for the axes an
         MLA latent lacks (plane, head). See `kvxfer.layout.canonical_strides`."""
-        return canonical_strides(
-            self.num_blocks,
-            self.block_size,
-            self.num_heads,
-            self.head_dim,
-            self.layout,
-            self.kv_placement,
-            self.mla,
-            self.block_stride,
-        )
+        return canonical_strides(*self._layout_contract_args, self.block_stride)
+
+    @property
+    def _layout_contract_args(self) -> tuple[int, int, int, int, str, str, bool]:
+        """The leading arguments of `kvxfer.layout`'s `layer_shape` and `canonical_strides`."""
+        return (
+            self.num_blocks, self.block_size, self.num_heads, self.head_dim,
+            self.layout, self.kv_placement, self.mla,
+        )  # fmt: skip
 
 
 def blocks_of_tokens(
