@@ -137,29 +137,25 @@ def _e5m2_scalar(v: np.float32) -> int:
     return sign | ((exponent + 15) << 2) | ((bits >> 21) & 0x3)
 
 
-def _write_amx_tiles(
-    spec: KVCacheSpec,
-    cache: torch.Tensor,  # [blocks, heads, block_size, 2 * head_dim], each (block, head) dense
-    blocks: torch.Tensor,
-    slots: torch.Tensor,
-    local: int,
-    plane: int,
-    value: torch.Tensor,  # [tokens, head_dim]
-) -> None:
-    """vLLM CPU attention's AMX layout, as its `cpu_attn_reshape_and_cache` writes it for ISA
-    `amx` (vLLM 0.32 `csrc/cpu/cpu_attn_amx.hpp`): in each (block, head), K of slot `s` and
-    dim `d` at `(s // 16) * 16 * head_dim + (d // 2) * 32 + (s % 16) * 2 + d % 2`, then V at
-    `block_size * head_dim + (d // 16) * 16 * block_size + (s // 2) * 32 + (d % 16) * 2 +
-    s % 2`: flat offsets, computed here element by element."""
+def _cpu_cell_offsets(spec: KVCacheSpec, plane: int, slots: torch.Tensor) -> torch.Tensor:
+    """Where vLLM CPU attention's `cpu_attn_reshape_and_cache` writes each (slot, dim) of
+    `plane` inside a (block, head) run of `2 * block_size * head_dim` elements: flat offsets
+    `[tokens, head_dim]`, computed element by element.
+
+    - `k_transposed`: K as `[head_dim, block_size]`, then V as `[block_size, head_dim]`.
+    - `amx_tiles` (ISA `amx`, vLLM 0.32 `csrc/cpu/cpu_attn_amx.hpp`): K of slot `s` and dim
+      `d` at `(s // 16) * 16 * head_dim + (d // 2) * 32 + (s % 16) * 2 + d % 2`, then V at
+      `block_size * head_dim + (d // 16) * 16 * block_size + (s // 2) * 32 + (d % 16) * 2 +
+      s % 2`.
+    """
     bs, dim = spec.block_size, spec.head_dim
-    per_head = _per_head_runs(spec, cache)
     s = slots[:, None]
     d = torch.arange(dim)[None, :]
+    if spec.kv_placement == "k_transposed":
+        return d * bs + s if plane == 0 else bs * dim + s * dim + d
     if plane == 0:
-        offsets = (s // 16) * 16 * dim + (d // 2) * 32 + (s % 16) * 2 + d % 2
-    else:
-        offsets = bs * dim + (d // 16) * 16 * bs + (s // 2) * 32 + (d % 16) * 2 + s % 2
-    per_head[blocks[:, None], local, offsets] = value
+        return (s // 16) * 16 * dim + (d // 2) * 32 + (s % 16) * 2 + d % 2
+    return bs * dim + (d // 16) * 16 * bs + (s // 2) * 32 + (d % 16) * 2 + s % 2
 
 
 def model_scales(specs: Sequence[KVCacheSpec]) -> np.ndarray:
@@ -221,10 +217,9 @@ def write_rank_cells(
             for plane in (0, 1):
                 value = global_kv[layer, plane, token_start:token_end, head].to(cache.device)
                 inner = slice(plane * spec.head_dim, (plane + 1) * spec.head_dim)
-                if spec.kv_placement == "k_transposed":
-                    _write_k_transposed(spec, cache, blocks, slots, local, plane, value)
-                elif spec.kv_placement == "amx_tiles":
-                    _write_amx_tiles(spec, cache, blocks, slots, local, plane, value)
+                if spec.kv_placement in ("k_transposed", "amx_tiles"):
+                    offsets = _cpu_cell_offsets(spec, plane, slots)
+                    _per_head_runs(spec, cache)[blocks[:, None], local, offsets] = value
                 elif spec.kv_placement == "kv_inner" and spec.layout == "NHD":
                     cache[blocks, slots, local, inner] = value
                 elif spec.kv_placement == "kv_inner":
@@ -252,24 +247,3 @@ def _per_head_runs(spec: KVCacheSpec, cache: torch.Tensor) -> torch.Tensor:
             f"strides {cache.stride()}"
         )
     return cache.flatten(2)
-
-
-def _write_k_transposed(
-    spec: KVCacheSpec,
-    cache: torch.Tensor,  # [blocks, heads, block_size, 2 * head_dim], each (block, head) dense
-    blocks: torch.Tensor,
-    slots: torch.Tensor,
-    local: int,
-    plane: int,
-    value: torch.Tensor,  # [tokens, head_dim]
-) -> None:
-    """vLLM CPU attention's layout, as its `cpu_attn_reshape_and_cache` writes it: each
-    (block, head) holds K as `[head_dim, block_size]`, then V as `[block_size, head_dim]`."""
-    bs, dim = spec.block_size, spec.head_dim
-    per_head = _per_head_runs(spec, cache)
-    if plane == 0:
-        k = per_head[..., : bs * dim].unflatten(-1, (dim, bs))
-        k[blocks, local, :, slots] = value
-    else:
-        v = per_head[..., bs * dim :].unflatten(-1, (bs, dim))
-        v[blocks, local, slots] = value
