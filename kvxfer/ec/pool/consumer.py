@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 
 import torch
 
@@ -73,6 +74,17 @@ def _found(mm_hash: str) -> Callable[[tuple[Message, Link]], bool]:
         return isinstance(answer, ECInfo) and answer.found and answer.mm_hash == mm_hash
 
     return found
+
+
+@dataclass
+class _Load:
+    """One item's load, across the producers it tries in turn (one worker at a time has it)."""
+
+    mm_hash: str
+    device: str | torch.device
+    future: Future[torch.Tensor]
+    tried: list[str] = field(default_factory=list)  # producers asked to fetch it, in order
+    errors: list[str] = field(default_factory=list)  # why each of them failed
 
 
 class ECConsumer:
@@ -153,7 +165,7 @@ class ECConsumer:
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._done)
-        self._loader.submit(self._find_then_fetch, mm_hash, device, future, (), [])
+        self._loader.submit(self._find_then_fetch, _Load(mm_hash, device, future))
         return future
 
     def release(self, mm_hash: str) -> None:
@@ -275,50 +287,35 @@ class ECConsumer:
         with self._lock:
             self._pending.discard(future)
 
-    def _find_then_fetch(
-        self,
-        mm_hash: str,
-        device: str | torch.device,
-        future: Future[torch.Tensor],
-        tried: tuple[str, ...],
-        errors: list[str],
-    ) -> None:
+    def _find_then_fetch(self, load: _Load) -> None:
         """Locate the item among the producers not tried yet, then fetch it from there."""
         try:
             problems: list[str] = []
-            found = self._locate(mm_hash, tried, problems)
+            found = self._locate(load.mm_hash, tuple(load.tried), problems)
             if found is None:
-                why = "; ".join(errors + problems) if errors or problems else "none holds it"
-                raise ECLoadError(f"no producer could serve {mm_hash!r}: {why}")
+                errors = load.errors + problems
+                why = "; ".join(errors) if errors else "none holds it"
+                raise ECLoadError(f"no producer could serve {load.mm_hash!r}: {why}")
             address, info = found
-            self._fetchers[address].submit(
-                self._fetch_step, mm_hash, device, future, (*tried, address), errors, info
-            )
+            load.tried.append(address)
+            self._fetchers[address].submit(self._fetch_step, load, info)
         except BaseException as exc:
-            _settle(future, exc)
+            _settle(load.future, exc)
 
-    def _fetch_step(
-        self,
-        mm_hash: str,
-        device: str | torch.device,
-        future: Future[torch.Tensor],
-        tried: tuple[str, ...],
-        errors: list[str],
-        info: ECInfo,
-    ) -> None:
+    def _fetch_step(self, load: _Load, info: ECInfo) -> None:
         try:
-            tensor = self._fetch(tried[-1], mm_hash, info).to(device)
+            tensor = self._fetch(load.tried[-1], load.mm_hash, info).to(load.device)
         except ECLoadError as exc:
-            errors.append(str(exc))
+            load.errors.append(str(exc))
             if self._closed.is_set():
-                _settle(future, ECLoadError("; ".join(errors)))
+                _settle(load.future, ECLoadError("; ".join(load.errors)))
             else:  # another producer may hold it too
-                self._find_then_fetch(mm_hash, device, future, tried, errors)
+                self._find_then_fetch(load)
             return
         except BaseException as exc:
-            _settle(future, exc)
+            _settle(load.future, exc)
             return
-        _settle(future, tensor)
+        _settle(load.future, tensor)
 
     def _fetch(self, address: str, mm_hash: str, info: ECInfo) -> torch.Tensor:
         """Pin, read into the receive buffer, confirm, copy out.
