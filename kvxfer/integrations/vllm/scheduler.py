@@ -90,17 +90,14 @@ class SchedulerSide:
             if settings.side_channel_port
             else None
         )
-        self._loads: list[LoadSpec] = []
-        self._sends: list[SendSpec] = []
-        self._aborts: list[AbortSpec] = []
-        self._send_failures: list[SendFailure] = []
+        # What the next step asks of the workers, filled as the scheduler calls in.
+        self._step = KvxferConnectorMetadata()
         self._loading: dict[str, AbortSpec] = {}  # loads not finished on every worker yet
         self._streams = produces and settings.stream_prefill and not self._has_state
         self._streams_chunked = self._streams and _one_full_attention_group(kv_cache_config)
         self._stream_candidates: dict[str, Request] = {}  # allocated this step
         self._streaming: dict[str, SendSpec] = {}  # offered while computing, not finished
         self._stream_tables: dict[str, list[list[int]]] = {}  # their block tables so far
-        self._stream_steps: list[StreamStep] = []
         # Prefill: each request to hand over's events here (its arrival, when first scheduled),
         # sent with its publish. Decode: the timelines of the requests it loads.
         self._prefill_events: dict[str, dict[str, float]] = {}
@@ -163,12 +160,12 @@ class SchedulerSide:
         remote = _abort_spec(request.request_id, params)
         if num_external_tokens <= 0:
             # A full local prefix hit: nothing to move; the prefill engine frees its blocks.
-            self._aborts.append(remote)
+            self._step.aborts.append(remote)
             return
         self._loading[request.request_id] = remote
         self._timelines.load_started(request)
         num_tokens = _remote_tokens(request, self._has_state)
-        self._loads.append(
+        self._step.loads.append(
             LoadSpec(
                 request_id=request.request_id,
                 remote_request_id=remote.remote_request_id,
@@ -190,15 +187,7 @@ class SchedulerSide:
         self._offer_streams(scheduler_output)
         self._advance_streams(scheduler_output)
         self._timelines.step_scheduled(scheduler_output)
-        metadata = KvxferConnectorMetadata(
-            loads=self._loads,
-            sends=self._sends,
-            aborts=self._aborts,
-            send_failures=self._send_failures,
-            stream_steps=self._stream_steps,
-        )
-        self._loads, self._sends, self._aborts = [], [], []
-        self._send_failures, self._stream_steps = [], []
+        metadata, self._step = self._step, KvxferConnectorMetadata()
         return metadata
 
     def _fail_preempted(self, output: SchedulerOutput) -> None:
@@ -208,7 +197,7 @@ class SchedulerSide:
             send = self._end_stream(request_id)
             if send is not None:
                 why = "the prefill engine preempted it (its blocks were freed)"
-                self._send_failures.append(SendFailure(request_id, send.offered_as, why))
+                self._step.send_failures.append(SendFailure(request_id, send.offered_as, why))
 
     def _offer_streams(self, output: SchedulerOutput) -> None:
         """Offer this step's streamable requests (one whose prompt this step does not schedule
@@ -233,9 +222,11 @@ class SchedulerSide:
                 new.num_computed_tokens,
                 self._prefill_timeline(new.req_id),
             )
-            self._sends.append(send)
+            self._step.sends.append(send)
             self._streaming[new.req_id], self._stream_tables[new.req_id] = send, tables
-            self._stream_steps.append(StreamStep(new.req_id, send.offered_as, min(end, prompt)))
+            self._step.stream_steps.append(
+                StreamStep(new.req_id, send.offered_as, min(end, prompt))
+            )
 
     def _advance_streams(self, output: SchedulerOutput) -> None:
         """The next chunks of the streamed requests a chunked prefill computes in this step,
@@ -253,7 +244,7 @@ class SchedulerSide:
                 grown = self._stream_tables[request_id]
                 tables = [old + list(more) for old, more in zip(grown, new_blocks, strict=True)]
                 self._stream_tables[request_id] = tables
-            self._stream_steps.append(StreamStep(request_id, send.offered_as, end, tables))
+            self._step.stream_steps.append(StreamStep(request_id, send.offered_as, end, tables))
 
     def _end_stream(self, request_id: str) -> SendSpec | None:
         self._stream_tables.pop(request_id, None)
@@ -321,7 +312,7 @@ class SchedulerSide:
             # The decode engine was sent the prompt, not this answer: it asks for the prompt's
             # tokens, which a prefill that went on decoding (`max_tokens` > 1) passed.
             num_tokens = min(num_tokens, request.num_prompt_tokens)
-        self._sends.append(
+        self._step.sends.append(
             SendSpec(request.request_id, tables, num_tokens, published, timeline=timeline)
         )
         return True, self._handed(published or request.request_id, tables, num_tokens)
@@ -339,7 +330,7 @@ class SchedulerSide:
         if finished_normally and request.num_computed_tokens >= send.num_tokens:
             return True, self._handed(send.offered_as, tables, send.num_tokens)
         why = f"the prefill engine finished it as {request.status.name}"
-        self._send_failures.append(SendFailure(request.request_id, send.offered_as, why))
+        self._step.send_failures.append(SendFailure(request.request_id, send.offered_as, why))
         return True, nothing_to_load()
 
     def _handed(self, offered_as: str, tables: list[list[int]], num_tokens: int) -> dict[str, Any]:
@@ -379,7 +370,7 @@ class SchedulerSide:
             with contextlib.suppress(ValueError):  # unusable parameters: nothing to tell
                 remote = _abort_spec(request.request_id, params)
         if remote is not None:
-            self._aborts.append(remote)
+            self._step.aborts.append(remote)
 
 
 def nothing_to_load() -> dict[str, Any]:
