@@ -1,6 +1,7 @@
-"""Looking a move up in a state machine's table of legal moves (the consumer's chunks,
-`kvxfer.connector.consumer.states`; the producer's served chunks,
-`kvxfer.connector.producer.states`)."""
+"""A state machine's table of legal moves, written state by state, and looking a move up in it
+(the consumer's chunks, `kvxfer.connector.consumer.states`; the producer's served chunks,
+`kvxfer.connector.producer.states`; the vLLM decode side's remote engines,
+`kvxfer.integrations.vllm.connections`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ Event = TypeVar("Event", bound=enum.Enum)
 class IllegalTransition(RuntimeError):
     """A move a transition table does not list: a bug in the connector, never a peer's fault
     (peers' messages are checked against the states they may move before they move one)."""
+
+
+def moves_table(
+    exits: Mapping[State, Mapping[Event, State]],
+) -> dict[tuple[State, Event], State]:
+    """A table written state by state (each state's events and where they lead) as the
+    `(state, event) -> next state` mapping that `look_up` reads."""
+    return {
+        (state, event): after for state, moves in exits.items() for event, after in moves.items()
+    }
 
 
 def look_up(

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import enum
 
-from kvxfer.connector.transitions import IllegalTransition, look_up
+from kvxfer.connector.transitions import IllegalTransition, look_up, moves_table
 
 __all__ = [
     "TRANSITIONS",
@@ -116,27 +116,19 @@ _ACTIVE = frozenset(
 _SETTLED = frozenset({ChunkState.DONE, ChunkState.FAILED})
 
 S, E = ChunkState, ChunkEvent
-TRANSITIONS: dict[tuple[ChunkState, ChunkEvent], ChunkState] = {
-    (S.QUEUED, E.ASK): S.ASKED,
-    (S.QUEUED, E.FAIL): S.FAILED,
-    (S.ASKED, E.OFFERED): S.READY,
-    (S.ASKED, E.REQUEUE): S.QUEUED,
-    (S.ASKED, E.FAIL): S.FAILED,
-    (S.READY, E.READ): S.READING,
-    (S.READY, E.REQUEUE): S.QUEUED,
-    (S.READY, E.FAIL): S.FAILED,
-    (S.READING, E.LANDED): S.CONFIRMING,
-    (S.READING, E.REQUEUE): S.QUEUED,
-    (S.READING, E.FAIL): S.FAILED,
-    (S.CONFIRMING, E.CONFIRMED): S.COPYING,
-    (S.CONFIRMING, E.REQUEUE): S.QUEUED,
-    (S.CONFIRMING, E.FAIL): S.FAILED,
-    (S.COPYING, E.COPIED): S.DONE,
-    (S.COPYING, E.COPY_FAILED): S.FAILED,
-    (S.COPYING, E.FAIL): S.COPYING,  # the copy finishes by itself: copied or copy_failed
-    (S.DONE, E.FAIL): S.DONE,  # a fetch that gives up fails all its chunks
-    (S.FAILED, E.FAIL): S.FAILED,
-}
+TRANSITIONS: dict[tuple[ChunkState, ChunkEvent], ChunkState] = moves_table(
+    {
+        S.QUEUED: {E.ASK: S.ASKED, E.FAIL: S.FAILED},
+        S.ASKED: {E.OFFERED: S.READY, E.REQUEUE: S.QUEUED, E.FAIL: S.FAILED},
+        S.READY: {E.READ: S.READING, E.REQUEUE: S.QUEUED, E.FAIL: S.FAILED},
+        S.READING: {E.LANDED: S.CONFIRMING, E.REQUEUE: S.QUEUED, E.FAIL: S.FAILED},
+        S.CONFIRMING: {E.CONFIRMED: S.COPYING, E.REQUEUE: S.QUEUED, E.FAIL: S.FAILED},
+        # A fail leaves a copy running: it finishes by itself, copied or copy_failed.
+        S.COPYING: {E.COPIED: S.DONE, E.COPY_FAILED: S.FAILED, E.FAIL: S.COPYING},
+        S.DONE: {E.FAIL: S.DONE},  # a fetch that gives up fails all its chunks
+        S.FAILED: {E.FAIL: S.FAILED},
+    }
+)
 """Every legal move: (state, event) -> the next state (the module's table)."""
 del S, E
 

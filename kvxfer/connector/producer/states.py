@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import enum
 
-from kvxfer.connector.transitions import IllegalTransition, look_up
+from kvxfer.connector.transitions import IllegalTransition, look_up, moves_table
 
 __all__ = ["TRANSITIONS", "IllegalTransition", "ServedEvent", "ServedState", "next_state"]
 
@@ -76,23 +76,19 @@ class ServedEvent(enum.Enum):
 
 
 S, E = ServedState, ServedEvent
-TRANSITIONS: dict[tuple[ServedState, ServedEvent], ServedState] = {
-    (S.WAITING, E.PACK): S.PACKING,
-    (S.WAITING, E.OFFER): S.SETTLED,
-    (S.WAITING, E.FAIL): S.SETTLED,
-    (S.WAITING, E.FORGET): S.SETTLED,
-    (S.WAITING, E.END): S.SETTLED,
-    (S.PACKING, E.PACKED): S.LEASED,
-    (S.PACKING, E.FAIL): S.SETTLED,
-    (S.PACKING, E.FORGET): S.DROPPED,
-    (S.PACKING, E.END): S.DROPPED,
-    (S.DROPPED, E.PACKED): S.SETTLED,
-    (S.DROPPED, E.FAIL): S.SETTLED,
-    (S.LEASED, E.READ): S.SETTLED,
-    (S.LEASED, E.EXPIRE): S.SETTLED,
-    (S.LEASED, E.FORGET): S.SETTLED,
-    (S.LEASED, E.END): S.LEASED,  # its consumer may still read: held until the hold ends
-}
+TRANSITIONS: dict[tuple[ServedState, ServedEvent], ServedState] = moves_table(
+    {
+        # Whatever else happens to a chunk not packed yet settles it.
+        S.WAITING: {
+            E.PACK: S.PACKING,
+            **dict.fromkeys((E.OFFER, E.FAIL, E.FORGET, E.END), S.SETTLED),
+        },
+        S.PACKING: {E.PACKED: S.LEASED, E.FAIL: S.SETTLED, E.FORGET: S.DROPPED, E.END: S.DROPPED},
+        S.DROPPED: {E.PACKED: S.SETTLED, E.FAIL: S.SETTLED},
+        # An end keeps the lease: its consumer may still read, held until the hold ends.
+        S.LEASED: {E.READ: S.SETTLED, E.EXPIRE: S.SETTLED, E.FORGET: S.SETTLED, E.END: S.LEASED},
+    }
+)
 """Every legal move: (state, event) -> the next state (the module's table)."""
 del S, E
 

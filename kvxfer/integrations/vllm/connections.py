@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvxfer.connector.transitions import IllegalTransition, look_up
+from kvxfer.connector.transitions import IllegalTransition, look_up, moves_table
 from kvxfer.integrations.vllm.metadata import Route
 
 if TYPE_CHECKING:
@@ -67,23 +67,25 @@ class Event(enum.Enum):
 
 
 _C, _E = Connection, Event
-TRANSITIONS: Mapping[tuple[Connection, Event], Connection] = {
-    (_C.NEW, _E.CONNECT): _C.CONNECTING,
-    (_C.CONNECTED, _E.CONNECT): _C.CONNECTING,
-    (_C.STALE, _E.CONNECT): _C.CONNECTING,
-    (_C.DISCONNECTED, _E.CONNECT): _C.CONNECTING,
-    (_C.CONNECTING, _E.CONNECTED): _C.CONNECTED,
-    (_C.CONNECTING, _E.FAILED): _C.DISCONNECTED,
-    (_C.CONNECTED, _E.LOAD_FAILED): _C.STALE,
-    (_C.STALE, _E.LOAD_FAILED): _C.STALE,
-    # While a connect is in flight, its outcome decides; a disconnected engine connects again
-    # before its next load anyway.
-    (_C.CONNECTING, _E.LOAD_FAILED): _C.CONNECTING,
-    (_C.DISCONNECTED, _E.LOAD_FAILED): _C.DISCONNECTED,
-    (_C.CONNECTED, _E.RETIRE): _C.RETIRED,
-    (_C.STALE, _E.RETIRE): _C.RETIRED,
-    (_C.DISCONNECTED, _E.RETIRE): _C.RETIRED,
-}
+TRANSITIONS: Mapping[tuple[Connection, Event], Connection] = moves_table(
+    {
+        _C.NEW: {_E.CONNECT: _C.CONNECTING},
+        # While a connect is in flight, its outcome decides.
+        _C.CONNECTING: {
+            _E.CONNECTED: _C.CONNECTED,
+            _E.FAILED: _C.DISCONNECTED,
+            _E.LOAD_FAILED: _C.CONNECTING,
+        },
+        _C.CONNECTED: {_E.CONNECT: _C.CONNECTING, _E.LOAD_FAILED: _C.STALE, _E.RETIRE: _C.RETIRED},
+        _C.STALE: {_E.CONNECT: _C.CONNECTING, _E.LOAD_FAILED: _C.STALE, _E.RETIRE: _C.RETIRED},
+        # A disconnected engine connects again before its next load anyway.
+        _C.DISCONNECTED: {
+            _E.CONNECT: _C.CONNECTING,
+            _E.LOAD_FAILED: _C.DISCONNECTED,
+            _E.RETIRE: _C.RETIRED,
+        },
+    }
+)
 
 
 def next_state(state: Connection, event: Event) -> Connection:
