@@ -144,7 +144,8 @@ def copy_cells_torch(
     """
     if src.cpu_placement or dst.cpu_placement:
         check_cell_copy(src, dst, token_start, token_end, num_heads, scales)
-        copy_elements_torch(src, dst, token_start, token_end, num_heads, scales)
+        tokens = torch.arange(token_start, token_end, device=src.layers[0].device)
+        copy_elements_torch(src, dst, tokens, num_heads, scales)
         return
     # The first layer's canonical view stands for every layer where all share its shape and
     # strides (a cache's layers, a staging buffer's): per-layer host work is then one cached
@@ -311,22 +312,15 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def copy_elements_torch(
-    src: KVBuffer,
-    dst: KVBuffer,
-    token_start: int,
-    token_end: int,
-    num_heads: int,
-    scales: torch.Tensor | None = None,
+    src: KVBuffer, dst: KVBuffer, tokens: torch.Tensor, num_heads: int, scales: torch.Tensor | None
 ) -> None:
-    """`copy_cells_torch` element by element, through each side's per-plane views
-    (`kvxfer.layout.cell_planes`): for layers whose cells are not contiguous rows, vLLM CPU
-    attention's `k_transposed` (K's elements of one token sit `block_size` apart) and
-    `amx_tiles` (slots and dims packed in tile groups). Bit-exact (the elements move as
-    integers of their width) or converted as `copy_cells_torch` does; other elements keep
-    their bytes.
+    """`copy_cells_torch` of `tokens` (a checked copy's, on the layers' device) element by
+    element, through each side's per-plane views (`kvxfer.layout.cell_planes`): for layers
+    whose cells are not contiguous rows, vLLM CPU attention's `k_transposed` (K's elements of
+    one token sit `block_size` apart) and `amx_tiles` (slots and dims packed in tile groups).
+    Bit-exact (the elements move as integers of their width) or converted as
+    `copy_cells_torch` does; other elements keep their bytes.
     """
-    device = src.layers[0].device
-    tokens = torch.arange(token_start, token_end, device=device)
     src_blocks, src_slots = src.token_cells(tokens)
     dst_blocks, dst_slots = dst.token_cells(tokens)
     src_heads = slice(src.head_offset, src.head_offset + num_heads)
