@@ -18,8 +18,8 @@ not data.
 
 vLLM CPU attention quantizes otherwise (`cpu_attn_reshape_and_cache`, vLLM 0.32
 `csrc/cpu/cpu_attn_fp8.hpp`, `float_to_fp8e4m3_scalar` and `float_to_fp8e5m2_scalar`; probed
-on every element by `scripts/backend_probe.py`): `x * (1 / scale)` in float32, clamped to the
-largest finite value (NaN too becomes it), zero of either sign as `0x00`, then the mantissa
+on every element by `kvxfer/testing/backend_probe.py`): `x * (1 / scale)` in float32, clamped
+to the largest finite value (NaN too becomes it), zero of either sign as `0x00`, then the mantissa
 truncated toward zero. A destination whose `fp8_rounding` is "toward_zero" gets that
 (`quantize_toward_zero`, torch only: the planner converts on the CPU engine's own side).
 

@@ -16,7 +16,7 @@ run on CPU machines without vLLM, against a fake OpenAI-compatible server)::
     gpu_vllm_e2e.py stop PGID...              SIGTERM process groups, SIGKILL what outlives it
 
 Prompts, requests, comparison and process control are the shared driver's
-(`scripts/vllm_e2e_driver.py`, which the CPU end-to-end tests in tests/e2e/ use too); this file
+(`kvxfer/testing/vllm_driver.py`, which the CPU end-to-end tests in tests/e2e/ use too); this file
 adds the GPU prerequisites and the command line. Requests go one at a time, so each engine runs
 every prompt alone in its batch: a greedy output then depends on the prompt and the KV cache
 only, not on which other requests shared a step.
@@ -33,10 +33,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-# The driver sits beside this file (run as a script, or loaded by path by its tests).
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from vllm_e2e_driver import (
+from kvxfer.testing.vllm_driver import (
     NEAR_TIE,
     PROMPTS,
     TRANSFER_METRIC,

@@ -37,8 +37,8 @@
 #   REQUEST_TIMEOUT [300]  STOP_TIMEOUT [30]  OUT_DIR [a new temporary directory]
 #   NVIDIA_SMI [nvidia-smi]
 #   CUDA_CHECKS [tests/kernels]  what `pytest -m cuda` runs first, relative to the repository ("" skips)
-#   PROBE_BACKENDS [FLASH_ATTN TRITON_ATTN]  backends whose own cache write scripts/backend_probe.py
-#     checks kvxfer's layout table against, before the engines start ("" skips it)
+#   PROBE_BACKENDS [FLASH_ATTN TRITON_ATTN]  backends whose own cache write kvxfer's layout
+#     table is checked against (kvxfer.testing.backend_probe), before the engines start ("" skips it)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -217,7 +217,7 @@ fi
 # --- 1b. kvxfer's layout table against the GPU backends' own cache-write ops ---------------
 for backend in $PROBE_BACKENDS; do
   echo "probing kvxfer's layout of $backend against its cache write: $OUT_DIR/probe-$backend.jsonl"
-  "$PYTHON" "$here/backend_probe.py" --backend "$backend" --device cuda \
+  "$PYTHON" -m kvxfer.testing.backend_probe --backend "$backend" --device cuda \
     >"$OUT_DIR/probe-$backend.jsonl" ||
     die "kvxfer reads $backend's cache wrongly: see $OUT_DIR/probe-$backend.jsonl"
 done

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -19,12 +18,9 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import vllm_e2e_driver as driver
-from tiny_model import DEFAULT, GEOMETRIES, make_tiny_model, vocabulary_size
-from vllm_cpu_engines import MODEL_NAME, Processes, Server, free_port
+from kvxfer.testing import vllm_driver as driver
+from kvxfer.testing.tiny_model import DEFAULT, GEOMETRIES, make_tiny_model, vocabulary_size
+from kvxfer.testing.vllm_cpu_engines import MODEL_NAME, Processes, Server, free_port
 
 # One line per case, printed after the run (the report's "observed" column).
 OBSERVATIONS: list[dict[str, Any]] = []
@@ -74,7 +70,7 @@ def model_of(run_dir: Path) -> Callable[[str], Path]:
 
 @pytest.fixture(scope="session")
 def tiny_model(model_of: Callable[[str], Path]) -> Path:
-    """The tiny Qwen2 model of the default geometry (4 KV heads: scripts/tiny_model.py)."""
+    """The tiny Qwen2 model of the default geometry (4 KV heads: kvxfer/testing/tiny_model.py)."""
     return model_of(DEFAULT.name)
 
 

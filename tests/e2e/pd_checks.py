@@ -16,10 +16,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import vllm_e2e_driver as driver
 from conftest import Pair, observe
-from tiny_model import SPECIAL_TOKENS
-from vllm_cpu_engines import MODEL_NAME, Server
+
+from kvxfer.testing import vllm_driver as driver
+from kvxfer.testing.tiny_model import SPECIAL_TOKENS
+from kvxfer.testing.vllm_cpu_engines import MODEL_NAME, Server
 
 MAX_TOKENS = 32
 REQUEST_FIELDS = {"ignore_eos": True}

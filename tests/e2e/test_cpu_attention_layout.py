@@ -7,14 +7,14 @@ known K and V into a cache allocated as vLLM allocates it; kvxfer, told the back
 the worker reads them from vLLM's layers, must read every element back from where the op put
 it, and write another cache exactly as the op would have written it itself: between block
 sizes, tensor-parallel slices and partial blocks, bit for bit, untouched slots poisoned
-(`scripts/backend_probe.py`, which the GPU script runs for the GPU backends).
+(`kvxfer/testing/backend_probe.py`, which the GPU script runs for the GPU backends).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-import backend_probe as bp  # scripts/, on the path by conftest.py
+from kvxfer.testing import backend_probe as bp
 import numpy as np
 import pytest
 import torch

@@ -9,9 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import vllm_e2e_driver as driver
 from conftest import prefill_config
-from vllm_cpu_engines import START_TIMEOUT, Processes, free_port
+
+from kvxfer.testing import vllm_driver as driver
+from kvxfer.testing.vllm_cpu_engines import START_TIMEOUT, Processes, free_port
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 

@@ -2,7 +2,7 @@
 P/D proxy gives the greedy token ids of one engine alone.
 
 The prompts, requests, comparison and report are the shared driver's
-(`scripts/vllm_e2e_driver.py`, which `scripts/gpu_vllm_e2e.sh` uses on a GPU). Prompts are token
+(`kvxfer/testing/vllm_driver.py`, which `scripts/gpu_vllm_e2e.sh` uses on a GPU). Prompts are token
 ids of chosen lengths (the tiny model's tokenizer makes exact lengths awkward as text), greedy,
 `ignore_eos`, so every output has `MAX_TOKENS` tokens. Engines start once per class (module
 start-up is ~65 s per engine on 2 cores), the baseline once per session.
@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import vllm_e2e_driver as driver
 from conftest import Pair, observe, start_pair
 from pd_checks import (
     GENERATED,
@@ -42,10 +41,17 @@ from pd_checks import (
     one_prompt,
     prompt_ids,
 )
-from vllm_cpu_engines import MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MODEL_NAME, Processes, Server
 
 from kvxfer.connector.timeline import PHASES
 from kvxfer.integrations.pd_proxy import decode_body, prefill_body
+from kvxfer.testing import vllm_driver as driver
+from kvxfer.testing.vllm_cpu_engines import (
+    MAX_MODEL_LEN,
+    MAX_NUM_BATCHED_TOKENS,
+    MODEL_NAME,
+    Processes,
+    Server,
+)
 
 # The abandoned request's prompt, and the most tokens it may ask for: all the model's length
 # allows (about 25 s of decoding at the 300 tokens/s measured in CI), so that it is still running

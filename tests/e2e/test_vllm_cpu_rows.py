@@ -23,7 +23,6 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-import vllm_e2e_driver as driver
 from conftest import Pair, both_config, first_request, observe
 from pd_checks import (
     LOCAL_CACHE_HIT,
@@ -37,7 +36,9 @@ from pd_checks import (
     prompt_ids,
     wait_idle,
 )
-from vllm_cpu_engines import Processes, Server, free_port
+
+from kvxfer.testing import vllm_driver as driver
+from kvxfer.testing.vllm_cpu_engines import Processes, Server, free_port
 
 # What every route sends: under a block, blocks and a part, over the prefill's chunk budget.
 ROW_LENGTHS = (20, 209, 700)
@@ -419,7 +420,7 @@ class TestMlaLatentCache(InFlightCases):
         assert seen["kvxfer_bytes"] == 2 * len(prompt) * 2 * 576 * 4, seen
 
 
-# The sliding-window model's window (scripts/tiny_model.py) and its layers of each kind.
+# The sliding-window model's window (kvxfer/testing/tiny_model.py) and its layers of each kind.
 WINDOW, WINDOWED_LAYERS, FULL_LAYERS = 64, 2, 2
 
 

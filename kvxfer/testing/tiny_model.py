@@ -6,7 +6,7 @@ directory that `vllm serve DIR` loads. The same seed gives the same weights, so 
 are deterministic. float32 weights: with bf16, near-ties between the first two choices flip
 greedy tokens between engines that round differently.
 
-    python scripts/tiny_model.py OUT_DIR [--geometry kv6]
+    python -m kvxfer.testing.tiny_model OUT_DIR [--geometry kv6]
 
 Geometries (`GEOMETRIES`, chosen for kvxfer's e2e tests): the default has 4 KV heads of
 head_dim 32, so TP 2 splits them 2 + 2; "kv6" has 6 (TP 2 and TP 3 both split them, neither TP
@@ -257,7 +257,7 @@ def vocabulary_size(model_dir: Path) -> int:
 
 
 def main() -> None:
-    """Command line: `python scripts/tiny_model.py OUT_DIR`."""
+    """Command line: `python -m kvxfer.testing.tiny_model OUT_DIR`."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--seed", type=int, default=SEED)

@@ -1,6 +1,6 @@
 """Real `vllm serve` engines (vLLM's CPU build) and kvxfer's P/D proxy, as processes.
 
-Each process runs in its own process group (`vllm_e2e_driver.launch`), logs to a file in the
+Each process runs in its own process group (`vllm_driver.launch`), logs to a file in the
 run's log directory, and is stopped by `Processes.stop_all` (the fixtures' finalizers).
 """
 
@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import vllm_e2e_driver as driver
-
 from kvxfer.addresses import free_port
+from kvxfer.testing import vllm_driver as driver
 
 HOST = "127.0.0.1"
 MODEL_NAME = "tiny-qwen2"
