@@ -139,23 +139,40 @@ def estimate_strategies(
     """`estimate_strategy` for several strategies of one pair, sizing the reference request
     once."""
     tokens = num_tokens or model.reference_tokens
-    src_ids = reference_block_ids(tokens, src_spec.block_size, model.contiguous_blocks)
-    dst_ids = reference_block_ids(tokens, dst_spec.block_size, model.contiguous_blocks)
-    # Size the caches for the synthetic ids: the plane stride of kv_first depends on it.
-    src_spec = msgspec.structs.replace(src_spec, num_blocks=int(src_ids[-1]) + 1)
-    dst_spec = msgspec.structs.replace(dst_spec, num_blocks=int(dst_ids[-1]) + 1)
-    layers, _, _ = route.layer_span(src_spec, dst_spec)
+    src_spec, dst_spec, blocks = _reference_caches(src_spec, dst_spec, model, tokens)
     estimates = []
     for strategy in strategies:
         chunk = PairChunk(route, strategy, src_spec, dst_spec, 0, tokens, landing)
-        shape = chunk.shape(src_ids, dst_ids)
-        nbytes = wire_bytes(shape, route, tokens)
-        ops = count_program_segments(shape, route, 0, tokens, layers)
-        passes = sum(_copy_passes(shape, model))
+        ops, nbytes, (pack, unpack) = _counts(chunk, blocks, model)
+        passes = pack + unpack
         estimates.append(
             StrategyEstimate(strategy, ops, nbytes, passes, model.seconds(ops, nbytes, passes))
         )
     return tuple(estimates)
+
+
+def _reference_caches(
+    src_spec: KVCacheSpec, dst_spec: KVCacheSpec, model: CostModel, tokens: int
+) -> tuple[KVCacheSpec, KVCacheSpec, tuple[np.ndarray, np.ndarray]]:
+    """Both sides' reference block tables for `tokens` tokens (scattered unless
+    `model.contiguous_blocks`), with the specs sized for them: the plane stride of kv_first
+    depends on the number of blocks."""
+    src_ids = reference_block_ids(tokens, src_spec.block_size, model.contiguous_blocks)
+    dst_ids = reference_block_ids(tokens, dst_spec.block_size, model.contiguous_blocks)
+    src_spec = msgspec.structs.replace(src_spec, num_blocks=int(src_ids[-1]) + 1)
+    dst_spec = msgspec.structs.replace(dst_spec, num_blocks=int(dst_ids[-1]) + 1)
+    return src_spec, dst_spec, (src_ids, dst_ids)
+
+
+def _counts(
+    chunk: PairChunk, blocks: tuple[np.ndarray, np.ndarray], model: CostModel
+) -> tuple[int, int, tuple[int, int]]:
+    """What the cost model counts of a chunk's program on `blocks`: network operations, bytes
+    on the wire and the kernel passes of its (pack, unpack)."""
+    shape = chunk.shape(*blocks)
+    tokens = chunk.token_end - chunk.token_start
+    ops = count_program_segments(shape, chunk.route, 0, tokens, shape.num_layers)
+    return ops, wire_bytes(shape, chunk.route, tokens), _copy_passes(shape, model)
 
 
 def wire_bytes(shape: ProgramShape, route: HeadRoute, tokens: int) -> int:
@@ -221,16 +238,9 @@ def chunk_cost(
 ) -> ChunkCost:
     """The cost of one chunk of `tokens` tokens of a pair, on blocks laid out as the
     reference request's (scattered unless `model.contiguous_blocks`)."""
-    src_ids = reference_block_ids(tokens, src_spec.block_size, model.contiguous_blocks)
-    dst_ids = reference_block_ids(tokens, dst_spec.block_size, model.contiguous_blocks)
-    src_spec = msgspec.structs.replace(src_spec, num_blocks=int(src_ids[-1]) + 1)
-    dst_spec = msgspec.structs.replace(dst_spec, num_blocks=int(dst_ids[-1]) + 1)
+    src_spec, dst_spec, blocks = _reference_caches(src_spec, dst_spec, model, tokens)
     chunk = PairChunk(route, strategy, src_spec, dst_spec, 0, tokens, landing)
-    shape = chunk.shape(src_ids, dst_ids)
-    layers = shape.num_layers
-    ops = count_program_segments(shape, route, 0, tokens, layers)
-    nbytes = wire_bytes(shape, route, tokens)
-    pack_passes, unpack_passes = _copy_passes(shape, model)
+    ops, nbytes, (pack_passes, unpack_passes) = _counts(chunk, blocks, model)
     per_pass = 2 * nbytes / model.memory_bytes_per_second
     launch = model.seconds_per_kernel_launch
     wire = ops * model.seconds_per_op + nbytes / model.link_bytes_per_second
