@@ -1,9 +1,12 @@
 """In-process scenarios: source ranks filled from a global KV, poisoned destination ranks, and
-the bytes every destination layer must hold afterwards."""
+the bytes every destination layer must hold afterwards; `ScenarioEngines`, a connector on every
+rank of one, in this process."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -12,6 +15,9 @@ from kvxfer.reference import converted_global_kv, model_scales, random_global_kv
 from kvxfer.spec import FP8_DTYPES, KVCacheSpec, allocate_kv_caches
 from kvxfer.testing.geometry import random_block_table
 from kvxfer.testing.memory import POISON, bits, poison
+
+if TYPE_CHECKING:
+    from kvxfer.connector import FetchHandle, KVConsumer, KVProducer
 
 RankCaches = tuple[KVCacheSpec, list[torch.Tensor], np.ndarray]
 """One rank: its spec, its layer tensors and the request's block ids there."""
@@ -81,3 +87,78 @@ def make_scenario(
         dst.append((spec, caches, ids))
         expected.append(want)
     return Scenario(src, dst, expected, num_tokens, start_token)
+
+
+class ScenarioEngines:
+    """A `KVProducer` on every source rank of `scenario` and a `KVConsumer` on every
+    destination rank, in this process, made with the given keywords; `close` (or leaving the
+    `with` block) closes them, consumers first. The request is the scenario's: `publish` and
+    `fetch` pass every rank its block ids and `num_tokens`."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        producer: dict[str, Any] | None = None,
+        consumer: dict[str, Any] | None = None,
+    ) -> None:
+        from kvxfer.connector import KVConsumer, KVProducer
+
+        self.scenario = scenario
+        self.producers: list[KVProducer] = []
+        self.consumers: list[KVConsumer] = []
+        self._producer = producer or {}
+        try:
+            for spec, caches, _ in scenario.src:
+                options = self.producer_options(spec)
+                self.producers.append(KVProducer(spec, caches, "prefill", **options))
+            for spec, caches, _ in scenario.dst:
+                self.consumers.append(KVConsumer(spec, caches, "decode", **(consumer or {})))
+        except BaseException:
+            self.close()
+            raise
+
+    def producer_options(self, spec: KVCacheSpec) -> dict[str, Any]:
+        """The keywords of the producer on `spec`'s rank: `producer`, the same on every rank
+        (a subclass may vary them by rank)."""
+        return self._producer
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every producer's address, by source rank."""
+        return [p.address for p in self.producers]
+
+    def connect(self, **options: Any) -> None:
+        """Connect every consumer to every producer (`KVConsumer.connect` keywords)."""
+        for consumer in self.consumers:
+            consumer.connect(self.addresses, **options)
+
+    def publish(self, request_id: str, **options: Any) -> None:
+        """Publish the request on every source rank (`KVProducer.publish` keywords)."""
+        for producer, (_, _, ids) in zip(self.producers, self.scenario.src, strict=True):
+            producer.publish(request_id, ids, self.scenario.num_tokens, **options)
+
+    def fetch(self, request_id: str, **options: Any) -> list[FetchHandle]:
+        """Start fetching the request on every destination rank (`KVConsumer.fetch`
+        keywords): the handles, by destination rank."""
+        return [
+            consumer.fetch(request_id, ids, self.scenario.num_tokens, **options)
+            for consumer, (_, _, ids) in zip(self.consumers, self.scenario.dst, strict=True)
+        ]
+
+    def close(self) -> None:
+        """Close every consumer, then every producer."""
+        for consumer in self.consumers:
+            consumer.close()
+        for producer in self.producers:
+            producer.close()
+
+    def __enter__(self) -> ScenarioEngines:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -16,51 +16,35 @@ from kvxfer.connector.messages import KV_SERVICE, MAX_FRAME_BYTES, ChunkValid, K
 from kvxfer.session import auth, wire
 from kvxfer.session.protocol import Opened, Reply, SessionClient
 from kvxfer.testing import make_scenario, poll, side_specs, wait_until
+from kvxfer.testing.scenario import ScenarioEngines
 
 SMALL = {"staging_bytes": 4096, "staging_slots": 2}
 
 
-class Engines:
-    """A 2-rank prefill engine and a 2-rank decode engine (2 -> 2, 16 -> 32 tokens a block)."""
+class Engines(ScenarioEngines):
+    """A 2-rank prefill engine and a 2-rank decode engine (2 -> 2, 16 -> 32 tokens a block),
+    recording each prefill rank's releases and their reasons."""
 
     def __init__(self, num_tokens=100, producer=None, consumer=None, connect=True):
         src = side_specs(2, heads=4, block_size=16, num_blocks=40)
         dst = side_specs(2, heads=4, block_size=32, layout="HND", num_blocks=40)
-        self.scenario = make_scenario(src, dst, num_tokens)
         self.num_tokens = num_tokens
         self.released: list[tuple[int, str]] = []
         self.reasons: dict[tuple[int, str], ReleaseReason] = {}
-        self.producers = [
-            KVProducer(
-                s,
-                c,
-                "prefill",
-                release=functools.partial(self._released, s.tp_rank),
-                **{**SMALL, **(producer or {})},
-            )
-            for s, c, _ in self.scenario.src
-        ]
-        self.consumers = [
-            KVConsumer(s, c, "decode", **{**SMALL, **(consumer or {})})
-            for s, c, _ in self.scenario.dst
-        ]
+        scenario = make_scenario(src, dst, num_tokens)
+        super().__init__(scenario, {**SMALL, **(producer or {})}, {**SMALL, **(consumer or {})})
         if connect:
-            for c in self.consumers:
-                c.connect(self.addresses)
+            self.connect()
+
+    def producer_options(self, spec):
+        return {"release": functools.partial(self._released, spec.tp_rank), **self._producer}
 
     def _released(self, rank, request_id, reason):
         self.released.append((rank, request_id))
         self.reasons[rank, request_id] = reason
 
-    @property
-    def addresses(self):
-        return [p.address for p in self.producers]
-
-    def publish(self, request_id, deadline_s=None):
-        for p, (_, _, ids) in zip(self.producers, self.scenario.src, strict=True):
-            p.publish(request_id, ids, self.num_tokens, deadline_s=deadline_s)
-
     def fetch(self, request_id, ranks=(0, 1), timeout=10.0):
+        """Fetch on the decode ranks `ranks` and wait: their results."""
         handles = [
             self.consumers[r].fetch(
                 request_id, self.scenario.dst[r][2], self.num_tokens, timeout=timeout
@@ -68,12 +52,6 @@ class Engines:
             for r in ranks
         ]
         return [h.wait() for h in handles]
-
-    def close(self):
-        for c in self.consumers:
-            c.close()
-        for p in self.producers:
-            p.close()
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvxfer.connector import KVConsumer, KVProducer
 from kvxfer.testing import make_scenario, side_specs
+from kvxfer.testing.scenario import ScenarioEngines
 
 STAGING = {"staging_bytes": 8192, "staging_slots": 2}
 
@@ -39,19 +39,12 @@ def test_a_prefill_and_a_decode_of_other_dtypes_move_a_request_exactly(
     dst = scaled(dst, 0.125) if dst_dtype.startswith("float8") else dst
     num_tokens = 150
     sc = make_scenario(src, dst, num_tokens, start_token=5, seed=3)
-    producers = [KVProducer(s, c, "prefill", **STAGING) for s, c, _ in sc.src]
-    consumers = [KVConsumer(s, c, "decode", strategy=strategy, **STAGING) for s, c, _ in sc.dst]
-    try:
-        for consumer in consumers:
-            consumer.connect([p.address for p in producers])
+    with ScenarioEngines(sc, STAGING, dict(strategy=strategy, **STAGING)) as engines:
+        engines.connect()
+        for consumer in engines.consumers:
             assert {pair.plan.strategy for pair in consumer._pairs} == {strategy}
-        for producer, (_, _, ids) in zip(producers, sc.src, strict=True):
-            producer.publish("r1", ids, num_tokens)
-        handles = [
-            c.fetch("r1", ids, num_tokens, start_token=5, timeout=60.0)
-            for c, (_, _, ids) in zip(consumers, sc.dst, strict=True)
-        ]
-        results = [h.wait() for h in handles]
+        engines.publish("r1")
+        results = [h.wait() for h in engines.fetch("r1", start_token=5, timeout=60.0)]
         assert all(r.ok for r in results), [r.errors for r in results]
         sc.assert_exact()
         # The wire carries the staging's dtype: the destination's after a pack, the source's
@@ -61,8 +54,3 @@ def test_a_prefill_and_a_decode_of_other_dtypes_move_a_request_exactly(
         wire = {"pack": dst_size, "unpack": src_size, "pack+unpack": min(src_size, dst_size)}
         cells = (num_tokens - 5) * 3 * 2 * 4 * 8  # tokens x layers x K/V x heads x head_dim
         assert sum(r.bytes for r in results) == cells * wire[strategy]
-    finally:
-        for c in consumers:
-            c.close()
-        for p in producers:
-            p.close()

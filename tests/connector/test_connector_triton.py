@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvxfer.connector import KVConsumer, KVProducer
 from kvxfer.testing import make_scenario, side_specs
+from kvxfer.testing.scenario import ScenarioEngines
 
 # Runs the Triton kernels: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests/conftest.py).
 pytestmark = pytest.mark.interpreter
@@ -26,22 +26,9 @@ def test_triton_backend_end_to_end(strategy):
     )
     sc = make_scenario(src, dst, 70, start_token=5)
     roomy = {"staging_bytes": 1 << 16, "backend": "triton"}
-    producers = [KVProducer(s, c, "prefill", **roomy) for s, c, _ in sc.src]
-    consumers = [KVConsumer(s, c, "decode", strategy=strategy, **roomy) for s, c, _ in sc.dst]
-    try:
-        for consumer in consumers:
-            consumer.connect([p.address for p in producers])
+    with ScenarioEngines(sc, roomy, dict(strategy=strategy, **roomy)) as engines:
+        engines.connect()
         sc.assert_untouched()  # warm-up ran on scratch buffers, not on the caches
-        for producer, (_, _, ids) in zip(producers, sc.src, strict=True):
-            producer.publish("r", ids, 70)
-        handles = [
-            c.fetch("r", ids, 70, start_token=5)
-            for c, (_, _, ids) in zip(consumers, sc.dst, strict=True)
-        ]
-        assert all(h.wait().ok for h in handles)
+        engines.publish("r")
+        assert all(h.wait().ok for h in engines.fetch("r", start_token=5))
         sc.assert_exact()
-    finally:
-        for c in consumers:
-            c.close()
-        for p in producers:
-            p.close()

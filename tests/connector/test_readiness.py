@@ -17,59 +17,38 @@ import time
 import pytest
 import torch
 
-from kvxfer.connector import KVConsumer, KVProducer
 from kvxfer.testing import POISON, bits, make_scenario, side_specs
+from kvxfer.testing.scenario import ScenarioEngines
 
 NUM_TOKENS = 128
 CHUNK = 32
 WAIT_S = 30.0
 
 
-class Streamed:
-    """Two prefill ranks (blocks of 16, NHD) -> two decode ranks (blocks of 32, HND)."""
+class Streamed(ScenarioEngines):
+    """Two prefill ranks (blocks of 16, NHD) -> two decode ranks (blocks of 32, HND), connected,
+    recording the requests each prefill rank releases."""
 
     def __init__(self) -> None:
         src = side_specs(2, heads=4, block_size=16, num_blocks=40)
         dst = side_specs(2, heads=4, block_size=32, layout="HND", num_blocks=40)
-        self.scenario = make_scenario(src, dst, NUM_TOKENS)
         self.released: list[str] = []
         pool = {"staging_bytes": 1 << 16, "staging_slots": 2, "transport": "local"}
-        self.producers = [
-            KVProducer(s, c, "prefill", release=lambda rid, _: self.released.append(rid), **pool)
-            for s, c, _ in self.scenario.src
-        ]
-        self.consumers = [
-            KVConsumer(s, c, "decode", chunk_tokens=CHUNK, **pool) for s, c, _ in self.scenario.dst
-        ]
-        for consumer in self.consumers:
-            consumer.connect([p.address for p in self.producers])
-
-    def publish(self, ready_tokens: int) -> None:
-        for producer, (_, _, ids) in zip(self.producers, self.scenario.src, strict=True):
-            producer.publish("r", ids, NUM_TOKENS, ready_tokens=ready_tokens)
-
-    def fetch(self) -> list:
-        return [
-            consumer.fetch("r", ids, NUM_TOKENS, timeout=WAIT_S)
-            for consumer, (_, _, ids) in zip(self.consumers, self.scenario.dst, strict=True)
-        ]
+        producer = {"release": lambda rid, _: self.released.append(rid), **pool}
+        super().__init__(
+            make_scenario(src, dst, NUM_TOKENS), producer, {"chunk_tokens": CHUNK, **pool}
+        )
+        self.connect()
 
     def mark_ready(self, tokens: int) -> None:
         for producer in self.producers:
             producer.mark_ready("r", tokens)
 
-    def close(self) -> None:
-        for consumer in self.consumers:
-            consumer.close()
-        for producer in self.producers:
-            producer.close()
-
 
 @pytest.fixture
 def streamed():
-    engines = Streamed()
-    yield engines
-    engines.close()
+    with Streamed() as engines:
+        yield engines
 
 
 def wait_for_chunks(handles: list, count: int) -> None:
@@ -105,8 +84,8 @@ def blocks_hold(streamed: Streamed, first: int, last: int, expected: bool) -> bo
 
 
 def test_a_fetch_asked_early_is_served_chunk_by_chunk_as_tokens_are_marked(streamed):
-    streamed.publish(ready_tokens=0)
-    handles = streamed.fetch()
+    streamed.publish("r", ready_tokens=0)
+    handles = streamed.fetch("r", timeout=WAIT_S)
     streamed.mark_ready(CHUNK)
     wait_for_chunks(handles, 1)
     assert not any(h.done() for h in handles)  # the other chunks are not computed yet
@@ -121,8 +100,8 @@ def test_a_fetch_asked_early_is_served_chunk_by_chunk_as_tokens_are_marked(strea
 
 
 def test_a_prefill_that_fails_half_way_fails_exactly_the_blocks_not_written(streamed):
-    streamed.publish(ready_tokens=0)
-    handles = streamed.fetch()
+    streamed.publish("r", ready_tokens=0)
+    handles = streamed.fetch("r", timeout=WAIT_S)
     streamed.mark_ready(2 * CHUNK)
     wait_for_chunks(handles, 2)
     # The decode ranks asked for the other two chunks, which their producers hold.
@@ -152,13 +131,13 @@ def test_readiness_errors_name_the_problem(streamed):
         streamed.producers[0].publish(
             "x", streamed.scenario.src[0][2], NUM_TOKENS, ready_tokens=200
         )
-    streamed.publish(ready_tokens=64)
+    streamed.publish("r", ready_tokens=64)
     with pytest.raises(ValueError, match="readiness only grows"):
         streamed.producers[0].mark_ready("r", 32)
     with pytest.raises(ValueError, match="not published"):
         streamed.producers[0].mark_ready("nobody", 32)
     streamed.mark_ready(NUM_TOKENS)
-    results = [h.wait(WAIT_S) for h in streamed.fetch()]
+    results = [h.wait(WAIT_S) for h in streamed.fetch("r", timeout=WAIT_S)]
     assert all(r.ok for r in results)
     streamed.scenario.assert_exact()
 
@@ -173,7 +152,7 @@ def test_a_chunked_prefill_publishes_its_first_blocks_and_extends_the_table_as_i
             producer.publish("r", first, NUM_TOKENS, ready_tokens=0)
             with pytest.raises(ValueError, match="extend the table first"):
                 producer.mark_ready("r", 100)
-        handles = engines.fetch()
+        handles = engines.fetch("r", timeout=WAIT_S)
         engines.mark_ready(64)
         wait_for_chunks(handles, 2)
         assert not any(h.done() for h in handles)

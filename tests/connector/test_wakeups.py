@@ -27,6 +27,7 @@ from kvxfer.connector.consumer.loop import EventLoop
 from kvxfer.connector.sidechannel import SideChannelServer
 from kvxfer.reference import random_global_kv, write_rank_cells
 from kvxfer.testing import make_scenario, side_specs
+from kvxfer.testing.scenario import ScenarioEngines
 
 A_MINUTE = 60.0
 WAIT_S = 20.0  # far below a tick: a result within it came from an event
@@ -64,30 +65,16 @@ def test_connect_late_publish_and_chunks_need_no_tick(slow_ticks: None, chunk_to
     scenario = make_scenario(src, dst, num_tokens)
     # One slot each side: a chunk of 16 tokens is asked only once the one before is copied.
     pool = {"staging_bytes": 1 << 16, "staging_slots": 1}
-    producers = [KVProducer(s, c, "prefill", **pool) for s, c, _ in scenario.src]
-    consumers = [
-        KVConsumer(s, c, "decode", chunk_tokens=chunk_tokens, **pool) for s, c, _ in scenario.dst
-    ]
-    try:
-        for consumer in consumers:  # completes when the handshakes do, not at a tick
-            consumer.connect([p.address for p in producers], timeout=WAIT_S)
-        handles = [
-            consumer.fetch("r", ids, num_tokens, timeout=2 * WAIT_S)
-            for consumer, (_, _, ids) in zip(consumers, scenario.dst, strict=True)
-        ]
+    with ScenarioEngines(scenario, pool, dict(chunk_tokens=chunk_tokens, **pool)) as engines:
+        engines.connect(timeout=WAIT_S)  # completes when the handshakes do, not at a tick
+        handles = engines.fetch("r", timeout=2 * WAIT_S)
         # The asks arrived before the request exists: the publish serves them at once.
-        for producer, (_, _, ids) in zip(producers, scenario.src, strict=True):
-            producer.publish("r", ids, num_tokens)
+        engines.publish("r")
         results = [handle.wait(WAIT_S) for handle in handles]
         assert all(r.ok for r in results), [r.errors for r in results]
         if chunk_tokens is not None:
             assert all(h.chunks_done == -(-num_tokens // chunk_tokens) for h in handles)
         scenario.assert_exact()
-    finally:
-        for consumer in consumers:
-            consumer.close()
-        for producer in producers:
-            producer.close()
 
 
 def test_fetches_sharing_a_slot_and_a_cancelled_fetch_need_no_tick(slow_ticks: None) -> None:
