@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvxfer.spec import KVCacheSpec
@@ -20,24 +20,23 @@ if TYPE_CHECKING:
 
 def _tiny_specs() -> tuple[KVCacheSpec, KVCacheSpec]:
     """A small prefill spec (TP 1, NHD blocks of 16) and decode spec (TP 2, HND blocks of 32)."""
+    import msgspec
+
     from kvxfer.spec import KVCacheSpec
 
-    def spec(
-        tp: int, block_size: int, num_blocks: int, layout: Literal["NHD", "HND"]
-    ) -> KVCacheSpec:
-        return KVCacheSpec(
-            num_layers=2,
-            num_kv_heads=4,
-            head_dim=16,
-            dtype="bfloat16",
-            tp_size=tp,
-            tp_rank=0,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            layout=layout,
-        )
-
-    return spec(1, 16, 8, "NHD"), spec(2, 32, 4, "HND")
+    prefill = KVCacheSpec(
+        num_layers=2,
+        num_kv_heads=4,
+        head_dim=16,
+        dtype="bfloat16",
+        tp_size=1,
+        tp_rank=0,
+        block_size=16,
+        num_blocks=8,
+        layout="NHD",
+    )
+    decode = msgspec.structs.replace(prefill, tp_size=2, block_size=32, num_blocks=4, layout="HND")
+    return prefill, decode
 
 
 def _probe_transfer() -> dict[str, Any]:

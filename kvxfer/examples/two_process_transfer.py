@@ -24,6 +24,7 @@ from contextlib import ExitStack
 from multiprocessing.connection import Connection
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -42,17 +43,8 @@ PREFILL = KVCacheSpec(  # rank 0 of the prefill engine; engine_ranks() gives eve
     num_blocks=64,
     layout="NHD",
 )
-DECODE = KVCacheSpec(  # rank 0 of the decode engine: same model, sharded differently
-    num_layers=2,
-    num_kv_heads=8,
-    head_dim=64,
-    dtype="bfloat16",
-    tp_size=4,
-    tp_rank=0,
-    block_size=32,
-    num_blocks=32,
-    layout="HND",
-)
+# Rank 0 of the decode engine: the same model, sharded differently.
+DECODE = msgspec.structs.replace(PREFILL, tp_size=4, block_size=32, num_blocks=32, layout="HND")
 REQUEST = "req-0"
 NUM_TOKENS = 300
 SEED = 0  # both processes derive the request's KV from it: decode checks against it
