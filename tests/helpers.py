@@ -108,9 +108,10 @@ class TransitionTableCases:
     """The checks every state machine's transition table gets, for a `Test...` class to inherit
     with `module` (the states module: its `TRANSITIONS`, `next_state`, `IllegalTransition`,
     `accepts` where it has one, and the docstring that draws the table), `states` and `events`
-    (its two enums) and `legal` (state -> {event: next state}, every legal move): each legal
-    move leads where `legal` says, the table has exactly those moves, every other move raises,
-    and the docstring draws the same table."""
+    (its two enums) and `legal` (event -> {state: next state}, every legal move: the table
+    read event by event, where the modules write it state by state): each legal move leads
+    where `legal` says, the table has exactly those moves, every other move raises, and the
+    docstring draws the same table."""
 
     module: ModuleType
     states: type[enum.Enum]
@@ -119,7 +120,7 @@ class TransitionTableCases:
 
     def rows(self) -> list[tuple[Any, Any, Any]]:
         """`legal` as (state, event, next) rows."""
-        return [(s, e, after) for s, moves in self.legal.items() for e, after in moves.items()]
+        return [(s, e, after) for e, moves in self.legal.items() for s, after in moves.items()]
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         name = metafunc.function.__name__

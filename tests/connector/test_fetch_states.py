@@ -46,16 +46,21 @@ from kvxfer.transport.base import Region
 
 S, E = ChunkState, ChunkEvent
 
-# Every legal move: state -> {event: next state}.
+# Every legal move, event by event: event -> {state: next state}.
 LEGAL = {
-    S.QUEUED: {E.ASK: S.ASKED, E.FAIL: S.FAILED},
-    S.ASKED: {E.OFFERED: S.READY, E.REQUEUE: S.QUEUED, E.FAIL: S.FAILED},
-    S.READY: {E.READ: S.READING, E.REQUEUE: S.QUEUED, E.FAIL: S.FAILED},
-    S.READING: {E.LANDED: S.CONFIRMING, E.REQUEUE: S.QUEUED, E.FAIL: S.FAILED},
-    S.CONFIRMING: {E.CONFIRMED: S.COPYING, E.REQUEUE: S.QUEUED, E.FAIL: S.FAILED},
-    S.COPYING: {E.COPIED: S.DONE, E.COPY_FAILED: S.FAILED, E.FAIL: S.COPYING},
-    S.DONE: {E.FAIL: S.DONE},
-    S.FAILED: {E.FAIL: S.FAILED},
+    E.ASK: {S.QUEUED: S.ASKED},
+    E.OFFERED: {S.ASKED: S.READY},
+    E.READ: {S.READY: S.READING},
+    E.LANDED: {S.READING: S.CONFIRMING},
+    E.CONFIRMED: {S.CONFIRMING: S.COPYING},
+    E.REQUEUE: dict.fromkeys((S.ASKED, S.READY, S.READING, S.CONFIRMING), S.QUEUED),
+    E.COPIED: {S.COPYING: S.DONE},
+    E.COPY_FAILED: {S.COPYING: S.FAILED},
+    E.FAIL: {
+        **dict.fromkeys((S.QUEUED, S.ASKED, S.READY, S.READING, S.CONFIRMING, S.FAILED), S.FAILED),
+        S.COPYING: S.COPYING,
+        S.DONE: S.DONE,
+    },
 }
 
 

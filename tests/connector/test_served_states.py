@@ -10,36 +10,28 @@ import pytest
 from helpers import TransitionTableCases
 
 from kvxfer.connector.messages import TransferRequest
-from kvxfer.connector.producer import states as states_mod
+from kvxfer.connector.producer import states
 from kvxfer.connector.producer.sessions import ConsumerSession, ServedChunk
-from kvxfer.connector.producer.states import (
-    TRANSITIONS,
-    IllegalTransition,
-    ServedEvent,
-    ServedState,
-    next_state,
-)
+from kvxfer.connector.producer.states import ServedEvent, ServedState
 from kvxfer.testing.geometry import Geometry
 
 S, E = ServedState, ServedEvent
 
-# Every legal move: state -> {event: next state}.
+# Every legal move, event by event: event -> {state: next state}.
 LEGAL = {
-    S.WAITING: {
-        E.PACK: S.PACKING,
-        E.OFFER: S.SETTLED,
-        E.FAIL: S.SETTLED,
-        E.FORGET: S.SETTLED,
-        E.END: S.SETTLED,
-    },
-    S.PACKING: {E.PACKED: S.LEASED, E.FAIL: S.SETTLED, E.FORGET: S.DROPPED, E.END: S.DROPPED},
-    S.DROPPED: {E.PACKED: S.SETTLED, E.FAIL: S.SETTLED},
-    S.LEASED: {E.READ: S.SETTLED, E.EXPIRE: S.SETTLED, E.FORGET: S.SETTLED, E.END: S.LEASED},
+    E.PACK: {S.WAITING: S.PACKING},
+    E.PACKED: {S.PACKING: S.LEASED, S.DROPPED: S.SETTLED},
+    E.OFFER: {S.WAITING: S.SETTLED},
+    E.READ: {S.LEASED: S.SETTLED},
+    E.EXPIRE: {S.LEASED: S.SETTLED},
+    E.FAIL: dict.fromkeys((S.WAITING, S.PACKING, S.DROPPED), S.SETTLED),
+    E.FORGET: {S.WAITING: S.SETTLED, S.PACKING: S.DROPPED, S.LEASED: S.SETTLED},
+    E.END: {S.WAITING: S.SETTLED, S.PACKING: S.DROPPED, S.LEASED: S.LEASED},
 }
 
 
 class TestServedTable(TransitionTableCases):
-    module = states_mod
+    module = states
     states, events = ServedState, ServedEvent
     legal = LEGAL
 
@@ -48,13 +40,13 @@ def test_a_pack_under_way_is_never_cut_short():
     # The pack writes the session's staging until it ends: whatever happens meanwhile, only
     # its end (packed, or its failure) settles it.
     for event in (E.FORGET, E.END):
-        assert next_state(S.PACKING, event) is S.DROPPED
-    assert {e for e in ServedEvent if (S.DROPPED, e) in TRANSITIONS} == {E.PACKED, E.FAIL}
+        assert states.next_state(S.PACKING, event) is S.DROPPED
+    assert {e for e in ServedEvent if (S.DROPPED, e) in states.TRANSITIONS} == {E.PACKED, E.FAIL}
 
 
 def test_a_leased_range_outlives_its_session():
-    assert next_state(S.LEASED, E.END) is S.LEASED
-    assert next_state(S.LEASED, E.EXPIRE) is S.SETTLED
+    assert states.next_state(S.LEASED, E.END) is S.LEASED
+    assert states.next_state(S.LEASED, E.EXPIRE) is S.SETTLED
 
 
 # ---- a session's bookkeeping ---------------------------------------------------------------
@@ -96,7 +88,7 @@ def test_advance_counts_each_state_and_a_settled_chunk_leaves():
     assert session.held_until() == 9.0
     session.advance(chunks[0], E.READ)
     assert session.held_until() == 0.0 and session.counts[S.LEASED] == 0
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(states.IllegalTransition):
         session.advance(chunks[2], E.PACKED)
 
 
