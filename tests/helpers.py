@@ -3,7 +3,8 @@ memory, scenarios; its `strategies` for Hypothesis): `shared_result`, a value co
 a whole parallel run; `run_quick_benchmark`; `TransitionTableCases`, the checks every state
 module's transition table gets (with `documented_moves`, the table its docstring draws);
 `cpu_attention_rank`, one small rank on a vLLM CPU attention layout, and `assert_run_offsets`,
-where the reference writes each element inside a (block, head) run; `REPO`, the repository's
+where the reference writes each element inside a (block, head) run; `first_tokens_ask`, a
+consumer's ask for a request's first 32 tokens; `REPO`, the repository's
 root. tests/conftest.py puts this folder on sys.path for the tests in every subfolder."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 
 if TYPE_CHECKING:
     from kvxfer import KVCacheSpec
+    from kvxfer.connector.messages import TransferRequest
     from kvxfer.testing import Geometry
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,6 +67,7 @@ __all__ = [
     "assert_run_offsets",
     "cpu_attention_rank",
     "documented_moves",
+    "first_tokens_ask",
     "run_quick_benchmark",
     "shared_result",
     "unlisted_moves",
@@ -180,3 +183,23 @@ def assert_run_offsets(
             for d in range(spec.head_dim):
                 assert run[k_at(slot, d)] == kv[0, 0, t, h, d]
                 assert run[v_at(slot, d)] == kv[0, 1, t, h, d]
+
+
+def first_tokens_ask(
+    request_id: str, chunk_id: int, *, layers: int, strategy: str, wait_seconds: float
+) -> TransferRequest:
+    """A consumer's ask (`TransferRequest`) for chunk `chunk_id` of a request of 32 tokens:
+    all of them, layers [0, `layers`)."""
+    from kvxfer.connector.messages import TransferRequest
+
+    return TransferRequest(
+        request_id=request_id,
+        chunk_id=chunk_id,
+        num_tokens=32,
+        token_start=0,
+        token_end=32,
+        layer_start=0,
+        layer_end=layers,
+        strategy=strategy,
+        wait_seconds=wait_seconds,
+    )

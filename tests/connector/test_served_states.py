@@ -7,9 +7,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import TransitionTableCases
+from helpers import TransitionTableCases, first_tokens_ask
 
-from kvxfer.connector.messages import TransferRequest
 from kvxfer.connector.producer import states
 from kvxfer.connector.producer.sessions import ConsumerSession, ServedChunk
 from kvxfer.connector.producer.states import ServedEvent, ServedState
@@ -58,17 +57,7 @@ def _session() -> ConsumerSession:
 
 
 def _chunk(chunk_id: int, request_id: str = "r") -> ServedChunk:
-    ask = TransferRequest(
-        request_id=request_id,
-        chunk_id=chunk_id,
-        num_tokens=32,
-        token_start=0,
-        token_end=32,
-        layer_start=0,
-        layer_end=1,
-        strategy="pack",
-        wait_seconds=5.0,
-    )
+    ask = first_tokens_ask(request_id, chunk_id, layers=1, strategy="pack", wait_seconds=5.0)
     return ServedChunk(ask, 0.0, 5.0)
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import zmq
+from helpers import first_tokens_ask
 
 from kvxfer.connector import KVProducer
 from kvxfer.connector import streams as streams_mod
@@ -27,7 +29,6 @@ from kvxfer.connector.messages import (
     Pong,
     RequestsDone,
     StagingRead,
-    TransferRequest,
     decode,
     encode,
 )
@@ -76,16 +77,8 @@ class HandSession:
 
     def ask(self, request_id: str, chunk_id: int, strategy: str, wait: float) -> None:
         self.send(
-            TransferRequest(
-                request_id=request_id,
-                chunk_id=chunk_id,
-                num_tokens=32,
-                token_start=0,
-                token_end=32,
-                layer_start=0,
-                layer_end=SRC.layers,
-                strategy=strategy,
-                wait_seconds=wait,
+            first_tokens_ask(
+                request_id, chunk_id, layers=SRC.layers, strategy=strategy, wait_seconds=wait
             )
         )
 
@@ -215,26 +208,45 @@ def test_a_pack_the_prefill_failed_during_is_never_offered(monkeypatch):
         producer.close()
 
 
-def _silence_after_a_gap(producer: KVProducer, gap: float, producer_away: bool) -> int:
-    """On the producer's side-channel thread: its consumer sessions last heard `gap` seconds
-    ago, the previous tick `gap` seconds ago too (`producer_away`: its thread was not run
-    meanwhile) or just now (it ran and heard nothing); then one tick. The open sessions after
-    it."""
+def _tick_after_a_gap(
+    producer: KVProducer,
+    gap: float,
+    producer_away: bool,
+    backdate: Callable[[float], None],
+    then: Callable[[], int] = lambda: 0,
+) -> int:
+    """On the producer's side-channel thread: `backdate(now)` moves what it times `gap`
+    seconds back (when its consumers were last heard, a deadline), the previous tick is `gap`
+    seconds ago too (`producer_away`: its thread was not run meanwhile) or just now (it ran);
+    then one tick, and `then()` right after it, on the same thread: its value."""
     done = threading.Event()
-    open_after: list[int] = []
+    after: list[int] = []
 
     def gap_then_tick() -> None:
         now = time.monotonic()
-        for link in producer._sessions.open_sessions():
-            link.last_heard = now - gap
+        backdate(now)
         producer._gaps.ticked = now - gap if producer_away else now
         producer._on_tick()
-        open_after.append(len(list(producer._sessions.open_sessions())))
+        after.append(then())
         done.set()
 
     producer._server.post(gap_then_tick)
     assert done.wait(60), "the side channel ran no posted work"
-    return open_after[0]
+    return after[0]
+
+
+def _silence_after_a_gap(producer: KVProducer, gap: float, producer_away: bool) -> int:
+    """`_tick_after_a_gap` with its consumer sessions last heard `gap` seconds ago: the open
+    sessions right after the tick."""
+
+    def silent(now: float) -> None:
+        for link in producer._sessions.open_sessions():
+            link.last_heard = now - gap
+
+    def open_sessions() -> int:
+        return len(list(producer._sessions.open_sessions()))
+
+    return _tick_after_a_gap(producer, gap, producer_away, silent, open_sessions)
 
 
 @pytest.mark.parametrize("producer_away", [True, False], ids=["producer-not-run", "producer-ran"])
@@ -261,18 +273,12 @@ def test_a_deadline_counts_only_while_the_producer_could_serve(producer_away):
     producer = KVProducer(spec, allocate_kv_caches(spec), "prefill")
     try:
         producer.publish("r", np.array([3, 5]), 32, deadline_s=5.0)
-        done = threading.Event()
 
-        def gap_then_tick() -> None:
-            now = time.monotonic()
+        def published_10_s_ago(now: float) -> None:
             for request in producer._requests._live.values():
                 request.deadline = now - 5.0  # published 10 s ago, with 5 s
-            producer._gaps.ticked = now - 10.0 if producer_away else now
-            producer._on_tick()
-            done.set()
 
-        producer._server.post(gap_then_tick)
-        assert done.wait(60), "the side channel ran no posted work"
+        _tick_after_a_gap(producer, 10.0, producer_away, published_10_s_ago)
         assert producer.expired_requests == int(not producer_away)
     finally:
         producer.close()
@@ -289,19 +295,13 @@ def test_a_chunk_waits_for_its_publish_only_while_the_producer_could_serve(produ
     try:
         consumer.ask("r", 0, "direct", wait=5.0)
         consumer.settled()
-        done = threading.Event()
 
-        def gap_then_tick() -> None:
-            now = time.monotonic()
+        def asked_10_s_ago(now: float) -> None:
             for link in producer._sessions.open_sessions():
                 for chunk in link.state.in_state(ServedState.WAITING):
                     chunk.deadline = now - 5.0  # asked 10 s ago, with 5 s
-            producer._gaps.ticked = now - 10.0 if producer_away else now
-            producer._on_tick()
-            done.set()
 
-        producer._server.post(gap_then_tick)
-        assert done.wait(60), "the side channel ran no posted work"
+        _tick_after_a_gap(producer, 10.0, producer_away, asked_10_s_ago)
         producer.publish("r", np.array([3, 5]), 32)
         answer = consumer.receive()
         if producer_away:
