@@ -35,23 +35,31 @@ def _url(server: Any) -> str:
     return f"http://127.0.0.1:{server.server_address[1]}"
 
 
+class _Quiet(BaseHTTPRequestHandler):
+    """A request handler that logs nothing and answers in one call."""
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, status: int, payload: bytes, content_type: str | None = None) -> None:
+        self.send_response(status)
+        if content_type is not None:
+            self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+
 def _engine(answer):
     """An HTTP server whose POST handler records the JSON body and answers with `answer`."""
     seen: list[dict] = []
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(_Quiet):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             seen.append({"path": self.path, **body})
             status, content_type, payload = answer(body)
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def log_message(self, *args):
-            pass
+            self.reply(status, payload, content_type)
 
     server = _serving(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
     return server, seen
@@ -222,15 +230,9 @@ def test_the_concurrent_flow_needs_each_prefills_bootstrap_port():
 
 @pytest.mark.parametrize("answer", [b"[1, 2]", b'{"0": {}}', b"not json", b'{"x": {}}'])
 def test_a_bootstrap_port_that_is_not_one_is_a_clear_502(answer):
-    class Query(BaseHTTPRequestHandler):
+    class Query(_Quiet):
         def do_GET(self):
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(answer)))
-            self.end_headers()
-            self.wfile.write(answer)
-
-        def log_message(self, *args):
-            pass
+            self.reply(200, answer)
 
     bogus = _serving(ThreadingHTTPServer(("127.0.0.1", 0), Query))
     decode, decode_seen = _engine(_decode_answer)
