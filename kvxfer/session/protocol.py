@@ -145,6 +145,32 @@ class SessionServer(Generic[T]):
             return self._check_claim(identity, message)
         raise ProtocolError(f"a server does not accept {type(message).__name__} messages")
 
+    def serve(
+        self,
+        identity: bytes,
+        frames: list[bytes],
+        send: Callable[[bytes, list[bytes]], None],
+        on_claim: Callable[[Claim], None],
+        on_message: Callable[[Delivery[T]], None],
+    ) -> ProtocolError | None:
+        """Act on `frames` from the peer `identity` (the side channel's thread): `send` the
+        handshake's replies, hand a proven claim to `on_claim` and a session's message to
+        `on_message`. Frames that are not a valid step, or that a handler refuses with a
+        `ProtocolError`, are answered with a `refusal`; the error is returned for the caller's
+        log (None when nothing was refused)."""
+        try:
+            event = self.receive(identity, frames)
+            if isinstance(event, Reply):
+                send(identity, event.frames)
+            elif isinstance(event, Claim):
+                on_claim(event)
+            else:
+                on_message(event)
+        except ProtocolError as exc:
+            send(identity, refusal(str(exc)))
+            return exc
+        return None
+
     def accept(
         self, claim: Claim, terms: bytes, make_state: Callable[[str], T]
     ) -> tuple[ServerSession[T], list[bytes]]:

@@ -40,7 +40,7 @@ from kvxfer.connector.streams import copy_stream_for
 from kvxfer.connector.turns import TickGaps
 from kvxfer.execute import resolve_backend
 from kvxfer.plan import DEFAULT_STAGING_SLOTS, check_pairable, route_pair
-from kvxfer.session.protocol import Claim, Reply, SessionServer, refusal
+from kvxfer.session.protocol import Claim, Delivery, SessionServer
 from kvxfer.spec import KVCacheSpec
 from kvxfer.transport.base import Transport
 from kvxfer.validation import (
@@ -381,17 +381,14 @@ class KVProducer:
     # ---- side channel (server thread: never blocks) ---------------------------------------
 
     def _on_frames(self, identity: bytes, frames: list[bytes]) -> None:
-        try:
-            event = self._sessions.receive(identity, frames)
-            if isinstance(event, Reply):
-                self._server.send(identity, event.frames)
-            elif isinstance(event, Claim):
-                self._open_session(event)
-            else:
-                self._on_session_message(event.session.state, decode(event.payload))
-        except ProtocolError as exc:
-            log.warning("producer %s: refused a frame: %s", self.engine_id, exc)
-            self._server.send(identity, refusal(str(exc)))
+        refused = self._sessions.serve(
+            identity, frames, self._server.send, self._open_session, self._on_delivery
+        )
+        if refused is not None:
+            log.warning("producer %s: refused a frame: %s", self.engine_id, refused)
+
+    def _on_delivery(self, delivery: Delivery[ConsumerSession]) -> None:
+        self._on_session_message(delivery.session.state, decode(delivery.payload))
 
     def _open_session(self, claim: Claim) -> None:
         """A consumer rank proved the secret: check its geometry, then open its session."""

@@ -44,7 +44,7 @@ from kvxfer.connector.messages import (
 from kvxfer.connector.sidechannel import SideChannelServer
 from kvxfer.ec.pool.config import ProducerSettings
 from kvxfer.ec.pool.pool import Entry, ItemPool
-from kvxfer.session.protocol import Claim, Reply, ServerSession, SessionServer, refusal
+from kvxfer.session.protocol import Claim, Delivery, ServerSession, SessionServer
 from kvxfer.transport.factory import TransportOptions, create_transport
 
 log = logging.getLogger(__name__)
@@ -135,19 +135,16 @@ class ECProducer:
     # ---- the side-channel thread: every handler is a few dictionary operations ----------
 
     def _on_frames(self, identity: bytes, frames: list[bytes]) -> None:
-        try:
-            event = self._sessions.receive(identity, frames)
-            if isinstance(event, Reply):
-                self._server.send(identity, event.frames)
-            elif isinstance(event, Claim):
-                self._welcome(event)
-            else:
-                answer = self._answer(event.session, decode(event.payload))
-                if answer is not None:  # to the socket that asked: each conversation has one
-                    self._server.send(identity, self._sessions.seal(event.session, encode(answer)))
-        except ProtocolError as exc:
-            log.warning("encoder-cache producer: refused a frame: %s", exc)
-            self._server.send(identity, refusal(str(exc)))
+        def on_message(delivery: Delivery[ConsumerState]) -> None:
+            answer = self._answer(delivery.session, decode(delivery.payload))
+            if answer is not None:  # to the socket that asked: each conversation has one
+                self._server.send(identity, self._sessions.seal(delivery.session, encode(answer)))
+
+        refused = self._sessions.serve(
+            identity, frames, self._server.send, self._welcome, on_message
+        )
+        if refused is not None:
+            log.warning("encoder-cache producer: refused a frame: %s", refused)
 
     def _welcome(self, claim: Claim) -> None:
         """A consumer proved the secret (its claim carries nothing more): open its session."""
