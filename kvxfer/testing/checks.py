@@ -1,4 +1,5 @@
-"""Checks of the fault harness: waiting for progress, leaks, late bytes, and hostile frames."""
+"""Checks of the fault harness: waiting for progress, results, leaks, late bytes, and hostile
+frames."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import zmq
 
 from kvxfer.plan import DEFAULT_STAGING_SLOTS
 from kvxfer.session import wire
+from kvxfer.testing.geometry import Request
 from kvxfer.testing.memory import BlockIds
 from kvxfer.testing.rig import Consumer, Producer
 
@@ -106,6 +108,25 @@ def leaks(
         return found
 
     return poll(problems, lambda found: not found, timeout, every=0.2)
+
+
+def settle_results(
+    consumer: Consumer,
+    requests: Sequence[Request],
+    block_ids: dict[str, BlockIds],
+    results: dict[str, dict[str, Any]],
+) -> dict[str, list[int]]:
+    """Check each request's result against its destination blocks (`block_ids`, by request
+    id): the blocks it failed are among them, and it is ok exactly when none failed; then
+    settle the consumer's model with it (failed blocks back to poison). The failed blocks of
+    every result, by "<request id> failed" (for `describe`)."""
+    for request in requests:
+        rid = request.request_id
+        result = results[rid]
+        assert set(result["failed_block_ids"]) <= {int(b) for b in block_ids[rid]}, rid
+        assert result["ok"] == (not result["failed_block_ids"]), result
+        consumer.model.settle(block_ids[rid], request, result["failed_block_ids"])
+    return {f"{rid} failed": r["failed_block_ids"] for rid, r in results.items()}
 
 
 def watch_for_late_bytes(

@@ -31,7 +31,7 @@ import numpy as np
 
 from kvxfer.spec import allocate_kv_caches
 from kvxfer.testing.geometry import Geometry, Request
-from kvxfer.testing.memory import POISON, BlockIds, CacheModel, poison
+from kvxfer.testing.memory import POISON, BlockIds, BlockPool, CacheModel, poison
 from kvxfer.testing.processes import START_TIMEOUT_S, context
 from kvxfer.testing.ranks import child_main
 from kvxfer.testing.signals import freeze
@@ -410,6 +410,23 @@ class Rig:
         c = Consumer(self.ctx, geometry, rank, engine_id, options, name)
         self.procs.append(c)
         return c
+
+    def published_pair(
+        self,
+        request: Request,
+        producer_options: dict[str, Any],
+        consumer_options: dict[str, Any],
+        connect_timeout: float = 10.0,
+    ) -> tuple[Producer, Consumer, np.ndarray]:
+        """A `PREFILL` rank and a `DECODE` rank connected to it, the prefill having published
+        `request` on blocks of a shuffled pool (seed 1): the two, and the decode's blocks for
+        it (a pool of seed 2) to fetch into."""
+        producer = self.producer(PREFILL, options=producer_options)
+        consumer = self.consumer(DECODE, options=consumer_options)
+        consumer.connect([producer.address], timeout=connect_timeout)
+        tokens = request.num_tokens
+        producer.publish(request, BlockPool(PREFILL.num_blocks, 1).take(PREFILL.blocks_for(tokens)))
+        return producer, consumer, BlockPool(DECODE.num_blocks, 2).take(DECODE.blocks_for(tokens))
 
     def ready(self, timeout: float = START_TIMEOUT_S) -> None:
         """Wait until every process started."""

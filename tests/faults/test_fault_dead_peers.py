@@ -19,6 +19,7 @@ from kvxfer.testing import (
     wait_for_progress,
     watch_for_late_bytes,
 )
+from kvxfer.testing.checks import settle_results
 
 SLOW = {"strategy": "pack+unpack", **SLOW_STAGING}  # a 4 MiB request in hundreds of chunks
 DEAD_PEER_BOUND_S = 3.5  # a killed peer is found by its closed connection, within a second
@@ -28,12 +29,9 @@ DEAD_PEER_BOUND_S = 3.5  # a killed peer is found by its closed connection, with
 def test_killed_producer_fails_the_fetch_within_seconds(rig, peer_timeout_s):
     """Found by its closed connection, not by its silence: as fast with a `peer_timeout_s`
     far beyond the bound (one long enough for a loaded machine's unscheduled seconds)."""
-    producer = rig.producer(PREFILL, options=SLOW_STAGING)
-    consumer = rig.consumer(DECODE, options={**SLOW, "peer_timeout_s": peer_timeout_s})
-    consumer.connect([producer.address])
     big = Request("big", 4096, seed=1)
-    producer.publish(big, BlockPool(PREFILL.num_blocks, 1).take(PREFILL.blocks_for(4096)))
-    ids = BlockPool(DECODE.num_blocks, 2).take(DECODE.blocks_for(4096))
+    consumer_options = {**SLOW, "peer_timeout_s": peer_timeout_s}
+    producer, consumer, ids = rig.published_pair(big, SLOW_STAGING, consumer_options)
 
     consumer.fetch(big, ids, timeout=8.0)
     wait_for_progress(consumer, ids)
@@ -64,7 +62,10 @@ def _fetch_exact(consumer, request, ids, timeout=10.0) -> None:
     assert not bad, f"{request.request_id}: {describe(bad, {'request': ids})}"
 
 
-def test_restarted_producer_at_a_new_address_serves_after_connect(rig):
+@pytest.mark.parametrize("same_port", [False, True], ids=["new-address", "same-address"])
+def test_a_restarted_producer_serves_the_next_fetch(rig, same_port):
+    """The same engine restarted: at a new address it serves once the consumer connects to
+    it; at the same address the consumer needs no connect() call."""
     first = rig.producer(PREFILL, options=SLOW_STAGING)
     consumer = rig.consumer(DECODE, options=SLOW)
     consumer.connect([first.address])
@@ -74,29 +75,15 @@ def test_restarted_producer_at_a_new_address_serves_after_connect(rig):
     _fetch_exact(consumer, before, dst.take(DECODE.blocks_for(512)))
 
     first.kill()
-    second = rig.producer(PREFILL, options=SLOW_STAGING)  # same engine id, a new port
-    assert second.address != first.address
-    consumer.connect([second.address])
+    if same_port:
+        second = rig.producer(PREFILL, port=first.port, options=SLOW_STAGING)
+        assert second.address == first.address
+    else:
+        second = rig.producer(PREFILL, options=SLOW_STAGING)  # same engine id, a new port
+        assert second.address != first.address
+        consumer.connect([second.address])
     second.publish(after, src.take(PREFILL.blocks_for(512)))
     _fetch_exact(consumer, after, dst.take(DECODE.blocks_for(512)))
-    problems = leaks([second], [consumer], timeout=10.0)
-    assert not problems, problems
-
-
-def test_restarted_producer_at_the_same_address_serves_the_next_fetch(rig):
-    first = rig.producer(PREFILL, options=SLOW_STAGING)
-    consumer = rig.consumer(DECODE, options=SLOW)
-    consumer.connect([first.address])
-    src, dst = BlockPool(PREFILL.num_blocks, 1), BlockPool(DECODE.num_blocks, 2)
-    before, after = Request("before", 512, seed=1), Request("after", 512, seed=2)
-    first.publish(before, src.take(PREFILL.blocks_for(512)))
-    _fetch_exact(consumer, before, dst.take(DECODE.blocks_for(512)))
-
-    first.kill()
-    second = rig.producer(PREFILL, port=first.port, options=SLOW_STAGING)
-    assert second.address == first.address
-    second.publish(after, src.take(PREFILL.blocks_for(512)))
-    _fetch_exact(consumer, after, dst.take(DECODE.blocks_for(512)))  # no connect() call
     problems = leaks([second], [consumer], timeout=10.0)
     assert not problems, problems
 
@@ -119,12 +106,7 @@ def test_consumer_closed_mid_fetch_returns_at_once_and_nothing_lands(rig):
     results = {r.request_id: consumer.result(r.request_id, timeout=5.0) for r in (moving, waiting)}
     assert not results["waiting"]["ok"]
     assert sorted(results["waiting"]["failed_block_ids"]) == sorted(ids["waiting"].tolist())
-    for request in (moving, waiting):
-        result = results[request.request_id]
-        assert set(result["failed_block_ids"]) <= set(ids[request.request_id].tolist())
-        assert result["ok"] == (not result["failed_block_ids"]), result
-        consumer.model.settle(ids[request.request_id], request, result["failed_block_ids"])
-    groups = {f"{rid} failed": r["failed_block_ids"] for rid, r in results.items()}
+    groups = settle_results(consumer, (moving, waiting), ids, results)
     bad = consumer.model.mismatches()
     assert not bad, f"at the results: {describe(bad, groups)}"
 

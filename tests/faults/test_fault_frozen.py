@@ -107,12 +107,8 @@ def test_frozen_consumer_does_not_stall_another_consumer(rig, freeze_at):
 @pytest.mark.parametrize("strategy", ["direct", "pack+unpack"])
 def test_frozen_producer_resumed_after_the_fetch_failed_writes_nothing(rig, strategy):
     staging = SLOW_STAGING if strategy == "pack+unpack" else ROOMY_STAGING  # slots hold a block
-    producer = rig.producer(PREFILL, options=staging)
-    consumer = rig.consumer(DECODE, options={"strategy": strategy, **staging})
-    consumer.connect([producer.address])
     big = Request("big", 4096, seed=4)
-    producer.publish(big, BlockPool(PREFILL.num_blocks, 1).take(PREFILL.blocks_for(4096)))
-    ids = BlockPool(DECODE.num_blocks, 2).take(DECODE.blocks_for(4096))
+    producer, consumer, ids = rig.published_pair(big, staging, {"strategy": strategy, **staging})
 
     consumer.fetch(big, ids, timeout=4.0)
     wait_for_progress(consumer, ids)
@@ -139,11 +135,9 @@ def _ask_a_frozen_producer(rig, request: Request, mid_transfer: bool = False):
     handshakes within 2 s) asks for it, or once the fetch is under way (`mid_transfer`: chunks
     asked, offered, reading and confirming); until the consumer's libzmq gives up on the
     connection. Returns the producer, the consumer and the destination ids."""
-    producer = rig.producer(PREFILL, options=SLOW_STAGING)
-    consumer = rig.consumer(DECODE, options={**SLOW, "peer_timeout_s": 1.0})
-    consumer.connect([producer.address], timeout=2.0)
-    producer.publish(request, BlockPool(PREFILL.num_blocks, 1).take(PREFILL.blocks_for(4096)))
-    ids = BlockPool(DECODE.num_blocks, 2).take(DECODE.blocks_for(4096))
+    producer, consumer, ids = rig.published_pair(
+        request, SLOW_STAGING, {**SLOW, "peer_timeout_s": 1.0}, connect_timeout=2.0
+    )
     if mid_transfer:
         consumer.fetch(request, ids, timeout=120.0)
         wait_for_progress(consumer, ids)

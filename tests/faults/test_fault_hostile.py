@@ -64,14 +64,11 @@ def test_garbage_and_a_wrong_secret_leave_service_intact(rig):
 
 
 def test_a_strangers_abort_does_not_release_anothers_request(rig):
-    producer = rig.producer(PREFILL, options={"secret": SECRET, **SLOW_STAGING})
-    consumer = rig.consumer(DECODE, options={"secret": SECRET, **SLOW})
-    stranger = rig.consumer(DECODE, engine_id="stranger", options={"secret": SECRET, **SLOW})
-    for c in (consumer, stranger):
-        c.connect([producer.address])
     victim = Request("victim", 4096, seed=5)
-    producer.publish(victim, BlockPool(PREFILL.num_blocks, 1).take(PREFILL.blocks_for(4096)))
-    ids = BlockPool(DECODE.num_blocks, 2).take(DECODE.blocks_for(4096))
+    decode = {"secret": SECRET, **SLOW}
+    producer, consumer, ids = rig.published_pair(victim, {"secret": SECRET, **SLOW_STAGING}, decode)
+    stranger = rig.consumer(DECODE, engine_id="stranger", options=decode)
+    stranger.connect([producer.address])
 
     # 512 chunks of 8 tokens, with the consumer frozen part of the way: seconds alone, many
     # more under the parallel suite (a 15 s deadline failed in CI); the test is about who may

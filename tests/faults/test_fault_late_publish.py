@@ -26,6 +26,7 @@ from kvxfer.testing import (
     leaks,
     watch_for_late_bytes,
 )
+from kvxfer.testing.checks import settle_results
 
 GIVE_UP_S = 2.0
 
@@ -54,12 +55,7 @@ def test_late_publish_never_lands_in_failed_blocks(rig, strategy):
         result = results[request.request_id]
         assert not result["ok"], f"{request.request_id} was not published: it cannot be ok"
         assert sorted(result["failed_block_ids"]) == sorted(dst[request.request_id].tolist())
-    for request in requests:
-        result = results[request.request_id]
-        assert set(result["failed_block_ids"]) <= set(dst[request.request_id].tolist())
-        assert result["ok"] == (not result["failed_block_ids"]), result
-        consumer.model.settle(dst[request.request_id], request, result["failed_block_ids"])
-    groups = {f"{rid} failed": r["failed_block_ids"] for rid, r in results.items()}
+    groups = settle_results(consumer, requests, dst, results)
     bad = consumer.model.mismatches()
     assert not bad, f"after the results (failed blocks re-poisoned): {describe(bad, groups)}"
 
