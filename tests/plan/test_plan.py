@@ -126,23 +126,10 @@ def test_direct_splits_heads_when_layouts_differ():
 def test_counting_segments_agrees_with_listing_them(
     strategy, layouts, placements, block_sizes, tokens, contiguous, layers
 ):
-    src = side_specs(
-        2,
-        heads=4,
-        block_size=block_sizes[0],
-        layout=layouts[0],
-        placement=placements[0],
-        num_layers=layers,
-        num_blocks=120,
-    )
-    dst = side_specs(
-        1,
-        heads=4,
-        block_size=block_sizes[1],
-        layout=layouts[1],
-        placement=placements[1],
-        num_layers=layers,
-        num_blocks=120,
+    shared = dict(heads=4, num_layers=layers, num_blocks=120)
+    src, dst = (
+        side_specs(tp, block_size=bs, layout=layout, placement=placement, **shared)
+        for tp, bs, layout, placement in zip((2, 1), block_sizes, layouts, placements, strict=True)
     )
     plan, program = _program(strategy, src, dst, tokens, contiguous=contiguous)
     step = 1 if contiguous else 2

@@ -24,13 +24,19 @@ from kvxfer.session.wire import PROTOCOL_VERSION, Hello, ProtocolError, Refused,
 PEER = b"peer-1"
 
 
-def _handshake(
-    server: SessionServer[str], client: SessionClient, identity: bytes = PEER
-) -> tuple[ServerSession[str], Opened]:
+def _shake(server: SessionServer, client: SessionClient, identity: bytes = PEER) -> Reply:
+    """The client's hello, the server's challenge: the client's handshake, to be sent."""
     challenge = server.receive(identity, client.hello())
     assert isinstance(challenge, Reply)
     shake = client.receive(challenge.frames)
     assert isinstance(shake, Reply)
+    return shake
+
+
+def _handshake(
+    server: SessionServer[str], client: SessionClient, identity: bytes = PEER
+) -> tuple[ServerSession[str], Opened]:
+    shake = _shake(server, client, identity)
     claim = server.receive(identity, shake.frames)
     assert isinstance(claim, Claim)
     session, welcome = server.accept(claim, b"terms:" + claim.claim, lambda sid: f"state-{sid}")
@@ -60,10 +66,7 @@ def test_a_client_without_the_servers_secret_is_refused(
 ) -> None:
     server: SessionServer[None] = SessionServer("kv", server_secret, max_sessions=4)
     client = SessionClient("kv", client_secret, "decode-0", b"claim")
-    challenge = server.receive(PEER, client.hello())
-    assert isinstance(challenge, Reply)
-    shake = client.receive(challenge.frames)
-    assert isinstance(shake, Reply)
+    shake = _shake(server, client)
     with pytest.raises(ProtocolError, match="shared secret"):
         server.receive(PEER, shake.frames)
     assert server.open_sessions() == []
@@ -72,10 +75,7 @@ def test_a_client_without_the_servers_secret_is_refused(
 def test_a_server_without_the_secret_cannot_open_a_session_on_the_client() -> None:
     impostor: SessionServer[None] = SessionServer("kv", "guess", max_sessions=4)
     client = SessionClient("kv", "s3cret", "decode-0", b"claim")
-    challenge = impostor.receive(PEER, client.hello())
-    assert isinstance(challenge, Reply)
-    shake = client.receive(challenge.frames)
-    assert isinstance(shake, Reply)
+    shake = _shake(impostor, client)
     # The impostor skips its own proof check and welcomes the client anyway.
     claim = Claim(PEER, "decode-0", b"claim", *_nonces(shake.frames))
     _, welcome = impostor.accept(claim, b"terms", lambda sid: None)
@@ -97,10 +97,7 @@ def _nonces(frames: list[bytes]) -> tuple[str, str]:
 def test_a_replayed_handshake_and_a_foreign_peers_handshake_find_no_challenge() -> None:
     server: SessionServer[None] = SessionServer("kv", "s", max_sessions=4)
     client = SessionClient("kv", "s", "decode-0", b"claim")
-    challenge = server.receive(PEER, client.hello())
-    assert isinstance(challenge, Reply)
-    shake = client.receive(challenge.frames)
-    assert isinstance(shake, Reply)
+    shake = _shake(server, client)
     with pytest.raises(ProtocolError, match="no matching Hello"):
         server.receive(b"someone-else", shake.frames)  # the challenge was not theirs
     assert isinstance(server.receive(PEER, shake.frames), Claim)

@@ -44,31 +44,44 @@ def test_mismatched_sides(changes, message):
         reshard(sc.src, dst, 10)
 
 
-def test_too_few_block_ids():
-    sc = scenario()
-    spec, caches, ids = sc.dst[1]
-    sc.dst[1] = (spec, caches, ids[:1])
-    with pytest.raises(ValueError, match=r"destination rank 1: too few block ids: 1 for 30"):
-        reshard(sc.src, sc.dst, 30)
-
-
-def test_block_id_out_of_range():
-    sc = scenario()
-    spec, caches, ids = sc.src[0]
+def _replaced(ids: np.ndarray, position: int, block: int) -> np.ndarray:
     ids = ids.copy()
-    ids[2] = spec.num_blocks
-    sc.src[0] = (spec, caches, ids)
-    with pytest.raises(ValueError, match=r"source rank 0: block id 64 \(position 2\) is out of"):
-        reshard(sc.src, sc.dst, 30)
+    ids[position] = block
+    return ids
 
 
-def test_duplicated_block_id():
+@pytest.mark.parametrize(
+    ("side", "rank", "edit", "message"),
+    [
+        pytest.param(
+            "dst",
+            1,
+            lambda spec, ids: ids[:1],
+            r"destination rank 1: too few block ids: 1 for 30",
+            id="too-few",
+        ),
+        pytest.param(
+            "src",
+            0,
+            lambda spec, ids: _replaced(ids, 2, spec.num_blocks),
+            r"source rank 0: block id 64 \(position 2\) is out of",
+            id="out-of-range",
+        ),
+        pytest.param(
+            "dst",
+            0,
+            lambda spec, ids: _replaced(ids, 1, ids[0]),
+            "appear more than once",
+            id="duplicated",
+        ),
+    ],
+)
+def test_bad_block_ids_name_the_rank_and_the_problem(side, rank, edit, message):
     sc = scenario()
-    spec, caches, ids = sc.dst[0]
-    ids = ids.copy()
-    ids[1] = ids[0]
-    sc.dst[0] = (spec, caches, ids)
-    with pytest.raises(ValueError, match="appear more than once"):
+    ranks = sc.src if side == "src" else sc.dst
+    spec, caches, ids = ranks[rank]
+    ranks[rank] = (spec, caches, edit(spec, ids))
+    with pytest.raises(ValueError, match=message):
         reshard(sc.src, sc.dst, 30)
 
 
