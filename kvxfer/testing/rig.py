@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -38,6 +38,8 @@ from kvxfer.testing.signals import freeze
 
 # Mooncake is chatty at INFO; spawned children inherit the parent's environment.
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+T = TypeVar("T")
 
 # A prefill engine and a decode engine of the same model with different block sizes and
 # layouts: 1 KiB of KV per token (2 layers, 4 heads of 32, bf16), 16 MiB caches per rank.
@@ -139,18 +141,32 @@ class Proc:
         Raises:
             TimeoutError: none came within `timeout` seconds.
         """
+
+        def queued() -> int | None:
+            return next(
+                (i for i, (k, payload) in enumerate(self.events) if k == kind and match(payload)),
+                None,
+            )
+
+        i = self._pump_until(queued, timeout, f"a {kind} event")
+        return self.events.pop(i)[1]
+
+    def _pump_until(self, found: Callable[[], T | None], timeout: float, what: str) -> T:
+        """Pump the child's messages until `found()` is not None: that value.
+
+        Raises:
+            TimeoutError: not within `timeout` seconds.
+            ChildError: the child exited before.
+        """
         deadline = time.monotonic() + timeout
-        while True:
-            for i, (k, payload) in enumerate(self.events):
-                if k == kind and match(payload):
-                    del self.events[i]
-                    return payload
+        while (value := found()) is None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"{self.name}: no {kind} event within {timeout} s")
+                raise TimeoutError(f"{self.name}: waited {timeout} s for {what}")
             if self.gone:
-                raise ChildError(f"{self.name} exited before a {kind} event")
+                raise ChildError(f"{self.name} exited before {what}")
             self.pump(min(left, 0.05))
+        return value
 
     # commands
 
@@ -168,14 +184,7 @@ class Proc:
             ChildError: the command raised in the child (its traceback is the message).
             TimeoutError: no reply within `timeout` seconds.
         """
-        deadline = time.monotonic() + timeout
-        while seq not in self._replies:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{self.name}: no reply within {timeout} s")
-            if self.gone:
-                raise ChildError(f"{self.name} exited before replying")
-            self.pump(min(left, 0.05))
+        self._pump_until(lambda: seq if seq in self._replies else None, timeout, "a reply")
         kind, value = self._replies.pop(seq)
         if kind == "error":
             raise ChildError(f"{self.name}:\n{value}")
