@@ -33,6 +33,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,7 +45,15 @@ from kvxfer.plan import CostModel
 from kvxfer.plan.cost import choose_chunking
 from kvxfer.plan.sizing import max_chunk_tokens
 from kvxfer.spec import allocate_kv_caches
+from kvxfer.testing.results import Benchmark
 from kvxfer.testing.timing import median_seconds
+
+BENCHMARK = Benchmark(
+    name="chunk_costs",
+    title="the cost model's constants",
+    command="MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/chunk_costs.py",
+    results_dir=Path(__file__).resolve().parent / "results",
+)
 
 
 def constants() -> dict[str, float]:
@@ -245,7 +254,20 @@ def format_result(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def figure(r: dict[str, Any]) -> tuple[str, str]:
+    """The page's figure: the constants `CostModel.tcp_loopback()` is set from (no target)."""
+    k, c = r["constants"], r["tcp_loopback_choice"]
+    text = (
+        f"{k['seconds_per_op'] * 1e6:.0f} µs per descriptor with many in flight, one stream "
+        f"{k['link_bytes_per_second'] / 1e9:.2f} GB/s, {k['seconds_per_chunk'] * 1e3:.2f} ms "
+        f"per chunk; `CostModel.tcp_loopback()` then chooses chunks of {c['tokens']} tokens, "
+        f"{c['depth']} in flight"
+    )
+    return text, "none"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Measure; print a table or one JSON object; 1 if the caches differ."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=4)
@@ -259,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=4, help="chunks in flight when pipelined")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    BENCHMARK.add_record_flag(parser)
     args = parser.parse_args(argv)
 
     from kvxfer.cli.native_logs import filtered_stderr, set_mooncake_log_level
@@ -267,7 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     with filtered_stderr():
         result = measure(args)
     print(json.dumps(result, indent=2) if args.json else format_result(result))
-    return 0 if result["identical"] else 1
+    if not result["identical"]:
+        return 1
+    text, targets = figure(result)
+    BENCHMARK.record(args.record, argv, figure=text, targets=targets, rows=result)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The floor of a request's fixed cost: Mooncake's own calls between two quiet processes.
 
     MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/floor.py [--json] [--repeats 30]
-        [--tokens 16 128 512 2048]
+        [--tokens 16 128 512 2048] [--record]
 
 Two processes started for this alone, on 127.0.0.1, running nothing else: a source process
 with a registered buffer and a ZeroMQ REP socket, and a reader process. For each size (the
@@ -30,12 +30,22 @@ import multiprocessing
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import zmq
 
+from kvxfer.testing.results import Benchmark
+
+BENCHMARK = Benchmark(
+    name="floor",
+    title="the quiet floor: Mooncake's own read and a ZeroMQ round trip between idle processes",
+    command="MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/floor.py",
+    results_dir=Path(__file__).resolve().parent / "results",
+)
+TRANSPORT_TARGET = 1.5  # kvxfer's transport read within 1.5x of Mooncake's own (issue 38)
 DEFAULT_TOKENS = (16, 128, 512, 2048)
 BYTES_PER_TOKEN = 8 * 2 * 8 * 128 * 2  # latency.py's geometry: layers, K and V, heads, dim, bf16
 TIMEOUT_S = 60.0
@@ -194,14 +204,37 @@ def measure(tokens: list[int], repeats: int) -> dict[str, Any]:
     return result
 
 
+def figure(result: dict[str, Any]) -> tuple[str, str]:
+    """The page's figure and targets: kvxfer's transport read against Mooncake's, per size."""
+    parts = [
+        f"{row['bytes'] / 2**20:g} MiB: Mooncake {row['mooncake_read_ms']} ms, kvxfer's "
+        f"`MooncakeTransport.read` {row['kvxfer_read_ms']} ms "
+        f"(**{row['kvxfer_read_over_mooncake']}×**)"
+        for row in result["rows"]
+    ]
+    missed = [
+        f"{row['bytes'] / 2**20:g} MiB"
+        for row in result["rows"]
+        if row["kvxfer_read_over_mooncake"] > TRANSPORT_TARGET
+    ]
+    verdict = f"not met at {', '.join(missed)}" if missed else "met"
+    return "; ".join(
+        parts
+    ), f"transport within {TRANSPORT_TARGET}× of Mooncake at every size ({verdict})"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure, print a table or one JSON object; 1 if a read failed or differed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--json", action="store_true")
+    BENCHMARK.add_record_flag(parser)
     args = parser.parse_args(argv)
     result = measure(args.tokens, args.repeats)
+    if not result["bad"]:
+        text, targets = figure(result)
+        BENCHMARK.record(args.record, argv, figure=text, targets=targets, rows=result)
     if args.json:
         print(json.dumps(result))
     else:

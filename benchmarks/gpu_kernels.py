@@ -82,6 +82,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -100,10 +101,17 @@ from kvxfer.kernels import (
     scatter_kv_torch,
     wire_kv_buffer,
 )
+from kvxfer.testing.results import Benchmark
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import previous_kernel  # beside this script, which may run from any directory
 
+BENCHMARK = Benchmark(
+    name="gpu_kernels",
+    title="pack, unpack and remap against a device copy of the same bytes",
+    command="python3 benchmarks/gpu_kernels.py",
+    results_dir=Path(__file__).resolve().parent / "results",
+)
 HEADS = 8  # KV heads per layer of every timed cache
 BLOCK = 16  # tokens per block of every timed cache
 POISON = 0xA5
@@ -891,6 +899,7 @@ def main(argv: list[str] | None = None) -> int:
         default=16384,
         help="skip the per-block baseline above this many copies per call",
     )
+    BENCHMARK.add_record_flag(parser)
     args = parser.parse_args(argv)
     began = time.perf_counter()
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -937,6 +946,17 @@ def main(argv: list[str] | None = None) -> int:
         report["stopped"] = "interrupted (SIGINT or SIGTERM)"
         interrupted = True
     report["seconds"] = time.perf_counter() - began
+    if not (interrupted or report["interpreted"]):  # an interpreted run's times mean nothing
+        summary = target_summary(report["rows"])
+        verdict = "met" if all(line.endswith(": met") for line in summary) else "not met"
+        BENCHMARK.record(
+            args.record,
+            argv,
+            figure="; ".join(summary) or "no row from 4k tokens",
+            targets=f"pack and unpack ≥ 0.85 of a copy, remaps ≥ 0.7 ({verdict})",
+            rows=report,
+            note=f"stopped early: {report['stopped']}" if report["stopped"] else "",
+        )
     if args.json:
         print(json.dumps(report, indent=1))
     else:

@@ -3,6 +3,7 @@
     python benchmarks/kernel_codegen.py            # a table
     python benchmarks/kernel_codegen.py --json     # {"rows": [{"config", "ld_bits", ...}]}
     python benchmarks/kernel_codegen.py --check    # exit 1 unless every aligned row is clean
+    python benchmarks/kernel_codegen.py --record   # RESULTS.md's row
 
 Every configuration the planner can produce (pack and unpack of NHD and HND caches, head
 slices, remaps that change the block size, landing mirrors, MLA, fp8, kv_inner, and the
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,7 +53,14 @@ from kvxfer.kernels import KVBuffer, StackedLayers, prepare_cell_copy, wire_kv_b
 from kvxfer.kernels.convert import scale_mode
 from kvxfer.kernels.copy_cells import CellCopyLaunch, _copy_cells_kernel
 from kvxfer.layout import layer_shape
+from kvxfer.testing.results import Benchmark
 
+BENCHMARK = Benchmark(
+    name="kernel_codegen",
+    title="what the kernel compiles to for sm_90, on a CPU machine",
+    command=".venv/bin/python benchmarks/kernel_codegen.py",
+    results_dir=Path(__file__).resolve().parent / "results",
+)
 SM90 = GPUTarget("cuda", 90, 32)
 _CUOBJDUMP = os.path.join(
     os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"
@@ -305,11 +314,24 @@ def problems(row: dict[str, Any]) -> list[str]:
     return found
 
 
+def figure(rows: list[dict[str, Any]]) -> tuple[str, str]:
+    """The page's figure and targets: the aligned rows' accesses, registers and spills."""
+    aligned = [r for r in rows if r["aligned"]]
+    clean = [r for r in aligned if not problems(r)]
+    registers = sorted(r["registers"] for r in aligned)
+    text = (
+        f"{len(clean)} of {len(aligned)} aligned configurations: 16-byte loads and stores, no "
+        f"spills, no 64-bit division; {registers[0]}-{registers[-1]} registers"
+    )
+    return text, f"no spills ({'met' if len(clean) == len(aligned) else 'not met'})"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the codegen table (or JSON); with --check, fail on any problem."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--check", action="store_true", help="exit 1 on any problem")
+    BENCHMARK.add_record_flag(parser)
     args = parser.parse_args(argv)
     rows = []
     for config in CONFIGS:
@@ -325,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['ld_bits']:3} {r['st_bits']:3} {r['registers']:5} {r['spill_bytes']:5} "
                 f"{r['div64']!s}"
             )
+    text, targets = figure(rows)
+    BENCHMARK.record(
+        args.record, argv, figure=text, targets=targets, rows={"target": "sm_90", "rows": rows}
+    )
     bad = [(r["config"], p) for r in rows for p in problems(r)]
     for name, problem in bad:
         print(f"FAIL {name}: {problem}", file=sys.stderr)

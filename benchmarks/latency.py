@@ -3,6 +3,7 @@
     MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/latency.py            # a table
     MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/latency.py --json     # one JSON object
     MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/latency.py --quick    # the test's small run
+    MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/latency.py --record   # RESULTS.md's row
 
 Two processes, over Mooncake TCP on 127.0.0.1, as a disaggregated deployment runs them: a
 prefill process with both ranks of a prefill engine (TP 2, blocks of 16, NHD: two `KVProducer`s,
@@ -59,6 +60,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import floor as quiet_floor  # benchmarks/floor.py, beside this script
@@ -71,6 +73,7 @@ from kvxfer.spec import allocate_kv_caches
 from kvxfer.testing.geometry import Geometry, Request, request_blocks
 from kvxfer.testing.memory import POISON, SOURCE_FILL, by_block, fill_blocks, global_kv, poison
 from kvxfer.testing.processes import context
+from kvxfer.testing.results import Benchmark
 
 PREFILL = Geometry(
     tp=2, heads=8, block_size=16, layout="NHD", layers=8, head_dim=128, dtype="bfloat16"
@@ -81,6 +84,15 @@ DECODE = Geometry(
 )
 """The decode engine (its `num_blocks` is set to what the run's requests need)."""
 
+BENCHMARK = Benchmark(
+    name="latency",
+    title="a request's fixed cost against the quiet floor",
+    command="MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/latency.py",
+    results_dir=Path(__file__).resolve().parent / "results",
+)
+# Issue 38's targets against the quiet floor: the smallest request at most 5x, the largest at
+# most 2x, and requests fetched at once at least half the floor's serial rate.
+SMALL_TARGET, LARGE_TARGET, CONCURRENT_TARGET = 5.0, 2.0, 0.5
 DEFAULT_TOKENS = (16, 128, 512, 2048)
 QUICK = {"tokens": (16, 128), "repeats": 2, "concurrent": 4, "idle_seconds": 0.5}
 SETUP_TIMEOUT_S = 300.0  # a child's start (imports, caches, handshakes) on a loaded machine
@@ -830,6 +842,38 @@ def add_quiet_floor(result: dict[str, Any], quiet: dict[str, Any]) -> None:
     result["checks"]["passed"] = result["checks"]["passed"] and not quiet["bad"]
 
 
+def figure(result: dict[str, Any]) -> tuple[str, str]:
+    """The page's figure and targets: the smallest and the largest request against the quiet
+    floor, and the concurrent run against the floor's serial rate."""
+    rows = sorted(result["rows"], key=lambda row: row["tokens"])
+    small, large, k = rows[0], rows[-1], result["concurrent"]
+    parts = [
+        f"{small['tokens']:,} tokens {small['kvxfer_ms']:.2f} ms against a floor of "
+        f"{small['quiet_floor_ms']:.3f} ms (**{small['ratio_to_quiet_floor']:.1f}×**)",
+        f"{large['tokens']:,} tokens **{large['ratio_to_quiet_floor']:.2f}×**",
+    ]
+    checks = [
+        (
+            f"{small['tokens']:,} tokens ≤ {SMALL_TARGET:g}×",
+            small["ratio_to_quiet_floor"] <= SMALL_TARGET,
+        ),
+        (
+            f"{large['tokens']:,} tokens ≤ {LARGE_TARGET:g}×",
+            large["ratio_to_quiet_floor"] <= LARGE_TARGET,
+        ),
+    ]
+    if k["requests"]:
+        parts.append(
+            f"{k['requests']} requests of {k['tokens']} tokens at once "
+            f"**{k['ratio_to_quiet_floor']:.2f}** of the floor's serial rate"
+        )
+        checks.append(
+            (f"concurrent ≥ {CONCURRENT_TARGET}", k["ratio_to_quiet_floor"] >= CONCURRENT_TARGET)
+        )
+    targets = "; ".join(f"{name} ({'met' if met else 'not met'})" for name, met in checks)
+    return "; ".join(parts), targets
+
+
 def _ints(text: str) -> list[int]:
     values = [int(x) for x in text.split(",") if x.strip()]
     if not values or min(values) < 1:
@@ -862,6 +906,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="tokens 16,128, 2 repeats, 4 at once, 0.5 s idle"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    BENCHMARK.add_record_flag(parser)
     args = parser.parse_args(argv)
     defaults: dict[str, Any] = {
         "tokens": DEFAULT_TOKENS,
@@ -904,6 +949,8 @@ def main(argv: list[str] | None = None) -> int:
     if not result["checks"]["passed"]:
         print("latency: a check failed (see checks and errors)", file=sys.stderr)
         return 1
+    text, targets = figure(result)
+    BENCHMARK.record(args.record, argv, figure=text, targets=targets, rows=result)
     return 0
 
 

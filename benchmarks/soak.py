@@ -1,6 +1,6 @@
 """Soak run: prefill and decode ranks in their own processes, random faults, every byte checked.
 
-    .venv/bin/python benchmarks/soak.py --minutes 10 --json [--seed 1]
+    .venv/bin/python benchmarks/soak.py --minutes 10 --json [--seed 1] [--record]
 
 A prefill engine of TP 2 (16-token NHD blocks) feeds a decode engine of TP 3 (32-token HND
 blocks; one rank forced to pack+unpack, one to direct, one left to the cost model), every rank
@@ -40,12 +40,21 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 import kvxfer.testing as kt
+from kvxfer.testing.results import Benchmark
+
+BENCHMARK = Benchmark(
+    name="soak",
+    title="soak under random faults",
+    command="MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/soak.py",
+    results_dir=Path(__file__).resolve().parent / "results",
+)
 
 PREFILL = kt.Geometry(tp=2, heads=6, head_dim=32, block_size=16, num_blocks=1024)
 DECODE = kt.Geometry(tp=3, heads=6, head_dim=32, block_size=32, layout="HND", num_blocks=512)
@@ -422,11 +431,27 @@ class Soak:
         self.rig.close()
 
 
+def figure(summary: dict[str, Any]) -> tuple[str, str]:
+    """The page's figure and targets: what the run did and what it found wrong."""
+    checks = {k: summary[k] for k in ("corrupted_bytes", "leaked_slots", "release_mismatches")}
+    text = (
+        f"{summary['requests']} requests in {summary['seconds'] / 60:.0f} min, "
+        f"{summary['faults_injected']} faults, {summary['failed_requests']} failed (fetch "
+        f"errors from its own faults: {summary['failed_unfaulted_requests']} unfaulted); "
+        + ", ".join(f"`{k}` {v}" for k, v in checks.items())
+        + (f"; aborted: {summary['aborted']}" if "aborted" in summary else "")
+    )
+    met = not any(checks.values()) and "aborted" not in summary
+    return text, f"every check at 0 ({'met' if met else 'not met'})"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the soak; print its summary; 1 when a check failed or the run aborted."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=1.0, help="how long to run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    BENCHMARK.add_record_flag(parser)
     args = parser.parse_args(argv)
     seconds = args.minutes * 60
 
@@ -511,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
             soak.close()
     timer.cancel()
     report(summary)
+    text, targets = figure(summary)
+    BENCHMARK.record(args.record, argv, figure=text, targets=targets, rows=summary)
     bad = summary["corrupted_bytes"] or summary["leaked_slots"] or summary["release_mismatches"]
     return 1 if bad or "aborted" in summary else 0
 

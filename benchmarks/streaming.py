@@ -34,12 +34,21 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from kvxfer.plan.cost import CostModel
 from kvxfer.testing import BlockPool, Request, Rig  # quiets Mooncake (MC_LOG_LEVEL=ERROR)
 from kvxfer.testing.geometry import Geometry
+from kvxfer.testing.results import Benchmark
 from kvxfer.testing.rig import Consumer, Producer
+
+BENCHMARK = Benchmark(
+    name="streaming",
+    title="streamed fetch: the tail after the prefill's last layer",
+    command="MC_LOG_LEVEL=ERROR .venv/bin/python benchmarks/streaming.py",
+    results_dir=Path(__file__).resolve().parent / "results",
+)
 
 LAYERS = 8
 DEFAULT_TOKENS = (1024, 4096, 16384, 32768)
@@ -211,6 +220,21 @@ def format_result(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def figure(r: dict[str, Any]) -> tuple[str, str]:
+    """The page's figure and targets: each size's tail against its whole fetch and its target."""
+    parts = [
+        f"{row['tokens']:,} tokens: tail {row['tail_ms']:.1f} ms after the last layer, whole "
+        f"fetch {row['whole_ms']:.1f} ms"
+        for row in r["rows"]
+    ]
+    missed = [
+        f"{row['tokens']:,}" for row, t in zip(r["rows"], r["targets"], strict=True) if not t["met"]
+    ]
+    verdict = f"not met at {', '.join(missed)} tokens" if missed else "met"
+    text = f"fixed cost {r['fixed_ms']:.1f} ms; " + "; ".join(parts)
+    return text, f"tail ≤ 2 layers + the fixed cost ({verdict})"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 when every fetch was ok and exact."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -218,13 +242,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="the test's small run")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    BENCHMARK.add_record_flag(parser)
     args = parser.parse_args(argv)
     tokens, repeats = list(args.tokens), args.repeats
     if args.quick:
         tokens, repeats = list(QUICK["tokens"]), int(QUICK["repeats"])  # type: ignore[call-overload]
     report = measure(tokens, repeats)
     print(json.dumps(report) if args.json else format_result(report))
-    return 0 if report["checks"]["passed"] else 1
+    if not report["checks"]["passed"]:
+        return 1
+    text, targets = figure(report)
+    BENCHMARK.record(args.record, argv, figure=text, targets=targets, rows=report)
+    return 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ copying at once.
     .venv/bin/python benchmarks/torch_copy.py            # a table
     .venv/bin/python benchmarks/torch_copy.py --json     # one JSON object
     .venv/bin/python benchmarks/torch_copy.py --quick    # the test's small run
+    .venv/bin/python benchmarks/torch_copy.py --record   # RESULTS.md's row
 
 The pair of `benchmarks/latency.py`: a prefill rank of TP 2 (4 of 8 KV heads, blocks of 16,
 NHD) packs 2 heads into the wire buffer; a decode rank of TP 4 (2 heads, blocks of 32, HND)
@@ -30,15 +31,23 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvxfer.kernels import KVBuffer, gather_kv_torch, scatter_kv_torch, wire_kv_buffer
 from kvxfer.kernels.buffers import canonical_kv_view
+from kvxfer.testing.results import Benchmark
 
 LAYERS, HEADS, MOVED, HEAD_DIM = 8, 4, 2, 128  # the prefill rank's heads, the decode rank's
 SRC_BLOCK, DST_BLOCK = 16, 32
+BENCHMARK = Benchmark(
+    name="torch_copy",
+    title="CPU pack and unpack (torch backend)",
+    command=".venv/bin/python benchmarks/torch_copy.py",
+    results_dir=Path(__file__).resolve().parent / "results",
+)
 DEFAULT_TOKENS = (16, 256, 2048)
 
 
@@ -135,7 +144,20 @@ def measure(tokens: list[int], threads: int, calls: int, repeats: int) -> dict[s
     return {"rows": rows, "config": {"calls": calls, "repeats": repeats, "checked": True}}
 
 
-def main() -> None:
+def figure(result: dict[str, Any]) -> tuple[str, str]:
+    """The page's figure: each size's pack and unpack, alone (no target)."""
+    by_tokens: dict[int, dict[str, float]] = {}
+    for row in result["rows"]:
+        by_tokens.setdefault(row["tokens"], {})[row["direction"]] = row["alone_us"]
+    parts = [
+        f"{n:,} tokens: pack {d['pack']:.0f} µs, unpack {d['unpack']:.0f} µs alone"
+        for n, d in sorted(by_tokens.items())
+    ]
+    return "; ".join(parts), "none"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Measure; print a table or one JSON object."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")],
                         default=list(DEFAULT_TOKENS))  # fmt: skip
@@ -144,10 +166,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quick", action="store_true", help="16 tokens, 2 threads, a few calls")
-    args = parser.parse_args()
+    BENCHMARK.add_record_flag(parser)
+    args = parser.parse_args(argv)
     if args.quick:
         args.tokens, args.threads, args.calls, args.repeats = [16], 2, 3, 1
     result = measure(args.tokens, args.threads, args.calls, args.repeats)
+    text, targets = figure(result)
+    BENCHMARK.record(args.record, argv, figure=text, targets=targets, rows=result)
     if args.json:
         print(json.dumps(result, indent=2))
         return

@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
@@ -374,6 +375,17 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="intra-op threads of this process (every rank of both engines shares it)",
     )
     p.add_argument("--json", action="store_true", help='print {"rows": [...]}')
+    # `kvxfer.testing.results.Benchmark.add_record_flag`'s flag, spelled out: importing the test
+    # harness costs a second, and parsing stays light.
+    p.add_argument(
+        "--record",
+        nargs="?",
+        const=Path("benchmarks/results"),
+        default=None,
+        type=Path,
+        metavar="DIR",
+        help="write the result file for benchmarks/RESULTS.md (default benchmarks/results)",
+    )
     _add_verbose(p)
 
 
@@ -407,26 +419,17 @@ def _check_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
     d = DEMO_DEFAULTS
+    side_options: tuple[tuple[str, dict[str, Any]], ...] = (  # --{side}-{name}
+        ("tp", {"type": _positive, "help": "TP size (ranks)"}),
+        ("block-size", {"type": _positive, "help": "tokens per block"}),
+        ("layout", {"choices": LAYOUTS, "help": "inside a block"}),
+        ("placement", {"choices": KV_PLACEMENTS, "help": "K/V planes"}),
+    )
     for side in _SIDES:
         group = p.add_argument_group(side)
-        group.add_argument(
-            f"--{side}-tp", type=_positive, default=d[f"{side}_tp"], help="TP size (ranks)"
-        )
-        group.add_argument(
-            f"--{side}-block-size",
-            type=_positive,
-            default=d[f"{side}_block_size"],
-            help="tokens per block",
-        )
-        group.add_argument(
-            f"--{side}-layout", choices=LAYOUTS, default=d[f"{side}_layout"], help="inside a block"
-        )
-        group.add_argument(
-            f"--{side}-placement",
-            choices=KV_PLACEMENTS,
-            default=d[f"{side}_placement"],
-            help="K/V planes",
-        )
+        for name, options in side_options:
+            default = d[f"{side}_{name.replace('-', '_')}"]
+            group.add_argument(f"--{side}-{name}", default=default, **options)
     model = p.add_argument_group("model and request")
     model.add_argument(
         "--model", choices=["gqa", "mla"], default=d["model"], help="GQA heads or an MLA latent"

@@ -15,6 +15,14 @@ it imports neither pytest nor Hypothesis (the Hypothesis strategies are in
 - `kvxfer.testing.rig`: `Rig`, rank processes driven command by command, to be SIGSTOPped,
   SIGCONTed or SIGKILLed at a chosen point; `kvxfer.testing.checks`: what the fault suite
   checks with them (progress, leaks, late bytes, hostile frames).
+- Real engines (`make test-e2e`, `benchmarks/pd_serve.py`, `benchmarks/pd_soak.py`, the GPU
+  scripts): `kvxfer.testing.tiny_model` (a tiny model made on the spot),
+  `kvxfer.testing.vllm_driver` (prompts, HTTP calls, comparison, process groups; standard
+  library only) and `kvxfer.testing.vllm_cpu_engines` (vLLM CPU engines and the P/D proxy as
+  processes). None is imported here: they are modules of their own for the scripts that run
+  in an engine's environment.
+- Benchmarks: `kvxfer.testing.results`, the one result schema and `--record` flag every
+  benchmark shares (`benchmarks/RESULTS.md` is made from its files).
 """
 
 from kvxfer.testing.checks import (
