@@ -28,7 +28,12 @@ from kvxfer.plan.sizing import max_chunk_tokens
 from kvxfer.reference import random_global_kv, rank_heads, rank_layers, write_rank_cells
 from kvxfer.spec import pp_layer_ranges
 from kvxfer.testing import make_scenario, side_specs
-from kvxfer.testing.strategies import assert_fed_once, pp_geometries, reshard_random_geometry
+from kvxfer.testing.strategies import (
+    assert_fed_once,
+    geometry_specs,
+    pp_geometries,
+    reshard_random_geometry,
+)
 
 # ---- vLLM's default split ------------------------------------------------------------------
 
@@ -157,18 +162,7 @@ def test_a_producer_finds_the_route_its_consumer_plans(
 @given(pp_geometries())
 def test_routes_on_random_pipeline_geometries(g):
     """Every destination (layer, head) once, from a holder; producers find the same routes."""
-    a, b = g["sides"]
-    src, dst = (
-        side_specs(
-            side["tp"],
-            heads=g["heads"],
-            mla=g["mla"],
-            num_layers=g["num_layers"],
-            pp=side["pp"],
-            layer_ranges=side["layer_ranges"],
-        )
-        for side in (a, b)
-    )
+    src, dst = geometry_specs(g)
     plans = plan_pairs(src, dst, strategy="pack+unpack")
     fed = []
     for plan in plans:
