@@ -292,8 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=2) if args.json else format_result(result))
     if not result["identical"]:
         return 1
-    text, targets = figure(result)
-    BENCHMARK.record(args.record, argv, figure=text, targets=targets, rows=result)
+    BENCHMARK.record(args.record, argv, result, figure)
     return 0
 
 

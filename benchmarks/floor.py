@@ -233,8 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = measure(args.tokens, args.repeats)
     if not result["bad"]:
-        text, targets = figure(result)
-        BENCHMARK.record(args.record, argv, figure=text, targets=targets, rows=result)
+        BENCHMARK.record(args.record, argv, result, figure)
     if args.json:
         print(json.dumps(result))
     else:

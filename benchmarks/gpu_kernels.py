@@ -25,8 +25,7 @@ Converting rows (`conversion`, e.g. "bfloat16->float8_e4m3fn"; docs/kernels-and-
 plane; pack quantizes (`bfloat16->float8_e4m3fn`: a prefill's pack), unpack dequantizes
 (`float8_e4m3fn->bfloat16`: a decode's unpack). Their `bytes_moved` are the destination's, the
 copy baseline copies the destination's bytes, and GB/s counts the bytes read (the source's) plus
-the bytes written; the previous kernel and the index and block baselines do not convert
-(skipped).
+the bytes written; the index and block baselines do not convert (skipped).
 
 Device time: CUDA events around one launch, on the device only, `--reps` times (default 25),
 after a warm-up launch (compilation). Before each repetition, outside the events, a 256 MiB
@@ -34,10 +33,9 @@ buffer is written (flushes the L2: 50 MB on H100, 60 MB on H200) and the stream 
 for about 100 us, so the host's launch overhead stays hidden. Host preparation happens once,
 before: the new kernel is timed through `prepare_cell_copy(...).launch()`, or through
 `copy_cells` (host work included) while kvxfer.kernels has no `prepare_cell_copy` (the report's
-`new_device_timing` says which); the previous kernel gets the same help. End-to-end call time,
-separately: host wall time from the call to `torch.cuda.synchronize()` returning, L2 flushed
-before each call; of the public call (`gather_kv`, `scatter_kv`, `remap_kv`), the previous
-kernel's launcher and the torch twin.
+`new_device_timing` says which). End-to-end call time, separately: host wall time from the call
+to `torch.cuda.synchronize()` returning, L2 flushed before each call; of the public call
+(`gather_kv`, `scatter_kv`, `remap_kv`) and of the torch twin.
 
 Columns (JSON: each row's `device` and `e2e` hold median_ms, p10_ms, p90_ms, reps; device
 times also gbps and vs_copy):
@@ -48,7 +46,6 @@ times also gbps and vs_copy):
   bytes read once plus bytes written once (2 x bytes_moved / median, or the source's plus the
   destination's bytes for a conversion), for every column.
 - new ms [p10-p90], GB/s, x copy: the new kernel's device time, median [10th-90th percentile].
-- prev: the previous kernel (commit c8c5817's, kept in benchmarks/previous_kernel.py), x copy.
 - index: torch, one pass per layer: `index_select(..., out=wire)` (pack) or `index_copy_` from
   the wire (unpack), on rows of int64 words, indices built beforehand; a remap has no one-pass
   form (neither side is dense): `index_select` into a temporary, then `index_copy_`. x copy.
@@ -57,7 +54,7 @@ times also gbps and vs_copy):
   a memcpy where the block's moved cells are contiguous on both sides (all heads, NHD), else
   a strided copy kernel (head slices, NHD<->HND). "skip" above `--max-block-copies` copies per
   call (the loop is launch-bound). x copy.
-- e2e new, prev, torch: end-to-end call time, median ms.
+- e2e new, torch: end-to-end call time, median ms.
 - target (H100/H200): pack and unpack at least 0.85 x copy from 4k tokens, remaps at least
   0.7; "ok" or "MISS" from 4k tokens on, blank below. A summary per op follows the table.
 
@@ -102,9 +99,6 @@ from kvxfer.kernels import (
     wire_kv_buffer,
 )
 from kvxfer.testing.results import Benchmark
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import previous_kernel  # beside this script, which may run from any directory
 
 BENCHMARK = Benchmark(
     name="gpu_kernels",
@@ -406,11 +400,6 @@ def new_timing_method() -> str:
     return "copy_cells(...): host preparation included (no prepare_cell_copy in kvxfer.kernels)"
 
 
-def prepare_previous(case: CellCopyCase) -> Launch:
-    case.check_no_conversion("the previous kernel")
-    return previous_kernel.prepare_copy_cells(*case.args).launch
-
-
 def _canonical(buf: KVBuffer, t: torch.Tensor) -> torch.Tensor:
     return canonical_kv_view(t, buf.layout, buf.kv_placement, buf.mla)
 
@@ -666,7 +655,6 @@ def time_case(
     device_times = {
         "copy": copy,
         "new": _measure(lambda: timer.device_time(prepare_new(case)), dev),
-        "previous": _measure(lambda: timer.device_time(prepare_previous(case)), dev),
         "index_select": _measure(lambda: timer.device_time(prepare_index_copy(case)), dev),
         "per_block": _measure(
             lambda: timer.device_time(prepare_block_copies(case, max_copies)), dev
@@ -679,7 +667,6 @@ def time_case(
             stats["vs_copy"] = None if copy_ms is None else copy_ms / stats["median_ms"]
     e2e = {
         "new": _measure(lambda: timer.call_time(lambda: case.public(*case.args)), dev),
-        "previous": _measure(lambda: timer.call_time(_previous_call(case)), dev),
         "torch": _measure(lambda: timer.call_time(lambda: case.torch_twin(*case.args)), dev),
     }
     target = TARGETS[case.op] if g.tokens >= TARGET_FROM_TOKENS else None
@@ -694,11 +681,6 @@ def time_case(
         "target_vs_copy": target,
         "meets_target": None if target is None or ratio is None else ratio >= target,
     }
-
-
-def _previous_call(case: CellCopyCase) -> Launch:
-    case.check_no_conversion("the previous kernel")
-    return lambda: previous_kernel.copy_cells(*case.args)
 
 
 def time_geometry(
@@ -793,7 +775,7 @@ def _cell(stats: dict[str, Any] | None, key: str, width: int, digits: int) -> st
 _HEADER = (
     f"{'op':<9} {'layers':>6} {'tokens':>7} {'heads':>5} {'dim':>4} {'dtype':>8} {'MB':>8} "
     f"| {'copy GB/s':>9} | {'new ms':>8} {'[p10-p90]':>17} {'GB/s':>6} {'x copy':>6} "
-    f"| {'prev':>5} {'index':>5} {'block':>5} | {'e2e new':>8} {'prev':>8} {'torch':>8} "
+    f"| {'index':>5} {'block':>5} | {'e2e new':>8} {'torch':>8} "
     f"| target"
 )
 
@@ -822,9 +804,9 @@ def format_row(r: dict[str, Any]) -> str:
         _cell(new, "gbps", 6, 0),
         _cell(new, "vs_copy", 6, 2),
         "|",
-        *(_cell(dev[k], "vs_copy", 5, 2) for k in ("previous", "index_select", "per_block")),
+        *(_cell(dev[k], "vs_copy", 5, 2) for k in ("index_select", "per_block")),
         "|",
-        *(_cell(e2e[k], "median_ms", 8, 3) for k in ("new", "previous", "torch")),
+        *(_cell(e2e[k], "median_ms", 8, 3) for k in ("new", "torch")),
         "|",
         verdict,
     ]
@@ -853,6 +835,14 @@ def target_summary(rows: list[dict[str, Any]]) -> list[str]:
                 f"{len(ratios)} rows from {TARGET_FROM_TOKENS} tokens; target {target}: {met}"
             )
     return lines
+
+
+def figure(report: dict[str, Any]) -> tuple[str, str]:
+    """The results page's figure and targets: `target_summary`'s lines, one verdict."""
+    summary = target_summary(report["rows"])
+    verdict = "met" if all(line.endswith(": met") for line in summary) else "not met"
+    text = "; ".join(summary) or "no row from 4k tokens"
+    return text, f"pack and unpack ≥ 0.85 of a copy, remaps ≥ 0.7 ({verdict})"
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -947,16 +937,8 @@ def main(argv: list[str] | None = None) -> int:
         interrupted = True
     report["seconds"] = time.perf_counter() - began
     if not (interrupted or report["interpreted"]):  # an interpreted run's times mean nothing
-        summary = target_summary(report["rows"])
-        verdict = "met" if all(line.endswith(": met") for line in summary) else "not met"
-        BENCHMARK.record(
-            args.record,
-            argv,
-            figure="; ".join(summary) or "no row from 4k tokens",
-            targets=f"pack and unpack ≥ 0.85 of a copy, remaps ≥ 0.7 ({verdict})",
-            rows=report,
-            note=f"stopped early: {report['stopped']}" if report["stopped"] else "",
-        )
+        note = f"stopped early: {report['stopped']}" if report["stopped"] else ""
+        BENCHMARK.record(args.record, argv, report, figure, note)
     if args.json:
         print(json.dumps(report, indent=1))
     else:

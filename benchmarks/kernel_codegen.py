@@ -314,9 +314,9 @@ def problems(row: dict[str, Any]) -> list[str]:
     return found
 
 
-def figure(rows: list[dict[str, Any]]) -> tuple[str, str]:
+def figure(report: dict[str, Any]) -> tuple[str, str]:
     """The page's figure and targets: the aligned rows' accesses, registers and spills."""
-    aligned = [r for r in rows if r["aligned"]]
+    aligned = [r for r in report["rows"] if r["aligned"]]
     clean = [r for r in aligned if not problems(r)]
     registers = sorted(r["registers"] for r in aligned)
     text = (
@@ -347,10 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['ld_bits']:3} {r['st_bits']:3} {r['registers']:5} {r['spill_bytes']:5} "
                 f"{r['div64']!s}"
             )
-    text, targets = figure(rows)
-    BENCHMARK.record(
-        args.record, argv, figure=text, targets=targets, rows={"target": "sm_90", "rows": rows}
-    )
+    BENCHMARK.record(args.record, argv, {"target": "sm_90", "rows": rows}, figure)
     bad = [(r["config"], p) for r in rows for p in problems(r)]
     for name, problem in bad:
         print(f"FAIL {name}: {problem}", file=sys.stderr)

@@ -151,6 +151,30 @@ def _command(conn: Any) -> dict[str, Any]:
     return command
 
 
+def _serve(
+    conn: Any,
+    handlers: dict[str, Callable[[dict[str, Any]], Any]],
+    stop: Callable[[], dict[str, Any]],
+) -> None:
+    """Answer the parent's commands, each with its op's handler (and "idle", which both
+    processes measure alike), until "stop": its report goes back unless the parent is gone
+    ("orphaned")."""
+    while True:
+        command = _command(conn)
+        op = command["op"]
+        if op == "stop":
+            report = stop()
+            if not command.get("orphaned"):
+                conn.send(report)
+            return
+        if op == "idle":
+            conn.send(_idle(command["seconds"]))
+        elif op in handlers:
+            conn.send(handlers[op](command))
+        else:
+            raise ValueError(f"unknown command {op!r}")
+
+
 def _idle(seconds: float) -> dict[str, float]:
     began_cpu, began = time.process_time(), time.perf_counter()
     time.sleep(seconds)
@@ -252,48 +276,49 @@ def prefill_main(config: dict[str, Any], conn: Any) -> None:
             )
         del kvs
         conn.send({"addresses": [p.address for p in producers]})
-        while True:
-            command = _command(conn)
-            op = command["op"]
-            if op == "publish":
-                for request_id, slot in command["requests"]:
-                    for producer, ids in zip(producers, tables, strict=True):
-                        producer.publish(
-                            request_id, ids[slot], layout[slot].num_tokens, deadline_s=DEADLINE_S
-                        )
-                    published += 1
-                conn.send({"published": len(command["requests"])})
-            elif op == "floor_open":
-                floor = _FloorServer(command["nbytes"])
-                conn.send(floor.info())
-            elif op == "floor_close":
-                if floor is not None:
-                    floor.close()
-                    floor = None
-                conn.send({"closed": True})
-            elif op == "idle":
-                conn.send(_idle(command["seconds"]))
-            elif op == "stop":
-                deadline = time.monotonic() + SETTLE_S
-                while time.monotonic() < deadline and any(p.pending_requests for p in producers):
-                    time.sleep(0.01)
-                report = {
-                    "published": published,
-                    "released_by_rank": {
-                        rank: sorted({r for k, r in released if k == rank})
-                        for rank in config["ranks"]
-                    },
-                    "release_calls": len(released),
-                    "pending": sorted({r for p in producers for r in p.pending_requests}),
-                }
-                for p in producers:
-                    p.close()
-                producers = []
-                if not command.get("orphaned"):
-                    conn.send(report)
-                return
-            else:
-                raise ValueError(f"unknown command {op!r}")
+
+        def publish(command: dict[str, Any]) -> dict[str, Any]:
+            nonlocal published
+            for request_id, slot in command["requests"]:
+                for producer, ids in zip(producers, tables, strict=True):
+                    producer.publish(
+                        request_id, ids[slot], layout[slot].num_tokens, deadline_s=DEADLINE_S
+                    )
+                published += 1
+            return {"published": len(command["requests"])}
+
+        def floor_open(command: dict[str, Any]) -> dict[str, Any]:
+            nonlocal floor
+            floor = _FloorServer(command["nbytes"])
+            return floor.info()
+
+        def floor_close(command: dict[str, Any]) -> dict[str, Any]:
+            nonlocal floor
+            if floor is not None:
+                floor.close()
+                floor = None
+            return {"closed": True}
+
+        def stop() -> dict[str, Any]:
+            nonlocal producers
+            deadline = time.monotonic() + SETTLE_S
+            while time.monotonic() < deadline and any(p.pending_requests for p in producers):
+                time.sleep(0.01)
+            report = {
+                "published": published,
+                "released_by_rank": {
+                    rank: sorted({r for k, r in released if k == rank}) for rank in config["ranks"]
+                },
+                "release_calls": len(released),
+                "pending": sorted({r for p in producers for r in p.pending_requests}),
+            }
+            for p in producers:
+                p.close()
+            producers = []
+            return report
+
+        handlers = {"publish": publish, "floor_open": floor_open, "floor_close": floor_close}
+        _serve(conn, handlers, stop)
     except Exception:
         _send_traceback(conn)
     finally:
@@ -517,10 +542,32 @@ class _Decode:
             result["floor_serial"] = sum(f for f in floors if f is not None) or None
         return result
 
-    def close(self) -> None:
+    def floor_open(self, command: dict[str, Any]) -> dict[str, Any]:
+        """Connect the floor's reader to the prefill process's buffer; prepare every size."""
+        self.floor = _FloorClient(command["info"], command["nbytes"])
+        for nbytes in command["sizes"]:
+            self.floor.prepare(nbytes)
+        return {"opened": True}
+
+    def floor_close(self, command: dict[str, Any]) -> dict[str, Any]:
+        """Close the floor's reader (the concurrent and idle rounds run without it)."""
         if self.floor is not None:
             self.floor.close()
             self.floor = None
+        return {"closed": True}
+
+    def stop(self) -> dict[str, Any]:
+        """Close everything; the run's checks, errors and the strategies the ranks used."""
+        report = {
+            "checks": self.checks,
+            "errors": self.errors,
+            "strategies": sorted(self.strategies),
+        }
+        self.close()
+        return report
+
+    def close(self) -> None:
+        self.floor_close({})
         for c in self.consumers:
             c.close()
         self.consumers = []
@@ -537,35 +584,12 @@ def decode_main(config: dict[str, Any], conn: Any, barrier: Any = None) -> None:
             consumer.connect(addresses)
         first = decode.consumers[0]  # decode rank 0 in the process that hosts it
         conn.send({"chunking": {str(r): [c.tokens, c.depth] for r, c in first.chunking().items()}})
-        while True:
-            command = _command(conn)
-            op = command["op"]
-            if op == "round":
-                conn.send(decode.round(command))
-            elif op == "floor_open":
-                decode.floor = _FloorClient(command["info"], command["nbytes"])
-                for nbytes in command["sizes"]:
-                    decode.floor.prepare(nbytes)
-                conn.send({"opened": True})
-            elif op == "floor_close":
-                if decode.floor is not None:
-                    decode.floor.close()
-                    decode.floor = None
-                conn.send({"closed": True})
-            elif op == "idle":
-                conn.send(_idle(command["seconds"]))
-            elif op == "stop":
-                report = {
-                    "checks": decode.checks,
-                    "errors": decode.errors,
-                    "strategies": sorted(decode.strategies),
-                }
-                decode.close()
-                if not command.get("orphaned"):
-                    conn.send(report)
-                return
-            else:
-                raise ValueError(f"unknown command {op!r}")
+        handlers = {
+            "round": decode.round,
+            "floor_open": decode.floor_open,
+            "floor_close": decode.floor_close,
+        }
+        _serve(conn, handlers, decode.stop)
     except Exception:
         _send_traceback(conn)
     finally:
@@ -949,8 +973,7 @@ def main(argv: list[str] | None = None) -> int:
     if not result["checks"]["passed"]:
         print("latency: a check failed (see checks and errors)", file=sys.stderr)
         return 1
-    text, targets = figure(result)
-    BENCHMARK.record(args.record, argv, figure=text, targets=targets, rows=result)
+    BENCHMARK.record(args.record, argv, result, figure)
     return 0
 
 

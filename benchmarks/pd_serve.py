@@ -315,10 +315,10 @@ def nixl_missing() -> str | None:
     return "NixlConnector needs the `nixl` package: " + found.stderr.strip().splitlines()[-1]
 
 
-def figure(rows: list[dict[str, Any]]) -> tuple[str, str]:
+def figure(report: dict[str, Any]) -> tuple[str, str]:
     """The page's figure and targets: kvxfer's TTFT against vLLM's connector at the same
     geometry per concurrency, and each other geometry's p50 against the same geometry's."""
-    measured = [r for r in rows if "error" not in r]
+    measured = [r for r in report["rows"] if "error" not in r]
     by = {(r["name"], r["geometry"], r["concurrency"]): r for r in measured}
     same = "TP 1 / 32 -> TP 1 / 32"
     parts, slower = [], []
@@ -477,8 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [r.summary() for r in rows],
         "logs": str(processes.log_dir),
     }
-    text, targets = figure(report["rows"])
-    BENCHMARK.record(args.record, argv, figure=text, targets=targets, rows=report)
+    BENCHMARK.record(args.record, argv, report, figure)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

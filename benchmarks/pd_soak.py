@@ -439,8 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         soak.stop.set()
         soak.processes.stop_all()
-    text, targets = figure(result)
-    BENCHMARK.record(args.record, argv, figure=text, targets=targets, rows=result)
+    BENCHMARK.record(args.record, argv, result, figure)
     if args.json:
         print(json.dumps(result))
     else:

@@ -536,8 +536,7 @@ def main(argv: list[str] | None = None) -> int:
             soak.close()
     timer.cancel()
     report(summary)
-    text, targets = figure(summary)
-    BENCHMARK.record(args.record, argv, figure=text, targets=targets, rows=summary)
+    BENCHMARK.record(args.record, argv, summary, figure)
     bad = summary["corrupted_bytes"] or summary["leaked_slots"] or summary["release_mismatches"]
     return 1 if bad or "aborted" in summary else 0
 

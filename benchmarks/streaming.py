@@ -251,8 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report) if args.json else format_result(report))
     if not report["checks"]["passed"]:
         return 1
-    text, targets = figure(report)
-    BENCHMARK.record(args.record, argv, figure=text, targets=targets, rows=report)
+    BENCHMARK.record(args.record, argv, report, figure)
     return 0
 
 

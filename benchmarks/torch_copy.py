@@ -171,8 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.tokens, args.threads, args.calls, args.repeats = [16], 2, 3, 1
     result = measure(args.tokens, args.threads, args.calls, args.repeats)
-    text, targets = figure(result)
-    BENCHMARK.record(args.record, argv, figure=text, targets=targets, rows=result)
+    BENCHMARK.record(args.record, argv, result, figure)
     if args.json:
         print(json.dumps(result, indent=2))
         return

@@ -1,10 +1,10 @@
-"""What several test files share that is not part of `kvxfer.testing` (geometries, poisoned
-memory, scenarios; its `strategies` for Hypothesis): `shared_result`, a value computed once for
-a whole parallel run; `run_quick_benchmark`; `TransitionTableCases`, the checks every state
-module's transition table gets (with `documented_moves`, the table its docstring draws);
-`cpu_attention_rank`, one small rank on a vLLM CPU attention layout, and `assert_run_offsets`,
-where the reference writes each element inside a (block, head) run; `first_tokens_ask`, a
-consumer's ask for a request's first 32 tokens; `REPO`, the repository's
+"""What several test files share that is not part of `kvxfer.testing` (geometries, poisoned memory,
+scenarios; its `strategies` for Hypothesis): `shared_result`, a value computed once for a whole
+parallel run; `run_quick_benchmark` and `load_benchmark`; `TransitionTableCases`, the checks
+every state module's transition table gets (with `documented_moves`, the table its docstring
+draws); `cpu_attention_rank`, one small rank on a vLLM CPU attention layout, and
+`assert_run_offsets`, where the reference writes each element inside a (block, head) run;
+`first_tokens_ask`, a consumer's ask for a request's first 32 tokens; `REPO`, the repository's
 root. tests/conftest.py puts this folder on sys.path for the tests in every subfolder."""
 
 from __future__ import annotations
@@ -44,6 +44,21 @@ def run_quick_benchmark(name: str, *flags: str) -> tuple[int, str, str]:
         cwd=REPO,
     )
     return run.returncode, run.stdout, run.stderr
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """`benchmarks/<name>.py` imported as the module `name` (once; registered in sys.modules,
+    where dataclasses look their module up)."""
+    import importlib.util
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def shared_result(factory: pytest.TempPathFactory, name: str, compute: Callable[[], Any]) -> Any:

@@ -5,7 +5,6 @@ interpreter too)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,14 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import shared_result
+from helpers import load_benchmark, shared_result
 
 # Runs the Triton kernels: on CUDA, or on CPU under TRITON_INTERPRET=1 (tests/conftest.py).
 pytestmark = pytest.mark.interpreter
 
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "gpu_kernels.py"
-DEVICE_TIMINGS = {"copy", "new", "previous", "index_select", "per_block"}
-E2E_TIMINGS = {"new", "previous", "torch"}
+DEVICE_TIMINGS = {"copy", "new", "index_select", "per_block"}
+E2E_TIMINGS = {"new", "torch"}
 KV_OPS = {"pack", "unpack", "remap_nhd_to_hnd", "remap_hnd_to_nhd"}
 
 
@@ -63,7 +62,7 @@ def test_rows_carry_device_and_end_to_end_times(tiny_report, script_module):
         assert r["bytes_moved"] == cells * itemsize
         assert set(r["device"]) == DEVICE_TIMINGS and set(r["e2e"]) == E2E_TIMINGS
         # Only kvxfer's kernel (and its torch twin) convert; the other implementations copy bits.
-        bits_only = {"previous", "index_select", "per_block"} if r["conversion"] else set()
+        bits_only = {"index_select", "per_block"} if r["conversion"] else set()
         for stats in (*(v for k, v in r["device"].items() if k not in bits_only),
                       *(v for k, v in r["e2e"].items() if k not in bits_only)):  # fmt: skip
             assert stats["p10_ms"] <= stats["median_ms"] <= stats["p90_ms"], stats
@@ -86,17 +85,8 @@ def test_rows_carry_device_and_end_to_end_times(tiny_report, script_module):
 
 @pytest.fixture(scope="module")
 def script_module():
-    """The script imported as a module (it prepends its folder to sys.path; undone after)."""
-    saved_path = list(sys.path)
-    spec = importlib.util.spec_from_file_location("gpu_kernels", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_kernels"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    sys.path[:] = saved_path
-    for name in ("gpu_kernels", "previous_kernel"):
-        sys.modules.pop(name, None)
+    """The script imported as a module."""
+    return load_benchmark("gpu_kernels")
 
 
 def test_full_grid_covers_the_sizes_and_the_default_is_a_subset(script_module):

@@ -5,11 +5,11 @@
    token 5, for each op (pack, unpack, remaps between blocks of 16 and of 48), every
    implementation the benchmark times must give the torch twin's bytes (`gather_kv_torch`...),
    cells not moved included: the public call (`gather_kv`...), its prepared launch
-   (`prepare_cell_copy(...).launch()`), the previous kernel (benchmarks/previous_kernel.py),
-   the `index_select` baseline and the per-block baseline. The converting variants (a bf16
-   cache and an fp8 wire: pack quantizes, unpack dequantizes, with a scale per layer and plane)
-   check the public call and the prepared launch against the torch twin, which converts with
-   torch's float ops (the others only copy bits).
+   (`prepare_cell_copy(...).launch()`), the `index_select` baseline and the per-block
+   baseline. The converting variants (a bf16 cache and an fp8 wire: pack quantizes, unpack
+   dequantizes, with a scale per layer and plane) check the public call and the prepared
+   launch against the torch twin, which converts with torch's float ops (the others only copy
+   bits).
 2. `kvxfer.reshard` end to end on the device's tensors, Triton backend, each strategy forced
    in turn: the demo's sharding (prefill TP 3, blocks of 16, NHD/kv_first -> decode TP 4,
    blocks of 48, HND/blocks_first; 4 layers, 24 KV heads, head_dim 64) at the demo's 300
@@ -26,19 +26,16 @@ sets it, so that a machine whose GPU torch cannot see fails instead of passing.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from helpers import load_benchmark
 
 import kvxfer.kernels as kernels
 from kvxfer import STRATEGIES, KVCacheSpec, allocate_kv_caches, reshard
@@ -47,30 +44,15 @@ from kvxfer.kernels.copy_cells import INTERPRETED
 from kvxfer.reference import random_global_kv, write_rank_cells
 from kvxfer.testing import poison
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "gpu_kernels.py"
 CUDA = torch.cuda.is_available() and not INTERPRETED
 TINY = not CUDA  # the interpreter on CPU tensors: toy sizes
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 CHECK_REMAP_BLOCK = 48  # the other side of a remap check: another block size too
-IMPLS = ("new", "new_prepared", "previous", "index_select", "per_block")
+IMPLS = ("new", "new_prepared", "index_select", "per_block")
 MAX_BLOCK_COPIES = 16384  # the benchmark's default --max-block-copies
 
 
-def _load_benchmark() -> ModuleType:
-    """benchmarks/gpu_kernels.py as a module (it puts its folder on sys.path: undone)."""
-    saved = list(sys.path)
-    try:
-        spec = importlib.util.spec_from_file_location("gpu_kernels", SCRIPT)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_kernels"] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path[:] = saved
-
-
-bench = _load_benchmark()
+bench = load_benchmark("gpu_kernels")
 
 pytestmark = pytest.mark.cuda
 
@@ -142,8 +124,6 @@ def _implementation(name: str, case: Any) -> Callable[[], object]:
         if not hasattr(kernels, "prepare_cell_copy"):
             pytest.skip("kvxfer.kernels has no prepare_cell_copy")
         return bench.prepare_new(case)
-    if name == "previous":
-        return bench.prepare_previous(case)
     if name == "index_select":
         return bench.prepare_index_copy(case)
     return bench.prepare_block_copies(case, MAX_BLOCK_COPIES)
