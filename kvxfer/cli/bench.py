@@ -376,10 +376,9 @@ def _run(args: argparse.Namespace, console: TextIO) -> int:
     if getattr(args, "record", None) is not None:
         from kvxfer.testing.results import Benchmark
 
-        text, targets = figure(rows)
         Benchmark(
             "bench", BENCH_TITLE, "MC_LOG_LEVEL=ERROR .venv/bin/kvxfer", Path("benchmarks/results")
-        ).record(args.record, None, figure=text, targets=targets, rows={"rows": rows})
+        ).record(args.record, None, {"rows": rows}, figure)
     return 0
 
 
@@ -387,8 +386,9 @@ BENCH_TITLE = "`kvxfer bench`: hetero-TP pairs against a contiguous read of the 
 BENCH_TARGET = 0.6  # of the contiguous read, every pair (issue 23)
 
 
-def figure(rows: list[dict[str, Any]]) -> tuple[str, str]:
+def figure(report: dict[str, Any]) -> tuple[str, str]:
     """The results page's figure and targets: each pair against the contiguous read."""
+    rows = report["rows"]
     text = ", ".join(f"{r['pair']} **{r['ratio_to_contiguous']:.2f}**" for r in rows)
     cpu = sorted(r["kvxfer_cpu_s_per_gb"] for r in rows)
     text += f" of the contiguous read; {cpu[0]:.2f}-{cpu[-1]:.2f} CPU s/GB"

@@ -22,7 +22,7 @@ import platform
 import shlex
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,17 +189,18 @@ class Benchmark:
         self,
         directory: Path | None,
         argv: Sequence[str] | None,
-        *,
-        figure: str,
-        targets: str,
         rows: Any,
+        figure: Callable[[Any], tuple[str, str]],
         note: str = "",
     ) -> Path | None:
         """Write this run's result file into `directory` (None: `--record` was not given, and
-        nothing is written), measured now on this machine at the commit checked out where the
-        benchmark lives; answer its path. `argv`: the run's arguments (None: `sys.argv`'s)."""
+        nothing is written): `rows`, what the run printed, and `figure(rows)`, the figure and
+        the targets it states from them; measured now on this machine at the commit checked
+        out where the benchmark lives. Answer its path. `argv`: the run's arguments (None:
+        `sys.argv`'s)."""
         if directory is None:
             return None
+        text, targets = figure(rows)
         directory.mkdir(parents=True, exist_ok=True)
         result = Result(
             benchmark=self.name,
@@ -208,7 +209,7 @@ class Benchmark:
             machine=describe_machine(),
             commit=current_commit(self.results_dir.parent),
             measured=datetime.datetime.now(datetime.UTC).date().isoformat(),
-            figure=figure,
+            figure=text,
             targets=targets,
             rows=rows,
             note=note,

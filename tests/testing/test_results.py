@@ -23,7 +23,7 @@ BENCH = Benchmark("demo", "a demonstration", "X=1 python demo.py", Path("unused"
 
 
 def _record(directory: Path, argv: list[str], rows: object = None) -> Path | None:
-    return BENCH.record(directory, argv, figure="1 ms", targets="none", rows=rows or {"a": 1})
+    return BENCH.record(directory, argv, rows or {"a": 1}, lambda rows: ("1 ms", "none"))
 
 
 def test_a_recorded_run_reads_back_whole(tmp_path):
@@ -41,7 +41,7 @@ def test_a_recorded_run_reads_back_whole(tmp_path):
 
 def test_without_record_nothing_is_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert BENCH.record(None, [], figure="", targets="", rows={}) is None
+    assert BENCH.record(None, [], {}, lambda rows: ("", "")) is None
     assert list(tmp_path.iterdir()) == []
 
 
