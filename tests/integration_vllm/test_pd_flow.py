@@ -422,6 +422,17 @@ def test_loads_of_requests_never_published_do_not_delay_a_ready_load(engines):
     assert decode.free_blocks() == decode.free_blocks_at_start
 
 
+def _until_done(
+    engine: Engine, request_id: str, stepping: list[Engine], timeout: float, what: str
+) -> None:
+    """Step `stepping` until `engine` is done with `request_id` (its load, on a decode engine;
+    its sending, on a prefill engine), then check that it holds every block it started with."""
+    kind = "recving" if engine.spec.role == "kv_consumer" else "sending"
+    done = lambda: request_id in getattr(engine, f"finished_{kind}")  # noqa: E731
+    _run_until(done, stepping, timeout=timeout, what=what)
+    assert engine.free_blocks() == engine.free_blocks_at_start
+
+
 def test_decode_abort_before_the_load_frees_the_prefill_blocks_at_once(engines):
     from vllm.v1.request import RequestStatus
 
@@ -433,13 +444,13 @@ def test_decode_abort_before_the_load_frees_the_prefill_blocks_at_once(engines):
     # The client goes away before the decode engine scheduled it: no block, no load. Freed
     # "at once" is told from freed at the request's timeout (120 s), not by this machine's speed.
     decode.scheduler.finish_requests("req-abort-waiting", RequestStatus.FINISHED_ABORTED)
-    _run_until(
-        lambda: "req-abort-waiting" in prefill.finished_sending,
+    _until_done(
+        prefill,
+        "req-abort-waiting",
         [decode, prefill],
-        timeout=REQUEST_TIMEOUT_S / 4,
-        what="(the prefill engine still holds the aborted request's blocks)",
+        REQUEST_TIMEOUT_S / 4,
+        "(the prefill engine still holds the aborted request's blocks)",
     )
-    assert prefill.free_blocks() == prefill.free_blocks_at_start
     assert decode.free_blocks() == decode.free_blocks_at_start
 
 
@@ -462,25 +473,25 @@ def test_decode_abort_during_the_load_frees_both_sides(engines):
         # Every decode worker gives the load up at once: vLLM frees the decode blocks while
         # the prefill engine is still frozen, well before the load could end otherwise (at its
         # fetch timeout).
-        _run_until(
-            lambda: "req-abort-loading" in decode.finished_recving,
+        _until_done(
+            decode,
+            "req-abort-loading",
             [decode],
-            timeout=FETCH_TIMEOUT_S / 2,
-            what="(the aborted load did not end)",
+            FETCH_TIMEOUT_S / 2,
+            "(the aborted load did not end)",
         )
-        assert decode.free_blocks() == decode.free_blocks_at_start
     finally:
         prefill.thaw()
     # Once thawed, the prefill engine hears of the abort and frees the blocks: well within its
     # request timeout, which would free them otherwise.
-    _run_until(
-        lambda: "req-abort-loading" in prefill.finished_sending,
+    _until_done(
+        prefill,
+        "req-abort-loading",
         [decode, prefill],
-        timeout=REQUEST_TIMEOUT_S / 4,
-        what="(the prefill engine still holds the aborted request's blocks)",
+        REQUEST_TIMEOUT_S / 4,
+        "(the prefill engine still holds the aborted request's blocks)",
     )
     assert decode.invalid_block_ids[errors:] == [], "an aborted load has nothing to recompute"
-    assert prefill.free_blocks() == prefill.free_blocks_at_start
 
 
 def test_decode_abort_during_its_first_connect_reaches_the_prefill_without_a_step(engines):
@@ -513,23 +524,19 @@ def test_decode_abort_during_its_first_connect_reaches_the_prefill_without_a_ste
             fresh.add("req-abort-connecting", prompt, max_tokens=1, params=params)
             fresh.step()  # the load starts: a connect in the background
             fresh.scheduler.finish_requests("req-abort-connecting", RequestStatus.FINISHED_ABORTED)
-            _run_until(
-                lambda: "req-abort-connecting" in fresh.finished_recving,
-                [fresh],
-                timeout=20,
-                what="(the aborted load did not end)",
+            _until_done(
+                fresh, "req-abort-connecting", [fresh], 20, "(the aborted load did not end)"
             )
-            assert fresh.free_blocks() == fresh.free_blocks_at_start
         finally:
             prefill.thaw()
         # The decode engine has nothing left to step; only the prefill engine runs on.
-        _run_until(
-            lambda: "req-abort-connecting" in prefill.finished_sending,
+        _until_done(
+            prefill,
+            "req-abort-connecting",
             [prefill],
-            timeout=REQUEST_TIMEOUT_S / 4,
-            what="(the abort never reached the prefill engine)",
+            REQUEST_TIMEOUT_S / 4,
+            "(the abort never reached the prefill engine)",
         )
-        assert prefill.free_blocks() == prefill.free_blocks_at_start
     finally:
         fresh.close()
 
