@@ -87,17 +87,7 @@ import torch
 import triton
 
 import kvxfer.kernels as kernels
-from kvxfer.kernels import (
-    KVBuffer,
-    canonical_kv_view,
-    gather_kv,
-    gather_kv_torch,
-    remap_kv,
-    remap_kv_torch,
-    scatter_kv,
-    scatter_kv_torch,
-    wire_kv_buffer,
-)
+from kvxfer.kernels import KVBuffer, canonical_kv_view, wire_kv_buffer
 from kvxfer.testing.results import Benchmark
 
 BENCHMARK = Benchmark(
@@ -373,9 +363,9 @@ def _case(
     scales: torch.Tensor | None = None,
 ) -> CellCopyCase:
     public, twin = {
-        "pack": (gather_kv, gather_kv_torch),
-        "unpack": (scatter_kv, scatter_kv_torch),
-    }.get(op, (remap_kv, remap_kv_torch))
+        "pack": (kernels.gather_kv, kernels.gather_kv_torch),
+        "unpack": (kernels.scatter_kv, kernels.scatter_kv_torch),
+    }.get(op, (kernels.remap_kv, kernels.remap_kv_torch))
     if scales is not None:
         public = functools.partial(public, scales=scales)
         twin = functools.partial(twin, scales=scales)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -10,6 +12,7 @@ from kvxfer.plan import build_program
 from kvxfer.plan.program import PairChunk
 from kvxfer.plan.sizing import chunk_bounds, max_chunk_tokens
 from kvxfer.reference import random_global_kv, write_rank_cells
+from kvxfer.testing.geometry import Geometry
 
 
 def specs(
@@ -23,18 +26,11 @@ def specs(
     head_dim: int = 128,
 ) -> list[KVCacheSpec]:
     """One engine's specs, with twice the blocks a request of `num_tokens` needs."""
-    num_blocks = 2 * -(-num_tokens // block_size)
-    return KVCacheSpec(
-        num_layers=num_layers,
-        num_kv_heads=heads,
+    geometry = Geometry(
+        tp=tp, heads=heads, block_size=block_size, layout=layout, layers=num_layers,
         head_dim=head_dim,
-        dtype="bfloat16",
-        tp_size=tp,
-        tp_rank=0,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        layout=layout,  # type: ignore[arg-type]
-    ).engine_ranks()
+    )  # fmt: skip
+    return replace(geometry, num_blocks=2 * geometry.blocks_for(num_tokens)).specs()
 
 
 def scattered_blocks(spec: KVCacheSpec, num_tokens: int, seed: int) -> np.ndarray:
