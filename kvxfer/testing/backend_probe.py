@@ -6,8 +6,8 @@ the backend's name as the vLLM worker reads it, must read every element back fro
 put it (into a plain wire layout) and write a cache of another block size exactly as the op
 writes it itself, bit for bit, poisoned slots untouched. Run where the op runs:
 
-    python -m kvxfer.testing.backend_probe --backend CPU_ATTN          # vLLM's CPU build (tests/e2e)
-    python -m kvxfer.testing.backend_probe --backend FLASH_ATTN        # a GPU with vLLM (the GPU script)
+    python -m kvxfer.testing.backend_probe --backend CPU_ATTN     # vLLM's CPU build (tests/e2e)
+    python -m kvxfer.testing.backend_probe --backend FLASH_ATTN   # a GPU with vLLM (GPU script)
     python -m kvxfer.testing.backend_probe --backend TRITON_ATTN
 
 Prints one JSON line per case; exits 1 when any case differs. `tests/e2e/` runs the CPU_ATTN

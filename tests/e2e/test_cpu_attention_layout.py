@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvxfer.testing import backend_probe as bp
 import numpy as np
 import pytest
 import torch
 
 from kvxfer import reshard
+from kvxfer.testing import backend_probe as bp
 
 
 @pytest.mark.parametrize("case", bp.default_cases("CPU_ATTN", "cpu"), ids=lambda c: c.name)
