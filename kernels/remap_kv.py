@@ -6,11 +6,10 @@ MLA caches (`mla=True` buffers) take the same call: one latent plane, one head.
 
 from __future__ import annotations
 
-import torch
+import functools
 
 from kvxfer.kernels.buffers import KVBuffer
-from kvxfer.kernels.copy_cells import copy_cells
-from kvxfer.kernels.copy_cells_torch import copy_cells_torch
+from kvxfer.kernels.named_ops import NamedCopy
 
 
 def _check(src: KVBuffer, dst: KVBuffer) -> None:
@@ -18,29 +17,10 @@ def _check(src: KVBuffer, dst: KVBuffer) -> None:
         raise ValueError("src, dst: remap joins two paged caches; pass both block tables")
 
 
-def remap_kv(
-    src: KVBuffer,
-    dst: KVBuffer,
-    token_start: int,
-    token_end: int,
-    num_heads: int,
-    scales: torch.Tensor | None = None,
-) -> None:
-    """Copy tokens `[token_start, token_end)` and `num_heads` heads of every layer from one
-    paged cache to another, with one Triton launch.
-    Between two dtypes it converts, with the fp8 side's `scales` (see `copy_cells`)."""
-    _check(src, dst)
-    copy_cells(src, dst, token_start, token_end, num_heads, scales=scales)
+remap_kv = NamedCopy("remap_kv", _check)
+"""Copy tokens `[token_start, token_end)` and `num_heads` heads of every layer from one paged
+cache to another, with one Triton launch (a `NamedCopy`: `remap_kv(src, dst, token_start,
+token_end, num_heads, scales=None, *, backend="triton")`)."""
 
-
-def remap_kv_torch(
-    src: KVBuffer,
-    dst: KVBuffer,
-    token_start: int,
-    token_end: int,
-    num_heads: int,
-    scales: torch.Tensor | None = None,
-) -> None:
-    """`remap_kv` with torch ops (the reference, and the CPU backend)."""
-    _check(src, dst)
-    copy_cells_torch(src, dst, token_start, token_end, num_heads, scales)
+remap_kv_torch = functools.partial(remap_kv, backend="torch")
+"""`remap_kv` with torch ops (the reference, and the CPU backend)."""

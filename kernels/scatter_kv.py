@@ -6,11 +6,10 @@ MLA caches (`mla=True` buffers) take the same call: one latent plane, one head.
 
 from __future__ import annotations
 
-import torch
+import functools
 
 from kvxfer.kernels.buffers import KVBuffer
-from kvxfer.kernels.copy_cells import copy_cells
-from kvxfer.kernels.copy_cells_torch import copy_cells_torch
+from kvxfer.kernels.named_ops import NamedCopy
 
 
 def _check(staged: KVBuffer, cache: KVBuffer) -> None:
@@ -20,29 +19,11 @@ def _check(staged: KVBuffer, cache: KVBuffer) -> None:
         raise ValueError("cache: scatter writes a paged cache; pass its block_ids")
 
 
-def scatter_kv(
-    staged: KVBuffer,
-    cache: KVBuffer,
-    token_start: int,
-    token_end: int,
-    num_heads: int,
-    scales: torch.Tensor | None = None,
-) -> None:
-    """Scatter tokens `[token_start, token_end)` of `staged` into heads
-    `[cache.head_offset, +num_heads)` of every layer of `cache`, with one Triton launch.
-    Between two dtypes it converts, with the fp8 side's `scales` (see `copy_cells`)."""
-    _check(staged, cache)
-    copy_cells(staged, cache, token_start, token_end, num_heads, scales=scales)
+scatter_kv = NamedCopy("scatter_kv", _check)
+"""Scatter tokens `[token_start, token_end)` of a dense staging buffer (`src`) into heads
+`[cache.head_offset, +num_heads)` of every layer of a paged cache (`dst`), with one Triton
+launch (a `NamedCopy`: `scatter_kv(staged, cache, token_start, token_end, num_heads,
+scales=None, *, backend="triton")`)."""
 
-
-def scatter_kv_torch(
-    staged: KVBuffer,
-    cache: KVBuffer,
-    token_start: int,
-    token_end: int,
-    num_heads: int,
-    scales: torch.Tensor | None = None,
-) -> None:
-    """`scatter_kv` with torch ops (the reference, and the CPU backend)."""
-    _check(staged, cache)
-    copy_cells_torch(staged, cache, token_start, token_end, num_heads, scales)
+scatter_kv_torch = functools.partial(scatter_kv, backend="torch")
+"""`scatter_kv` with torch ops (the reference, and the CPU backend)."""

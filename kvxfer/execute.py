@@ -19,9 +19,7 @@ from kvxfer.kernels import (
     StackedLayers,
     check_launchable,
     gather_kv,
-    gather_kv_torch,
     scatter_kv,
-    scatter_kv_torch,
 )
 from kvxfer.plan.paged import PagedView
 from kvxfer.plan.program import CellCopy
@@ -135,10 +133,6 @@ def device_block_ids(block_ids: np.ndarray, device: torch.device) -> torch.Tenso
     return host.pin_memory().to(device, non_blocking=True)
 
 
-_GATHER = {"torch": gather_kv_torch, "triton": gather_kv}
-_SCATTER = {"torch": scatter_kv_torch, "triton": scatter_kv}
-
-
 def run_cell_copy(
     copy: CellCopy,
     src_tensors: Sequence[torch.Tensor],
@@ -149,9 +143,9 @@ def run_cell_copy(
     layers (`CellCopy.num_layers`; a cache's from its view's `layer_offset` on)."""
     src = kv_buffer(copy.src, src_tensors, copy.num_layers)
     dst = kv_buffer(copy.dst, dst_tensors, copy.num_layers)
-    op = _GATHER[backend] if src.paged else _SCATTER[backend]
+    op = gather_kv if src.paged else scatter_kv
     scales = device_scales(copy.scales, src.layers[0].device)
-    op(src, dst, copy.token_start, copy.token_end, copy.num_heads, scales)
+    op(src, dst, copy.token_start, copy.token_end, copy.num_heads, scales, backend=backend)
 
 
 def warm_up(copy: CellCopy, dtype: torch.dtype, device: torch.device, backend: Backend) -> None:
