@@ -3,10 +3,11 @@ writes, settling under the no-late-byte contract."""
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Self
 
 import numpy as np
 import torch
@@ -96,20 +97,39 @@ class Transport(Protocol):
         ...
 
 
-def wait_written(
-    future: Future[None], segments: Segments, peer: Peer, timeout: float | None
-) -> None:
-    """Wait up to `timeout` seconds for a write's future (every transport's `write`).
+class TransportBase(abc.ABC):
+    """What every transport does alike on top of its own `submit` and `close`: a blocking
+    `write`, and closing as a context manager."""
 
-    Raises:
-        TransferError: the write failed, or did not finish in time.
-    """
-    try:
-        future.result(timeout)
-    except TimeoutError as exc:
-        raise TransferError(
-            f"write of {len(segments)} segments to {peer.endpoint} did not finish in {timeout} s"
-        ) from exc
+    @abc.abstractmethod
+    def submit(self, segments: Segments, peer: Peer) -> Future[None]:
+        """Start writing `segments` to `peer` (the `Transport` protocol's)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the transport's resources; transfers not settled fail."""
+
+    def write(self, segments: Segments, peer: Peer, timeout: float | None = None) -> None:
+        """Write and wait up to `timeout` seconds. A transport its owner's loop drives must not
+        be waited on from that loop's thread (nothing would drive the write).
+
+        Raises:
+            TransferError: the write failed, or did not finish in time (the transfer may still
+                complete: a transfer in flight has no cancel).
+        """
+        try:
+            self.submit(segments, peer).result(timeout)
+        except TimeoutError as exc:
+            raise TransferError(
+                f"write of {len(segments)} segments to {peer.endpoint} did not finish in "
+                f"{timeout} s"
+            ) from exc
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def check_segments_in_regions(

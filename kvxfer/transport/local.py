@@ -37,9 +37,9 @@ from kvxfer.transport.base import (
     Peer,
     Region,
     TransferError,
+    TransportBase,
     check_segments_in_regions,
     tensor_memory,
-    wait_written,
 )
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -83,7 +83,7 @@ class _Op:
     future: Future[None]
 
 
-class LocalTransport:
+class LocalTransport(TransportBase):
     """The in-process transport over CPU or same-device tensors.
 
     Args:
@@ -154,15 +154,6 @@ class LocalTransport:
         check_segments_in_regions(segments, peer.regions, self._live_regions())
         return self._start(_Op(segments, peer, "read", Future()))
 
-    def write(self, segments: Segments, peer: Peer, timeout: float | None = None) -> None:
-        """Write and wait. Copies are synchronous unless driven; a driven transport's owner
-        must not wait here on its own thread (nothing would drive the write).
-
-        Raises:
-            TransferError: a failed write, or none finished in `timeout` seconds.
-        """
-        wait_written(self.submit(segments, peer), segments, peer, timeout)
-
     def drive(self) -> float | None:
         """(a driven transport's owner, every turn) Run every queued transfer.
 
@@ -196,12 +187,6 @@ class LocalTransport:
             queued, self._queued = list(self._queued), deque()
         for op in queued:
             op.future.set_exception(TransferError("the transport was closed before it finished"))
-
-    def __enter__(self) -> LocalTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ---- transfers -------------------------------------------------------------------------
 

@@ -37,9 +37,9 @@ from kvxfer.transport.base import (
     Peer,
     Region,
     TransferError,
+    TransportBase,
     check_segments_in_regions,
     tensor_memory,
-    wait_written,
 )
 from kvxfer.transport.completion import CompletionPump
 from kvxfer.validation import check_host
@@ -209,7 +209,7 @@ def _new_engine(
     return engine, f"{host}:{engine.get_rpc_port()}", protocol
 
 
-class MooncakeTransport:
+class MooncakeTransport(TransportBase):
     """One Mooncake TransferEngine: registers local memory, writes to peers' memory.
 
     Args:
@@ -324,15 +324,6 @@ class MooncakeTransport:
             return None
         return self._pump.drive()
 
-    def write(self, segments: Segments, peer: Peer, timeout: float | None = None) -> None:
-        """Write and wait up to `timeout` seconds.
-
-        Raises:
-            TransferError: a failed write, or none finished in time (the engine may still
-                complete it; Mooncake has no cancel).
-        """
-        wait_written(self.submit(segments, peer), segments, peer, timeout)
-
     def _live_regions(self) -> dict[int, Region]:
         if self._closed:
             raise TransferError("the transport is closed")
@@ -356,12 +347,6 @@ class MooncakeTransport:
         self._engine = None
         for future in unsettled:  # nothing of these can land now: the engine is gone
             future.set_exception(TransferError("the transport was closed before it finished"))
-
-    def __enter__(self) -> MooncakeTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _addresses(ids: np.ndarray, offsets: np.ndarray, regions: Mapping[int, Region]) -> np.ndarray:
