@@ -32,6 +32,7 @@ RESULT_KEYS = frozenset(
     {"schema", "benchmark", "title", "command", "machine", "commit", "measured", "figure",
      "targets", "rows", "note"}
 )  # fmt: skip
+RESULTS_PATH = "benchmarks/results"  # in the repository: where --record writes by default
 MACHINE_KEYS = frozenset({"cpu", "cores", "memory_gib", "cpu_capability", "amx", "gpu"})
 
 
@@ -140,18 +141,24 @@ def _lines(path: str) -> list[str]:
 
 
 def current_commit(where: Path) -> str:
-    """The commit checked out at `where`, `-dirty` where tracked files differ from it; "unknown"
-    outside a git checkout."""
-    try:
+    """The commit checked out at `where`, `-dirty` where tracked files differ from it (result
+    files aside: recording one run must not mark the next as dirty); "unknown" outside a git
+    checkout."""
+
+    def git(*args: str) -> str:
         out = subprocess.run(
-            ["git", "-C", str(where), "describe", "--always", "--dirty", "--abbrev=12"],
-            capture_output=True,
-            text=True,
-            check=True,
+            ["git", "-C", str(where), *args], capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD")
+        changed = git(
+            "status", "--porcelain", "--untracked-files=no", "--", ":(top,exclude)" + RESULTS_PATH
         )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return out.stdout.strip()
+    return f"{commit}-dirty" if changed else commit
 
 
 @dataclass(frozen=True)

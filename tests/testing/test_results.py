@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from kvxfer.testing.results import (
     Benchmark,
     Result,
     command_line,
+    current_commit,
     describe_machine,
     machine_label,
     read_results,
@@ -91,3 +93,22 @@ def test_the_machine_label_names_a_gpu_or_the_cpu_features():
     cpu = {"cores": 2, "cpu_capability": "avx512", "amx": True, "gpu": None}
     assert machine_label(cpu) == "2 cores, AVX512, AMX"
     assert machine_label({**cpu, "gpu": "NVIDIA H200"}) == "NVIDIA H200"
+
+
+def test_a_changed_result_file_does_not_make_the_commit_dirty(tmp_path):
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "demo.json").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    clean = current_commit(tmp_path / "benchmarks")
+    assert len(clean) == 12 and "dirty" not in clean
+    (results / "demo.json").write_text('{"recorded": true}')  # the last run's file
+    assert current_commit(tmp_path / "benchmarks") == clean
+    (tmp_path / "code.py").write_text("x = 2\n")  # what is measured changed
+    assert current_commit(tmp_path / "benchmarks") == f"{clean}-dirty"
