@@ -436,8 +436,8 @@ def figure(summary: dict[str, Any]) -> tuple[str, str]:
     checks = {k: summary[k] for k in ("corrupted_bytes", "leaked_slots", "release_mismatches")}
     text = (
         f"{summary['requests']} requests in {summary['seconds'] / 60:.0f} min, "
-        f"{summary['faults_injected']} faults, {summary['failed_requests']} failed (fetch "
-        f"errors from its own faults: {summary['failed_unfaulted_requests']} unfaulted); "
+        f"{summary['faults_injected']} faults, {summary['failed_requests']} requests failed "
+        f"({summary['failed_unfaulted_requests']} outside a fault's round); "
         + ", ".join(f"`{k}` {v}" for k, v in checks.items())
         + (f"; aborted: {summary['aborted']}" if "aborted" in summary else "")
     )
