@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import zmq
 
-from kvxfer.testing.results import Benchmark
+from kvxfer.testing.results import Benchmark, verdict
 
 BENCHMARK = Benchmark(
     name="floor",
@@ -217,10 +217,8 @@ def figure(result: dict[str, Any]) -> tuple[str, str]:
         for row in result["rows"]
         if row["kvxfer_read_over_mooncake"] > TRANSPORT_TARGET
     ]
-    verdict = f"not met at {', '.join(missed)}" if missed else "met"
-    return "; ".join(
-        parts
-    ), f"transport within {TRANSPORT_TARGET}× of Mooncake at every size ({verdict})"
+    targets = f"transport within {TRANSPORT_TARGET}× of Mooncake at every size ({verdict(missed)})"
+    return "; ".join(parts), targets
 
 
 def main(argv: list[str] | None = None) -> int:

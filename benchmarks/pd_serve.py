@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from kvxfer.testing import vllm_driver as driver
-from kvxfer.testing.results import Benchmark
+from kvxfer.testing.results import Benchmark, verdict
 from kvxfer.testing.tiny_model import SPECIAL_TOKENS, make_tiny_model, vocabulary_size
 from kvxfer.testing.vllm_cpu_engines import MODEL_NAME, Processes, Server, free_port
 
@@ -356,15 +356,10 @@ def figure(report: dict[str, Any]) -> tuple[str, str]:
     )
     far = [f"{g} at {c}" for g, c, x in ratios if x > HETERO_TARGET]
     targets = (
-        f"kvxfer at most vLLM's at every concurrency ({_verdict(slower, 'in flight')}); "
-        f"other geometries within {HETERO_TARGET}× ({_verdict(far)})"
+        f"kvxfer at most vLLM's at every concurrency ({verdict(slower, 'in flight')}); "
+        f"other geometries within {HETERO_TARGET}× ({verdict(far)})"
     )
     return text, targets
-
-
-def _verdict(misses: list[str], unit: str = "") -> str:
-    """ "met", or "not met at" the places that missed."""
-    return f"not met at {', '.join(misses)}{' ' + unit if unit else ''}" if misses else "met"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ from typing import Any
 from kvxfer.plan.cost import CostModel
 from kvxfer.testing import BlockPool, Request, Rig  # quiets Mooncake (MC_LOG_LEVEL=ERROR)
 from kvxfer.testing.geometry import Geometry
-from kvxfer.testing.results import Benchmark
+from kvxfer.testing.results import Benchmark, verdict
 from kvxfer.testing.rig import Consumer, Producer
 
 BENCHMARK = Benchmark(
@@ -230,9 +230,8 @@ def figure(r: dict[str, Any]) -> tuple[str, str]:
     missed = [
         f"{row['tokens']:,}" for row, t in zip(r["rows"], r["targets"], strict=True) if not t["met"]
     ]
-    verdict = f"not met at {', '.join(missed)} tokens" if missed else "met"
     text = f"fixed cost {r['fixed_ms']:.1f} ms; " + "; ".join(parts)
-    return text, f"tail ≤ 2 layers + the fixed cost ({verdict})"
+    return text, f"tail ≤ 2 layers + the fixed cost ({verdict(missed, 'tokens')})"
 
 
 def main(argv: list[str] | None = None) -> int:

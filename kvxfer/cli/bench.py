@@ -392,9 +392,10 @@ def figure(report: dict[str, Any]) -> tuple[str, str]:
     text = ", ".join(f"{r['pair']} **{r['ratio_to_contiguous']:.2f}**" for r in rows)
     cpu = sorted(r["kvxfer_cpu_s_per_gb"] for r in rows)
     text += f" of the contiguous read; {cpu[0]:.2f}-{cpu[-1]:.2f} CPU s/GB"
+    from kvxfer.testing.results import verdict
+
     missed = [r["pair"] for r in rows if r["ratio_to_contiguous"] < BENCH_TARGET]
-    verdict = f"not met at {', '.join(missed)}" if missed else "met"
-    return text, f"{BENCH_TARGET} of the contiguous read ({verdict})"
+    return text, f"{BENCH_TARGET} of the contiguous read ({verdict(missed)})"
 
 
 def format_row(r: dict[str, Any]) -> str:

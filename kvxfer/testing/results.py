@@ -244,6 +244,14 @@ def command_line(base: str, argv: Sequence[str]) -> str:
     return " ".join([base, *(shlex.quote(a) for a in args)])
 
 
+def verdict(misses: Sequence[str], unit: str = "") -> str:
+    """A target's verdict for the page: "met", or "not met at" the places (`unit` after them)
+    that missed it."""
+    if not misses:
+        return "met"
+    return f"not met at {', '.join(misses)}" + (f" {unit}" if unit else "")
+
+
 def read_results(directory: Path) -> dict[str, Result]:
     """Every result file in `directory`, by benchmark; a file whose name is not its benchmark's
     is refused (two files would claim one row of the page)."""

@@ -19,6 +19,7 @@ from kvxfer.testing.results import (
     describe_machine,
     machine_label,
     read_results,
+    verdict,
 )
 
 BENCH = Benchmark("demo", "a demonstration", "X=1 python demo.py", Path("unused"))
@@ -112,3 +113,15 @@ def test_a_changed_result_file_does_not_make_the_commit_dirty(tmp_path):
     assert current_commit(tmp_path / "benchmarks") == clean
     (tmp_path / "code.py").write_text("x = 2\n")  # what is measured changed
     assert current_commit(tmp_path / "benchmarks") == f"{clean}-dirty"
+
+
+@pytest.mark.parametrize(
+    ("misses", "unit", "said"),
+    [
+        ([], "", "met"),
+        (["2->4"], "", "not met at 2->4"),
+        (["1", "4"], "in flight", "not met at 1, 4 in flight"),
+    ],
+)
+def test_a_verdict_names_what_missed(misses, unit, said):
+    assert verdict(misses, unit) == said
