@@ -6,7 +6,6 @@ from kvxfer.plan.cost import (
     CostModel,
     StrategyEstimate,
     estimate_strategies,
-    estimate_strategy,
 )
 from kvxfer.plan.fitting import FittedPair, fit_pair
 from kvxfer.plan.heads import (
@@ -53,7 +52,6 @@ __all__ = [
     "chunk_source_blocks",
     "coalesce",
     "estimate_strategies",
-    "estimate_strategy",
     "fit_pair",
     "heads_of_rank",
     "plan_pairs",

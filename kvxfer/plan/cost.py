@@ -109,24 +109,6 @@ def reference_block_ids(num_tokens: int, block_size: int, contiguous: bool) -> n
     return np.arange(needed, dtype=np.int64) * step
 
 
-def estimate_strategy(
-    strategy: Strategy,
-    route: HeadRoute,
-    src_spec: KVCacheSpec,
-    dst_spec: KVCacheSpec,
-    model: CostModel,
-    num_tokens: int | None = None,
-    landing: bool = False,
-) -> StrategyEstimate:
-    """Estimate one strategy for one pair on a reference request of `num_tokens` tokens
-    (`landing`: a connector's program, whose bytes always land in destination staging). Only
-    the route's layers count."""
-    (estimate,) = estimate_strategies(
-        (strategy,), route, src_spec, dst_spec, model, num_tokens, landing
-    )
-    return estimate
-
-
 def estimate_strategies(
     strategies: tuple[Strategy, ...],
     route: HeadRoute,
@@ -136,8 +118,9 @@ def estimate_strategies(
     num_tokens: int | None = None,
     landing: bool = False,
 ) -> tuple[StrategyEstimate, ...]:
-    """`estimate_strategy` for several strategies of one pair, sizing the reference request
-    once."""
+    """Estimate each strategy for one pair on a reference request of `num_tokens` tokens
+    (`landing`: a connector's program, whose bytes always land in destination staging), sizing
+    the request once. Only the route's layers count."""
     tokens = num_tokens or model.reference_tokens
     src_spec, dst_spec, blocks = _reference_caches(src_spec, dst_spec, model, tokens)
     estimates = []
