@@ -4,7 +4,6 @@ from kvxfer.kernels.buffers import (
     KVBuffer,
     StackedLayers,
     canonical_kv_view,
-    check_cell_copy,
     wire_kv_buffer,
 )
 from kvxfer.kernels.cell_copy_flags import tile_tokens
@@ -24,7 +23,6 @@ __all__ = [
     "KVBuffer",
     "StackedLayers",
     "canonical_kv_view",
-    "check_cell_copy",
     "check_launchable",
     "copy_cells",
     "copy_cells_torch",

@@ -158,27 +158,6 @@ def check_layers(name: str, buf: KVBuffer) -> None:
             raise ValueError(f"{name}.layers[{i}]: shape, dtype and device must match layer 0")
 
 
-def check_cell_copy(
-    src: KVBuffer,
-    dst: KVBuffer,
-    token_start: int,
-    token_end: int,
-    num_heads: int,
-    scales: torch.Tensor | None = None,
-) -> None:
-    """Validate the two sides of a cell copy (every layer, then `check_copy_pair`).
-
-    Raises:
-        ValueError: naming the argument at fault.
-    """
-    check_layers("src", src)
-    check_layers("dst", dst)
-    check_copy_pair(
-        src, dst, src.canonical_shape, dst.canonical_shape, token_start, token_end, num_heads,
-        scales,
-    )  # fmt: skip
-
-
 def check_copy_pair(
     src: KVBuffer,
     dst: KVBuffer,

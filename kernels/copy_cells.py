@@ -421,7 +421,7 @@ def copy_cells(
             float32 `[layers, planes]` on the device (`kvxfer.kernels.convert`).
 
     Raises:
-        ValueError: inconsistent buffers (see `check_cell_copy`), or too many layers.
+        ValueError: inconsistent buffers (see `check_copy_pair`), or too many layers.
         RuntimeError: CPU tensors without the Triton interpreter.
     """
     check_launchable(src.layers[0].device)

@@ -25,7 +25,6 @@ from kvxfer.kernels.buffers import (
     KVBuffer,
     StackedLayers,
     canonical_kv_view,
-    check_cell_copy,
     check_copy_pair,
     check_layers,
 )
@@ -143,7 +142,11 @@ def copy_cells_torch(
     one row: 1/num_heads of the index work.
     """
     if src.cpu_placement or dst.cpu_placement:
-        check_cell_copy(src, dst, token_start, token_end, num_heads, scales)
+        # CPU attention's layouts have no cached `_Side`: every layer is checked each copy.
+        check_layers("src", src)
+        check_layers("dst", dst)
+        check_copy_pair(src, dst, src.canonical_shape, dst.canonical_shape, token_start,
+                        token_end, num_heads, scales)  # fmt: skip
         tokens = torch.arange(token_start, token_end, device=src.layers[0].device)
         copy_elements_torch(src, dst, tokens, num_heads, scales)
         return
@@ -302,7 +305,7 @@ def _convert_rows(
         values = r.index_select(0, src_rows).view(src_dtype)
         scale = None
         if scaled:
-            assert scales is not None  # check_cell_copy
+            assert scales is not None  # check_copy_pair
             scale = scales[layer].repeat_interleave(per_plane)[:, None]
         converted = convert_torch(values, dst_dtype, scale, rounding)
         w.index_copy_(0, dst_rows, converted.view(w.dtype))

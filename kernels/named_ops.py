@@ -55,7 +55,7 @@ class NamedCopy:
 
         Raises:
             ValueError: the buffers are not the op's kinds, or the copy is invalid
-                (`check_cell_copy`).
+                (`check_copy_pair`).
         """
         self.rule(src, dst)
         COPY_CELLS[backend](src, dst, token_start, token_end, num_heads, scales=scales)
