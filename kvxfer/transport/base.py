@@ -7,12 +7,14 @@ import abc
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol, Self
+from typing import Literal, Protocol, Self
 
 import numpy as np
 import torch
 
 from kvxfer.plan.segments import Segments
+
+Direction = Literal["read", "write"]
 
 
 class TransferError(RuntimeError):
@@ -34,6 +36,19 @@ class Peer:
 
     endpoint: str
     regions: Mapping[int, Region]
+
+
+@dataclass(frozen=True)
+class CheckedTransfer:
+    """A transfer every segment of which lies inside its source and destination regions
+    (`check_segments_in_regions`); one side's regions are local, the other's the peer's, as
+    `direction` says."""
+
+    direction: Direction
+    segments: Segments
+    peer: Peer
+    src_regions: Mapping[int, Region]
+    dst_regions: Mapping[int, Region]
 
 
 class Transport(Protocol):
@@ -98,12 +113,56 @@ class Transport(Protocol):
 
 
 class TransportBase(abc.ABC):
-    """What every transport does alike on top of its own `submit` and `close`: a blocking
-    `write`, and closing as a context manager."""
+    """What every transport does alike: it registers a tensor's whole memory, checks every
+    segment against both sides' regions before anything moves, writes blocking, and closes as
+    a context manager. A transport brings its own registration, region table and start of a
+    checked transfer."""
+
+    def register(self, tensor: torch.Tensor) -> Region:
+        """Register the memory a tensor spans (`tensor_memory`) and return its region.
+
+        Raises:
+            ValueError: a tensor whose memory is not one range (`tensor_memory`).
+            TransferError: the transport refused the memory, or is closed.
+        """
+        return self._register_memory(tensor_memory(tensor))
+
+    def submit(self, segments: Segments, peer: Peer) -> Future[None]:
+        """Write `segments` from local regions into the peer's, in the background.
+
+        Raises:
+            TransferError: a segment outside a region (nothing is written then), or a closed
+                transport.
+        """
+        local = self._live_regions()
+        check_segments_in_regions(segments, local, peer.regions)
+        return self._start(CheckedTransfer("write", segments, peer, local, peer.regions))
+
+    def read(self, segments: Segments, peer: Peer) -> Future[None]:
+        """Read `segments` from the peer's regions (sources) into local regions
+        (destinations), in the background. The future completes once every segment has
+        settled (landed or failed): after that, nothing of this read can land any more,
+        whatever the peer does.
+
+        Raises:
+            TransferError: a segment outside a region (nothing is read then), or a closed
+                transport.
+        """
+        local = self._live_regions()
+        check_segments_in_regions(segments, peer.regions, local)
+        return self._start(CheckedTransfer("read", segments, peer, peer.regions, local))
 
     @abc.abstractmethod
-    def submit(self, segments: Segments, peer: Peer) -> Future[None]:
-        """Start writing `segments` to `peer` (the `Transport` protocol's)."""
+    def _register_memory(self, memory: torch.Tensor) -> Region:
+        """Register one flat uint8 range of memory (`tensor_memory`'s) as a new region."""
+
+    @abc.abstractmethod
+    def _live_regions(self) -> dict[int, Region]:
+        """The local regions now, by id; raises `TransferError` once the transport is closed."""
+
+    @abc.abstractmethod
+    def _start(self, transfer: CheckedTransfer) -> Future[None]:
+        """Start moving a transfer whose segments were checked against its regions."""
 
     @abc.abstractmethod
     def close(self) -> None:

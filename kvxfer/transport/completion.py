@@ -49,11 +49,11 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from kvxfer.transport.base import TransferError
+from kvxfer.transport.base import Direction, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,6 @@ POLL_SECONDS = 0.0002
 POLL_FRACTION = 0.125  # of the time since the last submit: the wait between polls after that
 MAX_POLL_SECONDS = 0.002  # the longest wait between polls while anything is in flight
 IDLE_SECONDS = 0.05  # nothing in flight: wake at least this often to notice close()
-
-Direction = Literal["read", "write"]
 
 
 @dataclass

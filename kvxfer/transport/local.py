@@ -34,12 +34,12 @@ import torch
 
 from kvxfer.plan.segments import Segments
 from kvxfer.transport.base import (
+    CheckedTransfer,
+    Direction,
     Peer,
     Region,
     TransferError,
     TransportBase,
-    check_segments_in_regions,
-    tensor_memory,
 )
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -79,7 +79,7 @@ class _Op:
 
     segments: Segments
     peer: Peer
-    direction: str  # "read" or "write"
+    direction: Direction
     future: Future[None]
 
 
@@ -116,9 +116,7 @@ class LocalTransport(TransportBase):
         """This transport as the peer of its own transfers (every region local)."""
         return Peer(self.endpoint, self.regions)
 
-    def register(self, tensor: torch.Tensor) -> Region:
-        """Register the memory a tensor spans (`tensor_memory`) and return its region."""
-        memory = tensor_memory(tensor)
+    def _register_memory(self, memory: torch.Tensor) -> Region:
         with self._lock:
             self._check_open()
             region_id = next(self._ids)
@@ -132,27 +130,6 @@ class LocalTransport(TransportBase):
         with self._lock:
             self._bytes.pop(region.region_id, None)
             self._regions.pop(region.region_id, None)
-
-    def submit(self, segments: Segments, peer: Peer) -> Future[None]:
-        """Write `segments` from local regions into the peer's.
-
-        Raises:
-            TransferError: a segment outside a region (nothing is written then), or a closed
-                transport.
-        """
-        check_segments_in_regions(segments, self._live_regions(), peer.regions)
-        return self._start(_Op(segments, peer, "write", Future()))
-
-    def read(self, segments: Segments, peer: Peer) -> Future[None]:
-        """Read `segments` from the peer's regions into local ones. The future completes once
-        every byte has landed (or fails, and then nothing lands later).
-
-        Raises:
-            TransferError: a segment outside a region (nothing is read then), or a closed
-                transport.
-        """
-        check_segments_in_regions(segments, peer.regions, self._live_regions())
-        return self._start(_Op(segments, peer, "read", Future()))
 
     def drive(self) -> float | None:
         """(a driven transport's owner, every turn) Run every queued transfer.
@@ -199,7 +176,8 @@ class LocalTransport(TransportBase):
         if self._closed:
             raise TransferError("the transport is closed")
 
-    def _start(self, op: _Op) -> Future[None]:
+    def _start(self, transfer: CheckedTransfer) -> Future[None]:
+        op = _Op(transfer.segments, transfer.peer, transfer.direction, Future())
         with self._lock:
             self._check_open()
             if self.driven:

@@ -31,16 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvxfer.plan.segments import Segments
 from kvxfer.rdma import infiniband_sysfs, rdma_devices
-from kvxfer.transport.base import (
-    Peer,
-    Region,
-    TransferError,
-    TransportBase,
-    check_segments_in_regions,
-    tensor_memory,
-)
+from kvxfer.transport.base import CheckedTransfer, Region, TransferError, TransportBase
 from kvxfer.transport.completion import CompletionPump
 from kvxfer.validation import check_host
 
@@ -259,10 +251,7 @@ class MooncakeTransport(TransportBase):
         """Registered local regions by id."""
         return dict(self._regions)
 
-    def register(self, tensor: torch.Tensor) -> Region:
-        """Register the memory a tensor spans (`tensor_memory`: CPU, or GPU with the CUDA
-        wheel)."""
-        memory = tensor_memory(tensor)
+    def _register_memory(self, memory: torch.Tensor) -> Region:
         nbytes = memory.numel()
         code = self._engine.register_memory(memory.data_ptr(), nbytes)
         if code != 0:
@@ -281,33 +270,14 @@ class MooncakeTransport(TransportBase):
         if code != 0:
             log.warning("Mooncake unregister_memory(%#x) returned %d", region.address, code)
 
-    def submit(self, segments: Segments, peer: Peer) -> Future[None]:
-        """Check every segment against both sides' regions, then write in the background.
-
-        Raises:
-            TransferError: a segment outside a region (nothing is written then).
-        """
-        local = self._live_regions()
-        check_segments_in_regions(segments, local, peer.regions)
-        src = _addresses(segments.src_region, segments.src_offset, local)
-        dst = _addresses(segments.dst_region, segments.dst_offset, peer.regions)
-        return self._pump.add(peer.endpoint, "write", src, dst, segments.length)
-
-    def read(self, segments: Segments, peer: Peer) -> Future[None]:
-        """Read `segments` from the peer's regions (sources) into local regions
-        (destinations), in the background.
-
-        The future completes once every segment has settled (landed or failed): after that,
-        nothing of this read can land any more, whatever the peer does.
-
-        Raises:
-            TransferError: a segment outside a region (nothing is read then).
-        """
-        local = self._live_regions()
-        check_segments_in_regions(segments, peer.regions, local)
-        remote = _addresses(segments.src_region, segments.src_offset, peer.regions)
-        dst = _addresses(segments.dst_region, segments.dst_offset, local)
-        return self._pump.add(peer.endpoint, "read", dst, remote, segments.length)
+    def _start(self, transfer: CheckedTransfer) -> Future[None]:
+        segments = transfer.segments
+        src = _addresses(segments.src_region, segments.src_offset, transfer.src_regions)
+        dst = _addresses(segments.dst_region, segments.dst_offset, transfer.dst_regions)
+        local, remote = (src, dst) if transfer.direction == "write" else (dst, src)
+        return self._pump.add(
+            transfer.peer.endpoint, transfer.direction, local, remote, segments.length
+        )
 
     def in_flight(self, endpoint: str | None = None) -> int:
         """Segments submitted to the engine and not settled (for one peer, or all)."""
