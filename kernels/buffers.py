@@ -50,7 +50,8 @@ class KVBuffer:
         token_shift: token at position 0.
         head_offset: index of the first moved head among the buffer's heads.
         fp8_rounding: how values converted into this (fp8) buffer are rounded
-            (`KVCacheSpec.fp8_rounding`): "nearest_even" or "toward_zero" (torch backend only).
+            (`KVCacheSpec.fp8_rounding`): "nearest_even", "toward_zero" (torch backend only)
+            or "torch_cast" (`kvxfer.kernels.convert`'s docstring).
     """
 
     layers: Sequence[torch.Tensor]

@@ -23,6 +23,18 @@ to the largest finite value (NaN too becomes it), zero of either sign as `0x00`,
 truncated toward zero. A destination whose `fp8_rounding` is "toward_zero" gets that
 (`quantize_toward_zero`, torch only: the planner converts on the CPU engine's own side).
 
+SGLang quantizes otherwise too (`MHATokenToKVPool.set_kv_buffer`, SGLang 0.5.23): `x.div_(scale)`
+in the values' own dtype, then torch's `.to(fp8)`. Its `k_scale` is a 0-dim float32 tensor on
+the model's device, and PyTorch's CUDA division first casts it to the values' dtype (bf16 for a
+bf16 model: `DivFunctor<scalar_t>`), then divides in float32 and rounds the quotient to that
+dtype (torch on CPU divides by the float32 scale: the same bytes wherever the scale is a value
+of that dtype, as the tests' are). Then torch's cast (`fp8e4m3fn_from_fp32_value` and
+`fp8e5m2_from_fp32_value`, torch 2.13), nearest even: into e4m3fn saturated to 448, infinities
+too; into e5m2 not saturated (from 61440 up, rounding reaches infinity). A destination whose
+`fp8_rounding` is "torch_cast" gets that (`quantize_torch_cast`; in the Triton kernel
+`quantize_torch_cast_triton`). A NaN quotient becomes `0x7F`: torch's own paths give it either
+sign (its vectorized bf16 rounding makes NaNs negative, its scalar one positive).
+
 The two implementations: `convert_torch` with torch's float ops (the CPU backend), and the
 Triton helpers `to_float32` / `from_float32`, on integer bits only (the Triton interpreter has
 no bf16 or fp8 type, and one code path then runs in the interpreter and on a GPU). The tests
@@ -135,8 +147,9 @@ def convert_torch(
         dst: the dtype to convert to.
         scale: float32, broadcastable to `values` (the fp8 side's scale per element); None
             where `scale_mode` says none.
-        rounding: how a quantization into fp8 rounds: "nearest_even" (vLLM's CUDA write) or
-            "toward_zero" (vLLM CPU attention's, `quantize_toward_zero`).
+        rounding: how a quantization into fp8 rounds: "nearest_even" (vLLM's CUDA write),
+            "toward_zero" (vLLM CPU attention's, `quantize_toward_zero`) or "torch_cast"
+            (SGLang's, `quantize_torch_cast`).
     """
     src = values.dtype
     if src == dst:
@@ -146,6 +159,9 @@ def convert_torch(
     if mode == SCALE_DIVIDE and rounding == "toward_zero":
         assert scale is not None
         return quantize_toward_zero(wide, dst, scale)
+    if mode == SCALE_DIVIDE and rounding == "torch_cast":
+        assert scale is not None
+        return quantize_torch_cast(wide, src, dst, scale)
     if mode == SCALE_DIVIDE:
         assert scale is not None
         limit = FP8_MAX[dst]
@@ -190,6 +206,21 @@ def quantize_toward_zero(
         payload = torch.where(exponent < -14, subnormal, normal)
     code = torch.where(v == 0, 0, sign | payload)
     return code.to(torch.uint8).view(dst)
+
+
+def quantize_torch_cast(
+    values: torch.Tensor, src: torch.dtype, dst: torch.dtype, scale: torch.Tensor
+) -> torch.Tensor:
+    """float32 `values` (exact copies of `src` values) quantized into fp8 `dst` as SGLang's cache
+    write does on CUDA (the module docstring): divided in float32 by `scale` rounded to `src`,
+    the quotient rounded to `src`, then torch's own cast into fp8 (nearest even; e4m3fn
+    saturated, e5m2 not); a NaN quotient as `0x7F`."""
+    quotient = values / scale.to(src).to(torch.float32)
+    out = quotient.to(src).to(dst)
+    nan = torch.isnan(quotient)
+    if bool(nan.any()):
+        out.view(torch.uint8)[nan] = CANONICAL_NAN[dst]
+    return out
 
 
 # ---- Triton: the same arithmetic on integer bits --------------------------------------------
@@ -266,3 +297,30 @@ def from_float32(x, KIND: tl.constexpr):
             code = _round_fp8(tl.minimum(magnitude, 57344.0), 2, 15, 0.00006103515625)
         out = tl.where(nan, 0x7F, code | sign).to(tl.uint8)
     return out
+
+
+@triton.jit
+def _in_dtype(x, KIND: tl.constexpr):
+    """float32 `x` rounded to the 16-bit float KIND (2, 3) and back; unchanged otherwise."""
+    if KIND == 2 or KIND == 3:
+        x = to_float32(from_float32(x, KIND), KIND)
+    return x
+
+
+@triton.jit
+def quantize_torch_cast_triton(x, scale, SRC_KIND: tl.constexpr, KIND: tl.constexpr):
+    """float32 `x` (an exact SRC_KIND value) quantized into fp8 KIND (uint8 words) as SGLang's
+    cache write does on CUDA (`quantize_torch_cast`): divided by `scale` rounded to SRC_KIND,
+    the quotient rounded to SRC_KIND, then to nearest even as torch's cast (e4m3fn saturated,
+    e5m2 not); a NaN quotient as `0x7F`."""
+    q = tl.math.div_rn(x, _in_dtype(scale, SRC_KIND))
+    nan = q != q
+    q = _in_dtype(q, SRC_KIND)
+    sign = (q.to(tl.uint32, bitcast=True) >> 24) & 0x80
+    magnitude = tl.abs(q)
+    if KIND == 4:  # float8_e4m3fn: torch saturates, infinities too
+        code = _round_fp8(tl.minimum(magnitude, 448.0), 3, 7, 0.015625)
+    else:  # float8_e5m2: from 65536 up (after rounding: above 61440) is infinity
+        code = _round_fp8(tl.minimum(magnitude, 65535.0), 2, 15, 0.00006103515625)
+        code = tl.where(magnitude >= 65536.0, 0x7C, code)
+    return tl.where(nan, 0x7F, code | sign).to(tl.uint8)

@@ -48,8 +48,9 @@ from kvxfer.kernels.cell_copy_flags import (
     choose_tiling,
     copy_words,
 )
-from kvxfer.kernels.convert import KIND_NONE, KINDS, scale_mode
+from kvxfer.kernels.convert import KIND_NONE, KINDS, SCALE_DIVIDE, scale_mode
 from kvxfer.kernels.convert import from_float32 as _from_float32
+from kvxfer.kernels.convert import quantize_torch_cast_triton as _quantize_torch_cast
 from kvxfer.kernels.convert import to_float32 as _to_float32
 from kvxfer.kernels.layer_sets import LayerSet, layer_set, with_words
 
@@ -179,6 +180,7 @@ def _copy_cells_kernel(
     SRC_KIND: tl.constexpr = 0,  # the dtypes (convert.KINDS) of a converting copy; 0: words
     DST_KIND: tl.constexpr = 0,
     SCALE_MODE: tl.constexpr = 0,  # 1: divide by the scale (quantize), 2: multiply
+    TORCH_CAST: tl.constexpr = False,  # quantize as SGLang's write (convert.py's docstring)
 ):
     pid_t = tl.program_id(0).to(tl.int64)
     pid_lp = tl.program_id(1).to(tl.int64)  # (layer, plane), plane fastest
@@ -241,11 +243,14 @@ def _copy_cells_kernel(
     cells = tl.load(src_words, mask=mask)
     if SRC_KIND != DST_KIND:
         values = _to_float32(cells, SRC_KIND)
-        if SCALE_MODE == 1:  # vLLM's cache write: x / scale, rounded to nearest
-            values = tl.math.div_rn(values, tl.load(scales_ptr + pid_lp))
-        elif SCALE_MODE == 2:
-            values = values * tl.load(scales_ptr + pid_lp)
-        cells = _from_float32(values, DST_KIND)
+        if TORCH_CAST:  # SGLang's cache write (quantizes: SCALE_MODE 1)
+            cells = _quantize_torch_cast(values, tl.load(scales_ptr + pid_lp), SRC_KIND, DST_KIND)
+        else:
+            if SCALE_MODE == 1:  # vLLM's cache write: x / scale, rounded to nearest
+                values = tl.math.div_rn(values, tl.load(scales_ptr + pid_lp))
+            elif SCALE_MODE == 2:
+                values = values * tl.load(scales_ptr + pid_lp)
+            cells = _from_float32(values, DST_KIND)
     tl.store(dst_words, cells, mask=mask)
 
 
@@ -342,6 +347,8 @@ def prepare_cell_copy(
         SRC_KIND=KINDS[src_dtype] if converting else KIND_NONE,
         DST_KIND=KINDS[dst_dtype] if converting else KIND_NONE,
         SCALE_MODE=scale_mode(src_dtype, dst_dtype),
+        TORCH_CAST=scale_mode(src_dtype, dst_dtype) == SCALE_DIVIDE
+        and dst.fp8_rounding == "torch_cast",
     )
     return CellCopyLaunch(grid, arguments, tiling.num_warps)
 
@@ -354,7 +361,7 @@ def _refuse_cpu_engine_copies(src: KVBuffer, dst: KVBuffer) -> None:
                 f"{name}: kv_placement {buf.kv_placement!r} (vLLM CPU attention) has no Triton "
                 "kernel: it exists on CPU engines only; use backend='torch'"
             )
-    if dst.fp8_rounding != "nearest_even" and src.layers[0].dtype != dst.layers[0].dtype:
+    if dst.fp8_rounding == "toward_zero" and src.layers[0].dtype != dst.layers[0].dtype:
         raise ValueError(
             f"dst: fp8_rounding {dst.fp8_rounding!r} (vLLM CPU attention's fp8 write) has no "
             "Triton kernel: it exists on CPU engines only; use backend='torch'"

@@ -130,3 +130,50 @@ def test_the_truncating_quantization_equals_the_reference_on_every_bfloat16(dst,
     got = convert_torch(every, dst, torch.tensor(scale), rounding="toward_zero")
     want = cpu_truncated_fp8(every.reshape(1, 1, -1), dst, np.array([[scale]], np.float32))
     assert torch.equal(got.view(torch.uint8), want.reshape(-1).view(torch.uint8))
+
+
+# ---- SGLang's fp8 write: `x.div_(scale)` in x's dtype, then torch's cast ------------------
+
+
+@pytest.mark.parametrize(
+    ("dst", "value", "byte"),
+    [
+        (E4M3, 464.0, 0x7E),  # the tie between 448 and 480 (the NaN pattern): to even
+        (E4M3, 472.0, 0x7E),  # rounds onto the NaN pattern: torch saturates
+        (E4M3, -1e9, 0xFE),
+        (E4M3, INF, 0x7E),
+        (E4M3, NAN, 0x7F),
+        (E4M3, 1.0625, 0x38),
+        (E5M2, 57344.0, 0x7B),
+        (E5M2, 61440.0, 0x7C),  # the tie between 57344 and 65536: to even, infinity
+        (E5M2, -1e6, 0xFC),
+        (E5M2, NAN, 0x7F),
+    ],
+)
+def test_sglangs_quantization_saturates_e4m3_only(dst, value, byte):
+    values = torch.tensor([value], dtype=torch.float32)
+    got = convert_torch(values, dst, torch.tensor(1.0), rounding="torch_cast")
+    assert int(got.view(torch.uint8)[0]) == byte
+
+
+def _every(dtype: torch.dtype) -> torch.Tensor:
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    if dtype == torch.float32:  # every bf16 value, and as many between them
+        wide = every.view(torch.bfloat16).float()
+        return torch.cat([wide, wide * 1.00390625])
+    return every.view(dtype)
+
+
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dst", [E4M3, E5M2])
+@pytest.mark.parametrize("scale", [1.0, 0.375, 3.0, 0.037])
+def test_sglangs_quantization_is_its_division_then_torchs_cast(src, dst, scale):
+    """Every value: what `values.div_(scale)` then `.to(dst)` stores, with the 0-dim scale in
+    the values' dtype (as CUDA's division casts it; on CPU, torch reads the float32 scale and
+    gives these bytes where the scale is a value of that dtype). A NaN is `0x7F` either sign."""
+    values = _every(src)
+    want = values.clone().div_(torch.tensor(scale).to(src)).to(dst).view(torch.uint8)
+    got = convert_torch(values, dst, torch.tensor(scale), rounding="torch_cast")
+    nan = torch.isnan(values)
+    assert torch.equal(got.view(torch.uint8)[~nan], want[~nan])
+    assert bool((got.view(torch.uint8)[nan] == 0x7F).all())

@@ -4,6 +4,8 @@ format and on float32 values around each format's edges. Under TRITON_INTERPRET=
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 import torch
@@ -25,6 +27,7 @@ from kvxfer.kernels.convert import (
     SCALE_MULTIPLY,
     convert_torch,
     from_float32,
+    quantize_torch_cast_triton,
     scale_mode,
     to_float32,
 )
@@ -39,25 +42,32 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 @triton.jit
 def _convert_kernel(src_ptr, dst_ptr, n, scale, BLOCK: tl.constexpr, SRC: tl.constexpr,
-                    DST: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
+                    DST: tl.constexpr, MODE: tl.constexpr, TORCH_CAST: tl.constexpr):  # fmt: skip
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     x = to_float32(tl.load(src_ptr + offsets, mask=mask), SRC)
-    if MODE == 1:
-        x = tl.math.div_rn(x, scale)
-    elif MODE == 2:
-        x = x * scale
-    tl.store(dst_ptr + offsets, from_float32(x, DST), mask=mask)
+    if TORCH_CAST:
+        per_value = tl.zeros([BLOCK], dtype=tl.float32) + scale  # as the kernel loads it
+        out = quantize_torch_cast_triton(x, per_value, SRC, DST)
+    else:
+        if MODE == 1:
+            x = tl.math.div_rn(x, scale)
+        elif MODE == 2:
+            x = x * scale
+        out = from_float32(x, DST)
+    tl.store(dst_ptr + offsets, out, mask=mask)
 
 
-def _triton_convert(values: torch.Tensor, dst: torch.dtype, scale: float) -> torch.Tensor:
+def _triton_convert(
+    values: torch.Tensor, dst: torch.dtype, scale: float, torch_cast: bool = False
+) -> torch.Tensor:
     out = torch.empty(values.shape, dtype=dst)
     n = values.numel()
     block = 4096
     _convert_kernel[(triton.cdiv(n, block),)](
         values.view(_BITS[values.element_size()]), out.view(_BITS[out.element_size()]), n,
         scale, BLOCK=block, SRC=KINDS[values.dtype], DST=KINDS[dst],
-        MODE=scale_mode(values.dtype, dst),
+        MODE=scale_mode(values.dtype, dst), TORCH_CAST=torch_cast,
     )  # fmt: skip
     return out
 
@@ -135,6 +145,18 @@ def test_float32_edges_convert_as_torch_does(dst):
     _assert_same_bits(_triton_convert(values, dst, 1.0), convert_torch(values, dst, scale))
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dst", FP8_DTYPES)
+@pytest.mark.parametrize("scale", [1.0, 0.0371, 3.5])
+def test_sglangs_quantization_in_triton_is_the_torch_backends(src, dst, scale):
+    """SGLang's fp8 write (`fp8_rounding` "torch_cast"): every bf16 and fp16 value, and
+    float32 values at every edge, with scales that are and are not values of the source dtype."""
+    values = _edges() if src == torch.float32 else _every_value(src)
+    want = convert_torch(values, dst, torch.tensor(scale), rounding="torch_cast")
+    _assert_same_bits(_triton_convert(values, dst, scale, torch_cast=True), want)
+
+
 # ---- converting cell copies: Triton, the torch backend and the definition agree ------------
 
 
@@ -187,7 +209,7 @@ def _expected(src: KVBuffer, dst: KVBuffer, start, end, heads, scales) -> list[t
                 cells = s_bits[plane, sb, ss, src.head_offset + h].view(s.dtype)
                 scale = None if scales is None else scales[layer, plane]
                 d_view[plane, db, ds, dst.head_offset + h] = convert_torch(
-                    cells, d.dtype, scale
+                    cells, d.dtype, scale, dst.fp8_rounding
                 ).view(d_bits)
         out.append(got)
     return out
@@ -203,17 +225,18 @@ _GEOMETRIES = [
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize(("src_geo", "dst_geo"), _GEOMETRIES)
 @pytest.mark.parametrize(
-    ("src_dtype", "dst_dtype"),
+    ("src_dtype", "dst_dtype", "rounding"),
     [
-        (torch.bfloat16, torch.float8_e4m3fn),
-        (torch.float8_e5m2, torch.bfloat16),
-        (torch.float32, torch.float16),
+        (torch.bfloat16, torch.float8_e4m3fn, "nearest_even"),
+        (torch.bfloat16, torch.float8_e5m2, "torch_cast"),
+        (torch.float8_e5m2, torch.bfloat16, "nearest_even"),
+        (torch.float32, torch.float16, "nearest_even"),
     ],
-    ids=["bf16->e4m3", "e5m2->bf16", "fp32->fp16"],
+    ids=["bf16->e4m3", "bf16->e5m2-torch_cast", "e5m2->bf16", "fp32->fp16"],
 )
 @pytest.mark.parametrize("staged", [False, True], ids=["remap", "via-wire"])
 def test_a_converting_copy_is_the_definition_in_both_backends(
-    src_geo, dst_geo, src_dtype, dst_dtype, staged
+    src_geo, dst_geo, src_dtype, dst_dtype, rounding, staged
 ):
     heads, head_dim, start, end = 2, 16, 3, 29
     (sl, sp, mla), (dl, dp, _) = src_geo, dst_geo
@@ -228,13 +251,14 @@ def test_a_converting_copy_is_the_definition_in_both_backends(
     results = {}
     for backend in ("triton", "torch"):
         dst = KVBuffer(_poisoned(dst_dtype, dl, dp, mla, 4, 16, heads, head_dim), dl, dp, mla,
-                       dst_ids, 0, 0)  # fmt: skip
+                       dst_ids, 0, 0, rounding)  # fmt: skip
         copy = copy_cells if backend == "triton" else copy_cells_torch
         kwargs = {"scales": scales} if backend == "triton" else {}
         if staged:  # the pack+unpack path: into the wire layout, then out of it
             wire_dtype = dst_dtype if src_dtype.itemsize > dst_dtype.itemsize else src_dtype
             shape = (2, end - start, head_dim) if mla else (2, 2, end - start, heads, head_dim)
             wire = wire_kv_buffer(torch.zeros(shape, dtype=wire_dtype), start, mla)
+            wire = dataclasses.replace(wire, fp8_rounding=rounding)  # where the pack converts
             first = scales if wire_dtype != src_dtype else None
             second = scales if wire_dtype != dst_dtype else None
             if backend == "triton":
@@ -249,7 +273,7 @@ def test_a_converting_copy_is_the_definition_in_both_backends(
             copy_cells_torch(src, dst, start, end, 1 if mla else heads, scales)
         results[backend] = dst
     poison = _poisoned(dst_dtype, dl, dp, mla, 4, 16, heads, head_dim)
-    want = _expected(src, KVBuffer(poison, dl, dp, mla, dst_ids, 0, 0), start, end,
+    want = _expected(src, KVBuffer(poison, dl, dp, mla, dst_ids, 0, 0, rounding), start, end,
                      1 if mla else heads, scales)  # fmt: skip
     for backend, dst in results.items():
         for layer, (got, expected) in enumerate(zip(dst.layers, want, strict=True)):
@@ -289,13 +313,19 @@ def _scaled(specs, offset: float):
     ],
 )
 @pytest.mark.parametrize(
-    ("src_dtype", "dst_dtype"), [("bfloat16", "float8_e4m3fn"), ("float8_e5m2", "bfloat16")]
+    ("src_dtype", "dst_dtype", "rounding"),
+    [
+        ("bfloat16", "float8_e4m3fn", "nearest_even"),
+        ("bfloat16", "float8_e5m2", "torch_cast"),
+        ("float8_e5m2", "bfloat16", "nearest_even"),
+    ],
 )
 def test_a_triton_converting_reshard_holds_what_the_decode_would_have_written(
-    src_dtype, dst_dtype, src, dst, strategy
+    src_dtype, dst_dtype, rounding, src, dst, strategy
 ):
     src_specs = side_specs(dtype=src_dtype, num_layers=2, num_blocks=8, **src)
     dst_specs = side_specs(dtype=dst_dtype, num_layers=2, num_blocks=8, **dst)
+    dst_specs = [msgspec.structs.replace(s, fp8_rounding=rounding) for s in dst_specs]
     if src_dtype.startswith("float8"):
         src_specs = _scaled(src_specs, 0.0)
     else:
