@@ -63,7 +63,7 @@ def converted_global_kv(
 
     - into fp8: vLLM's cache write, `x / scale` in float32, saturated to the format's largest
       finite value, rounded to nearest even; with `fp8_rounding` "toward_zero", vLLM CPU
-      attention's (`cpu_truncated_fp8`);
+      attention's (`cpu_truncated_fp8`); with "torch_cast", SGLang's (`sglang_fp8`);
     - out of fp8: `x * scale` in float32, rounded to nearest even;
     - between 16- and 32-bit floats: rounded to nearest even.
 
@@ -72,6 +72,8 @@ def converted_global_kv(
     """
     if dtype in _FP8_LIMITS and fp8_rounding == "toward_zero":
         return cpu_truncated_fp8(global_kv, dtype, scales)
+    if dtype in _FP8_LIMITS and fp8_rounding == "torch_cast":
+        return sglang_fp8(global_kv, dtype, scales)
     values = global_kv.to(torch.float32)
     if scales is not None:
         per_layer = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32))
@@ -86,6 +88,23 @@ def converted_global_kv(
     nan = torch.isnan(values)
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[out.element_size()]
     out.view(bits)[nan] = _NAN_BITS[dtype]
+    return out
+
+
+def sglang_fp8(
+    global_kv: torch.Tensor, dtype: torch.dtype, scales: np.ndarray | None = None
+) -> torch.Tensor:
+    """The global KV as SGLang's cache write stores it in fp8 `dtype` on CUDA
+    (`MHATokenToKVPool.set_kv_buffer`, SGLang 0.5.23): `kv.div_(scale)` in the KV's own dtype,
+    whose 0-dim float32 scale PyTorch's CUDA division casts to that dtype first, then
+    `.to(dtype)`, torch's cast (nearest even; e4m3fn saturated, e5m2 not). A NaN becomes
+    `0x7F`. `scales` as in `converted_global_kv`."""
+    kv = global_kv.clone()
+    if scales is not None:
+        per_layer = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)).to(kv.dtype)
+        kv.div_(per_layer[:, :, None, None, None] if kv.dim() == 5 else per_layer[:, 0, None, None])
+    out = kv.to(dtype)
+    out.view(torch.uint8)[torch.isnan(kv)] = _NAN_BITS[dtype]
     return out
 
 

@@ -47,8 +47,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 # How an engine's own cache write rounds values into its fp8 cache (`KVCacheSpec.fp8_rounding`).
-FP8Rounding = Literal["nearest_even", "toward_zero"]
-FP8_ROUNDINGS: tuple[str, ...] = ("nearest_even", "toward_zero")
+FP8Rounding = Literal["nearest_even", "toward_zero", "torch_cast"]
+FP8_ROUNDINGS: tuple[str, ...] = ("nearest_even", "toward_zero", "torch_cast")
 DTYPE_ITEMSIZE: dict[str, int] = {
     "float16": 2,
     "bfloat16": 2,
@@ -153,10 +153,12 @@ class KVCacheSpec(msgspec.Struct, frozen=True, kw_only=True):
         fp8_rounding: how the engine's own cache write quantizes into this fp8 cache, so that a
             converting transfer writes the same bytes: "nearest_even" (vLLM's CUDA write:
             `x / scale` in float32, saturated to the format's largest finite value, rounded to
-            nearest even) or "toward_zero" (vLLM CPU attention's `cpu_attn_reshape_and_cache`:
+            nearest even), "toward_zero" (vLLM CPU attention's `cpu_attn_reshape_and_cache`:
             `x * (1 / scale)` in float32, saturated, the mantissa truncated toward zero, -0 as
-            +0, NaN as the largest finite value). Only fp8 caches round; a cache with
-            "toward_zero" converts on its own side, with the torch backend.
+            +0, NaN as the largest finite value) or "torch_cast" (SGLang's `set_kv_buffer` on
+            CUDA: `x / scale` with the scale and the quotient rounded to the source's dtype,
+            then torch's cast: nearest even, e4m3fn saturated, e5m2 not). Only fp8 caches
+            round; a cache with "toward_zero" converts on its own side, with the torch backend.
 
     Head ownership (docs/design.md): with `H >= T`, `T` divides `H` and rank `r` holds heads
     `[r*H/T, (r+1)*H/T)`; with `H < T`, `H` divides `T` and rank `r` holds head `r // (T/H)`.

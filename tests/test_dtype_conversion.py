@@ -167,3 +167,26 @@ def test_a_truncating_fp8_destination_refuses_a_pack_with_the_reason():
         plan_pairs(src_specs, dst_specs, strategy="pack")
     plans = plan_pairs(src_specs, dst_specs)
     assert {p.strategy for p in plans} <= {"unpack", "pack+unpack"}
+
+
+SGLANG_CASES = [
+    pytest.param(src, dst, strategy, id=f"{name}-{strategy}")
+    for name, src, dst in GEOMETRIES
+    for strategy in STRATEGIES
+]
+
+
+@pytest.mark.parametrize(("src", "dst", "strategy"), SGLANG_CASES)
+@pytest.mark.parametrize(
+    ("src_dtype", "dst_dtype"), [("bfloat16", "float8_e4m3fn"), ("float16", "float8_e5m2")]
+)
+def test_an_sglang_fp8_decode_holds_its_own_write(src_dtype, dst_dtype, src, dst, strategy):
+    """An fp8 decode whose write is SGLang's (`fp8_rounding` "torch_cast": the scale and the
+    quotient in the prefill's dtype, torch's cast) holds that write of the prefill's KV
+    (`kvxfer.reference.sglang_fp8`), whichever side converts: `pack` converts on the prefill."""
+    src_specs, dst_specs = _pair(src_dtype, dst_dtype, src, dst, layers=4)
+    dst_specs = [msgspec.structs.replace(s, fp8_rounding="torch_cast") for s in dst_specs]
+    sc = make_scenario(src_specs, dst_specs, 21, start_token=3, seed=5)
+    result = reshard(sc.src, sc.dst, 21, 3, strategy=strategy, backend="torch")
+    assert {p.strategy for p in result.pairs} == {strategy}
+    sc.assert_exact()

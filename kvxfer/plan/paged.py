@@ -187,6 +187,7 @@ def staging_mirror(
         head_dim=like.head_dim,
         itemsize=like.itemsize,
         dtype=like.dtype,
+        fp8_rounding=like.fp8_rounding,  # a source-side conversion writes it as `like` does
     )
     return PagedView(geometry, np.arange(last - first + 1), first * bs, 0, "staging")
 
@@ -207,5 +208,6 @@ def wire_buffer(like: BlockGeometry, num_heads: int, token_start: int, token_end
         head_dim=like.head_dim,
         itemsize=like.itemsize,
         dtype=like.dtype,
+        fp8_rounding=like.fp8_rounding,  # a source-side conversion writes it as `like` does
     )
     return PagedView(geometry, np.zeros(1, dtype=np.int64), token_start, 0, "staging")

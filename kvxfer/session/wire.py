@@ -42,7 +42,9 @@ import msgspec
 # (it replaces `RequestDone`). 9: `KVCacheSpec` carries `fp8_rounding` (vLLM CPU attention's
 # fp8 write truncates), which a version-8 peer would drop (as in 3). `ChunkReady.timeline` came
 # within 9: a record, not an order; a peer without it sends none and ignores it unread.
-PROTOCOL_VERSION = 9
+# 10: `fp8_rounding` "torch_cast" (SGLang's fp8 write), which a version-9 peer would refuse as
+# an unknown rounding.
+PROTOCOL_VERSION = 10
 MAX_FRAME_BYTES = 8 << 20  # a chunk's block ids, even a 128k-token chunk's, under 1 MiB
 SESSION_FRAMES = 3  # [session id, payload, MAC]
 
