@@ -142,7 +142,7 @@ def strategies_for(src_spec: KVCacheSpec, dst_spec: KVCacheSpec) -> tuple[Strate
     if src_spec.dtype != dst_spec.dtype:
         # no cell copy on either side to convert in
         excluded |= _SEGMENTS_FROM_SOURCE_CACHE & _SEGMENTS_INTO_DESTINATION_CACHE
-        if dst_spec.fp8_rounding != "nearest_even":  # converts on its own side only
+        if dst_spec.fp8_rounding == "toward_zero":  # converts on its own side only
             excluded |= {s for s, t in TRAITS.items() if t.converts_on == "source"}
     if _cpu_placement(src_spec):
         excluded |= _SEGMENTS_FROM_SOURCE_CACHE
@@ -187,15 +187,15 @@ def conversion_side(
     """Which side's cell copy converts between the two KV dtypes under `strategy` (the module
     docstring), or None between equal dtypes: `pack+unpack`'s wire buffer takes the narrower
     dtype, the destination's only when it is narrower (`_staging_views` builds it so) and the
-    destination's fp8 write rounds to nearest: one that truncates (vLLM CPU attention) converts
-    on its own side, with the torch backend."""
+    destination's fp8 write is one both backends reproduce: one that truncates (vLLM CPU
+    attention) converts on its own side, with the torch backend."""
     if src.dtype == dst.dtype:
         return None
     converts_on = TRAITS[strategy].converts_on
     if converts_on != "narrower":
         return converts_on
     narrower = dst.itemsize < src.itemsize
-    return "source" if narrower and dst.fp8_rounding == "nearest_even" else "destination"
+    return "source" if narrower and dst.fp8_rounding != "toward_zero" else "destination"
 
 
 def _cpu_placement(spec: KVCacheSpec) -> bool:
