@@ -58,12 +58,16 @@ class RankConfig:
     abort_after_metadata: bool = False  # decode: abort the request once its metadata is out
     killed_before_send: bool = False  # prefill: SIGKILL itself instead of sending the KV
     aborted_before_send: bool = False  # prefill: abort the request (SGLang's sender.abort)
+    kv_dtype: str = "auto"  # SGLang's --kv-cache-dtype: "auto" (the model's bf16), "fp8_e4m3"...
+    peer_kv_dtype: str = "auto"  # the other engine's
     env: dict[str, str] = field(default_factory=dict)
 
 
 def global_kv(cfg: RankConfig) -> Any:
     """The request's K and V of every layer, every head: `[layers, 2, tokens, heads, dim]`
-    (MLA: `[layers, tokens, dim]`), from the seed: what the prefill computed."""
+    (MLA: `[layers, tokens, dim]`), from the seed: what the prefill computed. Where either
+    engine keeps fp8, one value in 31 is beyond fp8's range or below its normals, where
+    SGLang's fp8 write and vLLM's differ."""
     import torch
 
     g = torch.Generator().manual_seed(cfg.seed)
@@ -71,7 +75,12 @@ def global_kv(cfg: RankConfig) -> Any:
         shape: tuple[int, ...] = (cfg.layers, cfg.num_tokens, cfg.head_dim)
     else:
         shape = (cfg.layers, 2, cfg.num_tokens, cfg.kv_heads, cfg.head_dim)
-    return torch.randn(shape, generator=g).to(torch.bfloat16)
+    kv = torch.randn(shape, generator=g)
+    if cfg.kv_dtype != "auto" or cfg.peer_kv_dtype != "auto":
+        flat = kv.view(-1)
+        extremes = torch.tensor([1e5, -3e5, 900.0, 1e-6, -5e-5, 470.0])
+        flat[::31] = extremes.repeat(flat[::31].numel() // 6 + 1)[: flat[::31].numel()]
+    return kv.to(torch.bfloat16)
 
 
 def attn_tp(cfg: RankConfig) -> tuple[int, int]:
@@ -111,8 +120,94 @@ def run_rank(cfg: RankConfig, conn: Any) -> None:
     conn.poll(WAIT_S)
 
 
-def _layer(layer_id: int) -> Any:
-    return type("Layer", (), {"layer_id": layer_id})()
+_POOL_DTYPES = {"auto": "bfloat16", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def kv_scales(layer: int) -> tuple[float, float]:
+    """A model layer's fp8 K and V scales, as a checkpoint gives them: values of bf16, on which
+    SGLang's division on CPU (by the float32 scale) and on CUDA (by the scale cast to bf16)
+    agree (`kvxfer.kernels.convert`)."""
+    return 0.5 * (layer + 1), 0.25 * (layer + 2)
+
+
+def _attention(cfg: RankConfig, layers: range) -> Any:
+    """The stage's attention layers as SGLang's model builds them (`RadixAttention`), with the
+    scales SGLang's KV cache method loads from a checkpoint (`BaseKVCacheMethod`) where the
+    pool is fp8, and none otherwise (SGLang then divides by nothing)."""
+    import torch
+    from sglang.srt.layers.quantization.kv_cache import BaseKVCacheMethod
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    heads = 1 if cfg.mla else heads_of(cfg).stop - heads_of(cfg).start
+    modules = torch.nn.ModuleList()
+    for layer in layers:
+        attention = RadixAttention(heads, cfg.head_dim, 1.0, heads, layer)
+        if cfg.kv_dtype != "auto":
+            method = BaseKVCacheMethod(None)
+            method.create_weights(attention)
+            k_scale, v_scale = kv_scales(layer)
+            attention.k_scale.data.fill_(k_scale)  # as the checkpoint's weight loader does
+            attention.v_scale.data.fill_(v_scale)
+            method.process_weights_after_loading(attention)
+        modules.append(attention)
+    return modules
+
+
+def _pool(cfg: RankConfig, layers: int, start: int) -> Any:
+    """SGLang's KV pool of the rank, in its `kv_dtype`."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    dtype = getattr(torch, _POOL_DTYPES[cfg.kv_dtype])
+    if cfg.mla:
+        return MLATokenToKVPool(
+            size=cfg.pool_tokens, page_size=cfg.page_size, dtype=dtype,
+            kv_lora_rank=cfg.head_dim - 8, qk_rope_head_dim=8, layer_num=layers,
+            device="cpu", enable_memory_saver=False, start_layer=start,
+        )  # fmt: skip
+    return MHATokenToKVPool(
+        size=cfg.pool_tokens, page_size=cfg.page_size, dtype=dtype,
+        head_num=heads_of(cfg).stop - heads_of(cfg).start, head_dim=cfg.head_dim,
+        layer_num=layers, device="cpu", enable_memory_saver=False, start_layer=start,
+    )  # fmt: skip
+
+
+def _write(cfg: RankConfig, pool: Any, attention: Any, kv: Any, slots: Any, tokens: slice) -> None:
+    """SGLang's own write of the rank's heads of `tokens`, every layer of the stage, as an
+    attention backend calls it (`set_kv_buffer` with the layer's scales, on copies: it divides
+    in place)."""
+    for layer in attention:
+        if cfg.mla:  # the latent row is K; MLA has no V
+            pool.set_kv_buffer(layer, slots[tokens], kv[layer.layer_id, tokens][:, None], None)
+            continue
+        h = heads_of(cfg)
+        k, v = kv[layer.layer_id, 0, tokens, h].clone(), kv[layer.layer_id, 1, tokens, h].clone()
+        pool.set_kv_buffer(layer, slots[tokens], k, v, layer.k_scale, layer.v_scale)
+
+
+def _converted(cfg: RankConfig, kv: Any, slots: Any, layers: range) -> np.ndarray:
+    """What a decode rank fed KV of another dtype must hold (as `_held` reads it): into fp8, its
+    own SGLang write of the request's KV; out of fp8, the prefill's SGLang write of it times
+    the prefill's scale, rounded to the decode's dtype (kvxfer's dequantization)."""
+    import dataclasses
+
+    import torch
+
+    tokens = slice(0, cfg.num_tokens)
+    if cfg.kv_dtype != "auto":
+        pool = _pool(cfg, len(layers), layers.start)
+        _write(cfg, pool, _attention(cfg, layers), kv, slots, tokens)
+        return _held(pool, cfg, slots, len(layers))
+    fp8 = dataclasses.replace(cfg, kv_dtype=cfg.peer_kv_dtype)
+    pool = _pool(fp8, len(layers), layers.start)
+    _write(fp8, pool, _attention(fp8, layers), kv, slots, tokens)
+    planes = []
+    for layer in layers:
+        k_scale, v_scale = kv_scales(layer)
+        k = pool.get_key_buffer(layer)[slots].float() * k_scale
+        v = pool.get_value_buffer(layer)[slots].float() * v_scale
+        planes.append(torch.stack([k, v]).to(torch.bfloat16))
+    return torch.stack(planes).view(torch.int16).numpy().copy()
 
 
 def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
@@ -129,9 +224,10 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         get_kv_class,
         setup_state_kv_args,
     )
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
+
+    from kvxfer.integrations.sglang.scales import record_model_scales
 
     prefill = cfg.role == "prefill"
     args = ServerArgs(
@@ -170,18 +266,11 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
 
     layers = cfg.layers // cfg.pp_size
     start = cfg.pp_rank * layers
-    if cfg.mla:
-        pool: Any = MLATokenToKVPool(
-            size=cfg.pool_tokens, page_size=cfg.page_size, dtype=torch.bfloat16,
-            kv_lora_rank=cfg.head_dim - 8, qk_rope_head_dim=8, layer_num=layers,
-            device="cpu", enable_memory_saver=False, start_layer=start,
-        )  # fmt: skip
-    else:
-        pool = MHATokenToKVPool(
-            size=cfg.pool_tokens, page_size=cfg.page_size, dtype=torch.bfloat16,
-            head_num=heads_of(cfg).stop - heads_of(cfg).start, head_dim=cfg.head_dim,
-            layer_num=layers, device="cpu", enable_memory_saver=False, start_layer=start,
-        )  # fmt: skip
+    pool = _pool(cfg, layers, start)
+    attention = _attention(cfg, range(start, start + layers))
+    # What kvxfer's plugin hook records as SGLang's ModelRunner loads the model (this process
+    # has no model runner): the layers' fp8 scales.
+    record_model_scales(attention)
     meta = MetadataBuffers(8, 16, torch.float32, 0)
     buffers = pool.kv_buffer if cfg.mla else [*pool.k_buffer, *pool.v_buffer]
     if not prefill:
@@ -194,7 +283,7 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
     kv_args.pp_rank = cfg.pp_rank
     kv_args.system_dp_rank = 0
     kv_args.rust_http_port = None
-    kv_args.kv_cache_dtype_str = "auto"
+    kv_args.kv_cache_dtype_str = cfg.kv_dtype
     kv_args.kv_layout = None
     kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = (
         pool.get_contiguous_buf_infos()
@@ -256,14 +345,7 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         half = num_pages // 2
         for first, last in ((0, half), (half, num_pages)) if num_pages else ():
             tokens = slice(first * cfg.page_size, min(last * cfg.page_size, cfg.num_tokens))
-            for local in range(layers):
-                if cfg.mla:  # the latent row is K; MLA has no V
-                    k = kv[start + local, tokens][:, None]
-                    pool.set_kv_buffer(_layer(start + local), slots[tokens], k, None)
-                else:
-                    h = heads_of(cfg)
-                    k, v = kv[start + local, 0, tokens, h], kv[start + local, 1, tokens, h]
-                    pool.set_kv_buffer(_layer(start + local), slots[tokens], k, v)
+            _write(cfg, pool, attention, kv, slots, tokens)
             if last == num_pages:  # the first output token and its metadata, as set_buf
                 meta.output_ids[aux_index, 0] = 1000 + cfg.room % 1000
                 meta.bootstrap_room[aux_index, 0] = cfg.room
@@ -310,9 +392,13 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
             receiver.failure_exception()
         except Exception as exc:
             reason = str(exc)
+    converting = cfg.kv_dtype != cfg.peer_kv_dtype
     return {
         "states": states,
         "held": _held(pool, cfg, slots, layers),
+        "converted": _converted(cfg, kv, slots, range(start, start + layers))
+        if converting
+        else None,
         "untouched": _untouched(buffers, cfg, slots),
         "aux": (int(meta.output_ids[cfg.aux_index, 0]), int(meta.bootstrap_room[cfg.aux_index, 0])),
         "reason": reason,

@@ -122,13 +122,15 @@ def _run_pair(
     dp: tuple[int, int] = (1, 1),
     serving_dp: tuple[int, int] = (0, 0),
     load_balance_method: str = "follow_bootstrap_room",
+    kv_dtypes: tuple[str, str] = ("auto", "auto"),
 ) -> tuple[list[dict], list[dict], list[RankConfig]]:
     """Prefill TP `prefill[0]` with pages of `prefill[1]` tokens (and `pp_size` stages) ->
     decode TP `decode[0]`, pages of `decode[1]`; every rank in its own process; `mla`: SGLang's
     MLA pool on both sides; `faults`: RankConfig fields by (role, TP rank). `dp`: the prefill's
     and the decode's DP attention sizes, `serving_dp` the DP groups the request is routed to
-    (the other groups' ranks start and register, and are left out of the results). A rank
-    killed on purpose answers None."""
+    (the other groups' ranks start and register, and are left out of the results);
+    `kv_dtypes`: the prefill's and the decode's `--kv-cache-dtype`. A rank killed on purpose
+    answers None."""
     ctx = _rank_context()
     configs = []
     pool_tokens = 512
@@ -147,6 +149,7 @@ def _run_pair(
                         kv_heads=kv_heads, dp_size=dp[side],
                         serves=rank // attn_tp == serving_dp[side],
                         load_balance_method=load_balance_method, dist_port=dist_port,
+                        kv_dtype=kv_dtypes[side], peer_kv_dtype=kv_dtypes[1 - side],
                         **(faults or {}).get((role, rank), {}),
                     )
                 )  # fmt: skip
@@ -246,6 +249,35 @@ def test_a_request_moves_bit_exact(model_dir, bootstrap_port, prefill, decode):
         assert states == sorted(states) and states[-2:] == [3, 4] and set(states) <= {1, 2, 3, 4}
     assert all(d["states"][-2:] == [2, 4] for d in decodes), [d["states"] for d in decodes]
     _assert_exact(prefills, decodes, cfgs)
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "kv_dtypes"),
+    [
+        ((1, 16), (2, 32), ("auto", "fp8_e4m3")),
+        ((2, 64), (3, 16), ("auto", "fp8_e5m2")),
+        ((2, 16), (1, 64), ("fp8_e4m3", "auto")),
+    ],
+    ids=["bf16-tp1-e4m3-tp2", "bf16-page64-e5m2-tp3", "e4m3-tp2-bf16-tp1"],
+)
+def test_a_request_changes_dtype_as_the_decode_writes_it(
+    model_dir, bootstrap_port, prefill, decode, kv_dtypes
+):
+    """A prefill and a decode of other `--kv-cache-dtype`s (SGLang's own transfer backends
+    refuse them): into fp8, the decode holds what SGLang's own fp8 write (`set_kv_buffer` with
+    the layer's scales) makes of the prefill's KV; out of fp8, the prefill's fp8 KV times its
+    scales. Every other byte keeps its poison."""
+    room = 1700 + 10 * prefill[0] + decode[0]
+    _, decodes, cfgs = _run_pair(
+        model_dir, bootstrap_port, room, prefill, decode, kv_dtypes=kv_dtypes
+    )
+    for result, cfg in zip(decodes, cfgs, strict=True):
+        got, want = torch.from_numpy(result["held"]), torch.from_numpy(result["converted"])
+        assert torch.equal(got, want), (
+            f"decode rank {cfg.tp_rank}: {int((got != want).sum())} of {want.numel()} differ"
+        )
+        assert result["untouched"], f"decode rank {cfg.tp_rank} wrote outside the request"
+        assert result["aux"] == (1000 + cfg.room % 1000, cfg.room)
 
 
 def test_gqa_heads_replicated_on_the_decode(gqa_model_dir, bootstrap_port):

@@ -30,7 +30,8 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from kvxfer.connector import FetchHandle, KVConsumer, KVProducer, ReleaseReason
 from kvxfer.integrations.settings import ConnectorSettings
 from kvxfer.integrations.sglang.pools import SGLangModel, kv_dtype_name, sglang_cache
-from kvxfer.spec import DTYPE_ITEMSIZE
+from kvxfer.integrations.sglang.scales import scales_of
+from kvxfer.spec import DTYPE_ITEMSIZE, FP8_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ def model_of(server_args: Any, kv_args: KVArgs, is_mla: bool) -> SGLangModel:
 
     Raises:
         ValueError: hybrid state (Mamba, sliding window...) or draft buffers, naming the model
-            kind: kvxfer's SGLang backend moves full-attention KV only.
+            kind: kvxfer's SGLang backend moves full-attention KV only; or an fp8 pool whose
+            model's scales were not recorded (`scales_of`).
     """
     from sglang.srt.configs.model_config import ModelConfig
 
@@ -73,12 +75,18 @@ def model_of(server_args: Any, kv_args: KVArgs, is_mla: bool) -> SGLangModel:
         )
     config = ModelConfig.from_server_args(server_args)
     dtype = kv_dtype_name(kv_args.kv_cache_dtype_str, config.dtype)
+    layers = config.num_hidden_layers
+    # An fp8 pool's spec carries its stage's scales (what a converting transfer divides or
+    # multiplies by), its layers those of the pool's buffers (MHA: a K and a V each).
+    start = getattr(kv_args, "prefill_start_layer", 0) or 0
+    stage = range(start, start + len(kv_args.kv_data_ptrs) // (1 if is_mla else 2))
+    k_scales, v_scales = scales_of(stage) if dtype in FP8_DTYPES else ((), ())
     if is_mla:
         # The latent width (kv_lora_rank + qk_rope_head_dim) is the pool's row.
         head_dim = kv_args.kv_item_lens[0] // (kv_args.page_size * DTYPE_ITEMSIZE[dtype])
-        return SGLangModel(1, head_dim, config.num_hidden_layers, dtype, mla=True)
+        return SGLangModel(1, head_dim, layers, dtype, mla=True, k_scales=k_scales)
     return SGLangModel(
-        config.get_total_num_kv_heads(), config.head_dim, config.num_hidden_layers, dtype
+        config.get_total_num_kv_heads(), config.head_dim, layers, dtype, False, k_scales, v_scales
     )
 
 
@@ -144,7 +152,7 @@ class KvxferKVManager(CommonKVManager):
             tp_rank=self.attn_tp_rank,
             pp_size=self.pp_size,
             pp_rank=self.pp_rank,
-            layer_start=getattr(args, "prefill_start_layer", 0) or 0,
+            layer_start=getattr(args, "prefill_start_layer", 0) or 0,  # as model_of reads it
             device=_pool_device(server_args, args),
         )
         self._lock = threading.Lock()
@@ -328,8 +336,8 @@ class KvxferKVManager(CommonKVManager):
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """SGLang's look-up of the prefill engine, without its refusals of a different page
-        size or TP ratio: kvxfer bridges both. The dtype must still match: this backend does
-        not convert (docs/sglang.md, "Not supported, and refused at start with the reason")."""
+        size, TP ratio or KV dtype: kvxfer bridges all three (a dtype with each fp8 side's
+        scales, as SGLang's own fp8 write quantizes: docs/sglang.md)."""
         if bootstrap_addr in self.prefill_info_table:
             return True
         import requests
@@ -346,13 +354,6 @@ class KvxferKVManager(CommonKVManager):
         if response.status_code != 200:
             return False
         info = PrefillServerInfo(**response.json())
-        if info.kv_cache_dtype is not None and info.kv_cache_dtype != self.kv_cache_dtype_str:
-            raise RuntimeError(
-                f"KV cache dtype mismatch: prefill {info.kv_cache_dtype}, decode "
-                f"{self.kv_cache_dtype_str}; kvxfer's SGLang backend does not convert KV dtypes "
-                "(it does not read SGLang's scales yet): pass the same --kv-cache-dtype to both "
-                "engines"
-            )
         if info.attn_cp_size != 1:
             raise RuntimeError(
                 f"prefill context parallelism ({info.attn_cp_size}) is not supported by "

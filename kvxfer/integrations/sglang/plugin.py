@@ -9,7 +9,9 @@ patching no line of SGLang.
   against other members;
 - an AROUND hook on `get_kv_class` (`HookRegistry`, which also rebinds the modules that
   imported it) answers kvxfer's manager, sender, receiver and bootstrap server for `KVXFER`, and
-  leaves every other backend to SGLang.
+  leaves every other backend to SGLang;
+- an AFTER hook on `ModelRunner.load_model` records the model's fp8 KV scales
+  (`kvxfer.integrations.sglang.scales`), which the manager's spec carries.
 
 SGLang runs `load_plugins()` in `launch_server`, `sglang serve`, the engine, and every scheduler
 process, so every process that builds a backend has it.
@@ -24,6 +26,8 @@ BACKEND = "kvxfer"
 # SGLang versions whose Common* classes, plugin API and pools this backend was verified
 # against (tests/integration_sglang); the classes it subclasses change between releases.
 SUPPORTED_SGLANG = ("0.5.23",)
+# Where the plugin records the model's fp8 KV scales (`kvxfer.integrations.sglang.scales`).
+LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 
 
 def check_sglang_version() -> str:
@@ -65,9 +69,14 @@ def register() -> None:
     if BACKEND not in DISAGG_TRANSFER_BACKEND_CHOICES:
         add_disagg_transfer_backend_choices([BACKEND])
     _add_enum_member(utils.TransferBackend, "KVXFER", BACKEND)
-    target = "sglang.srt.disaggregation.utils.get_kv_class"
-    if not any(hook is _get_kv_class for _, hook, _ in HookRegistry._hooks.get(target, ())):
-        HookRegistry.register(target, _get_kv_class, HookType.AROUND)
+    from kvxfer.integrations.sglang.scales import after_load_model
+
+    for target, hook, kind in (
+        ("sglang.srt.disaggregation.utils.get_kv_class", _get_kv_class, HookType.AROUND),
+        (LOAD_MODEL, after_load_model, HookType.AFTER),
+    ):
+        if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
+            HookRegistry.register(target, hook, kind)
 
 
 def _add_enum_member(enum_cls: Any, name: str, value: str) -> None:

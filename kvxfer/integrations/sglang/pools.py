@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvxfer.spec import DTYPE_ITEMSIZE, TORCH_DTYPES, KVCacheSpec
+from kvxfer.spec import DTYPE_ITEMSIZE, FP8_DTYPES, TORCH_DTYPES, KVCacheSpec
 
 # SGLang's `--kv-cache-dtype` names of the formats kvxfer moves (bit for bit); "auto" is the
 # model's dtype.
@@ -49,6 +49,9 @@ class SGLangModel:
         total_layers: attention layers of the whole model.
         dtype: the KV cache's dtype, a `KVCacheSpec.dtype` name.
         mla: the model keeps an MLA latent cache.
+        k_scales: an fp8 pool's K scale per layer of its pipeline stage
+            (`kvxfer.integrations.sglang.scales`); empty for other dtypes.
+        v_scales: the same for V (empty for MLA, whose latent uses `k_scales`).
     """
 
     total_kv_heads: int
@@ -56,6 +59,8 @@ class SGLangModel:
     total_layers: int
     dtype: str
     mla: bool = False
+    k_scales: tuple[float, ...] = ()
+    v_scales: tuple[float, ...] = ()
 
 
 def kv_dtype_name(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:
@@ -202,5 +207,9 @@ def sglang_cache(
         pp_rank=pp_rank,
         layer_start=layer_start if pp_size > 1 else 0,
         total_layers=model.total_layers if pp_size > 1 else 0,
+        k_scales=model.k_scales,
+        v_scales=model.v_scales,
+        # SGLang's fp8 write (`MHATokenToKVPool.set_kv_buffer`): kvxfer.kernels.convert
+        fp8_rounding="torch_cast" if model.dtype in FP8_DTYPES else "nearest_even",
     )
     return spec, layers
