@@ -24,6 +24,9 @@
 #   BASELINE_PORT [30300]  PREFILL_PORT [30100]  DECODE_PORT [30200]  ROUTER_PORT [30000]
 #   BOOTSTRAP_PORT [8998]  START_TIMEOUT [900]  OUT_DIR [a new temporary directory]
 #   KVXFER_CONFIG []  kvxfer's settings as JSON (docs/sglang.md)
+#   PREFILL_KV_DTYPE [auto]  DECODE_KV_DTYPE [auto]  each engine's --kv-cache-dtype; the one
+#   engine alone runs the decode's (`DECODE_KV_DTYPE=fp8_e4m3`: a bf16 prefill feeds an fp8
+#   decode, which holds what its own fp8 write makes: docs/sglang.md, "Different KV dtypes")
 set -euo pipefail
 
 PYTHON="${PYTHON:-python3}"
@@ -38,6 +41,8 @@ DECODE_PORT="${DECODE_PORT:-30200}"
 ROUTER_PORT="${ROUTER_PORT:-30000}"
 BOOTSTRAP_PORT="${BOOTSTRAP_PORT:-8998}"
 START_TIMEOUT="${START_TIMEOUT:-900}"
+PREFILL_KV_DTYPE="${PREFILL_KV_DTYPE:-auto}"
+DECODE_KV_DTYPE="${DECODE_KV_DTYPE:-auto}"
 OUT_DIR="${OUT_DIR:-$(mktemp -d -t kvxfer-sglang-e2e.XXXXXX)}"
 mkdir -p "$OUT_DIR"
 pids=()
@@ -107,15 +112,17 @@ PY
 serve=("$PYTHON" -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1
        --mem-fraction-static "$MEM_FRACTION")
 
-start baseline "${serve[@]}" --port "$BASELINE_PORT"
+start baseline "${serve[@]}" --port "$BASELINE_PORT" --kv-cache-dtype "$DECODE_KV_DTYPE"
 wait_healthy "$BASELINE_PORT" baseline
 generate "$BASELINE_PORT" "$OUT_DIR/baseline.jsonl" baseline
 stop_all
 
 start prefill "${serve[@]}" --port "$PREFILL_PORT" --page-size "$PREFILL_PAGE" \
+    --kv-cache-dtype "$PREFILL_KV_DTYPE" \
     --disaggregation-mode prefill --disaggregation-transfer-backend kvxfer \
     --disaggregation-bootstrap-port "$BOOTSTRAP_PORT"
 start decode "${serve[@]}" --port "$DECODE_PORT" --page-size "$DECODE_PAGE" \
+    --kv-cache-dtype "$DECODE_KV_DTYPE" \
     --disaggregation-mode decode --disaggregation-transfer-backend kvxfer --base-gpu-id 0
 wait_healthy "$PREFILL_PORT" prefill
 wait_healthy "$DECODE_PORT" decode
