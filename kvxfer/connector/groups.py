@@ -94,12 +94,12 @@ class CacheGroup:
         query = num_tokens if first_computed is None else first_computed
         return max(start_token, window_start(query, self.sliding_window)), num_tokens
 
-    def held_tokens(self, num_tokens: int) -> tuple[int, int]:
-        """The token range a prefill rank offers of this group (`held_from`; the state's
-        `(0, 1)`)."""
+    def held_tokens(self, num_tokens: int, first_token: int = 0) -> tuple[int, int]:
+        """The token range a prefill rank offers of this group (`held_from`, none before
+        `first_token`; the state's `(0, 1)`)."""
         if self.state:
             return 0, 1
-        return held_from(num_tokens, self.sliding_window), num_tokens
+        return max(first_token, held_from(num_tokens, self.sliding_window)), num_tokens
 
 
 def window_start(num_tokens: int, sliding_window: int | None) -> int:
@@ -210,10 +210,12 @@ class GroupedProducer:
         deadline_s: float | None = None,
         ready_tokens: int | None = None,
         timeline: Mapping[str, float] | None = None,
+        first_token: int = 0,
     ) -> None:
         """Offer a request's KV: `block_ids[g]` is group `g`'s block table. A sliding-window
-        group offers the tokens it still holds (`held_from`). Every table is checked before
-        any group publishes. `ready_tokens`, `timeline`: as `KVProducer.publish` (the prefill
+        group offers the tokens it still holds (`held_from`), none before `first_token` (the
+        decode holds them already: `KVProducer.publish`). Every table is checked before any
+        group publishes. `ready_tokens`, `timeline`: as `KVProducer.publish` (the prefill
         still runs; `mark_ready` and `fail` follow it).
 
         Raises:
@@ -223,7 +225,7 @@ class GroupedProducer:
         request_id = check_request_id(request_id, "publish")
         tokens = check_num_tokens(num_tokens, f"publish({request_id!r}): num_tokens")
         tables = _group_tables(self.groups, block_ids, f"publish({request_id!r})")
-        held = [g.held_tokens(tokens) for g in self.groups]
+        held = [g.held_tokens(tokens, first_token) for g in self.groups]
         ready = [None if ready_tokens is None else min(ready_tokens, end) for _, end in held]
         checks = zip(self.groups, tables, held, ready, strict=True)
         for index, (group, table, (first, end), computed) in enumerate(checks):
