@@ -27,6 +27,9 @@
 #   PREFILL_KV_DTYPE [auto]  DECODE_KV_DTYPE [auto]  each engine's --kv-cache-dtype; the one
 #   engine alone runs the decode's (`DECODE_KV_DTYPE=fp8_e4m3`: a bf16 prefill feeds an fp8
 #   decode, which holds what its own fp8 write makes: docs/sglang.md, "Different KV dtypes")
+#   SPEC_ARGS []  speculative decoding's arguments for every engine, e.g. "--speculative-algorithm
+#   EAGLE --speculative-draft-model-path D --speculative-num-steps 3 --speculative-eagle-topk 1
+#   --speculative-num-draft-tokens 4" (the draft's pool moves with the target's)
 set -euo pipefail
 
 PYTHON="${PYTHON:-python3}"
@@ -109,8 +112,9 @@ PY
     wait "$!" || fail_with_log "$3" "generating through port $1 failed"
 }
 
+read -r -a spec_args <<<"${SPEC_ARGS:-}"
 serve=("$PYTHON" -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1
-       --mem-fraction-static "$MEM_FRACTION")
+       --mem-fraction-static "$MEM_FRACTION" "${spec_args[@]}")
 
 start baseline "${serve[@]}" --port "$BASELINE_PORT" --kv-cache-dtype "$DECODE_KV_DTYPE"
 wait_healthy "$BASELINE_PORT" baseline

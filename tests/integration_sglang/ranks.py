@@ -58,6 +58,7 @@ class RankConfig:
     abort_after_metadata: bool = False  # decode: abort the request once its metadata is out
     killed_before_send: bool = False  # prefill: SIGKILL itself instead of sending the KV
     aborted_before_send: bool = False  # prefill: abort the request (SGLang's sender.abort)
+    draft_dir: str = ""  # speculative decoding (EAGLE): the draft model, whose pool is moved too
     kv_dtype: str = "auto"  # SGLang's --kv-cache-dtype: "auto" (the model's bf16), "fp8_e4m3"...
     peer_kv_dtype: str = "auto"  # the other engine's
     env: dict[str, str] = field(default_factory=dict)
@@ -172,6 +173,45 @@ def _pool(cfg: RankConfig, layers: int, start: int) -> Any:
     )  # fmt: skip
 
 
+# Speculative decoding as SGLang's server arguments take it (one draft token a step: pages of
+# more than one token need it on CPU attention).
+_EAGLE = {
+    "speculative_algorithm": "EAGLE",
+    "speculative_eagle_topk": 1,
+    "speculative_num_steps": 3,
+    "speculative_num_draft_tokens": 4,
+}
+DRAFT_KV_HEADS, DRAFT_LAYERS = 4, 1  # the draft model's (tests/integration_sglang's draft config)
+
+
+def draft_config(cfg: RankConfig) -> RankConfig:
+    """The rank as its draft model's pool sees it: the draft's heads and layers (its own KV,
+    from another seed); the pages are the target's, as SGLang shares them."""
+    import dataclasses
+
+    return dataclasses.replace(
+        cfg, kv_heads=DRAFT_KV_HEADS, layers=DRAFT_LAYERS, pp_size=1, pp_rank=0, seed=cfg.seed + 7
+    )
+
+
+def _draft_pool(cfg: RankConfig, kv_args: Any) -> tuple[Any, Any]:
+    """The draft model's pool and attention layers, appended to `kv_args`' buffers as
+    SGLang's schedulers append them (`num_draft_entries`), its scales recorded as the plugin's
+    hook records a draft runner's."""
+    from kvxfer.integrations.sglang.scales import record_model_scales
+
+    draft = draft_config(cfg)
+    pool = _pool(draft, DRAFT_LAYERS, 0)
+    attention = _attention(draft, range(DRAFT_LAYERS))
+    record_model_scales(attention, draft=True)
+    ptrs, lens, item_lens = pool.get_contiguous_buf_infos()
+    kv_args.kv_data_ptrs += ptrs
+    kv_args.kv_data_lens += lens
+    kv_args.kv_item_lens += item_lens
+    kv_args.num_draft_entries = len(ptrs)
+    return pool, attention
+
+
 def _write(cfg: RankConfig, pool: Any, attention: Any, kv: Any, slots: Any, tokens: slice) -> None:
     """SGLang's own write of the rank's heads of `tokens`, every layer of the stage, as an
     attention backend calls it (`set_kv_buffer` with the layer's scales, on copies: it divides
@@ -245,6 +285,7 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         page_size=cfg.page_size,
         skip_tokenizer_init=True,
         device="cpu",
+        **({**_EAGLE, "speculative_draft_model_path": cfg.draft_dir} if cfg.draft_dir else {}),
     )
     world_rank = cfg.pp_rank * cfg.tp_size + cfg.tp_rank
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, gpu_id=0))
@@ -289,6 +330,11 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         pool.get_contiguous_buf_infos()
     )
     kv_args.num_draft_entries = 0
+    draft_pool, draft_attention = _draft_pool(cfg, kv_args) if cfg.draft_dir else (None, None)
+    if draft_pool is not None and not prefill:
+        buffers = [*buffers, *draft_pool.k_buffer, *draft_pool.v_buffer]
+        for b in buffers:
+            b.view(torch.uint8).fill_(POISON_BYTE)
     kv_args.kv_layer_ids = []
     if prefill and not cfg.mla:  # the decode scheduler leaves them unset (decode.py)
         kv_args.kv_head_num = pool.head_num
@@ -325,7 +371,8 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
             if state in target:
                 return int(state)
             time.sleep(0.01)
-        stats = manager.producer.stats_snapshot() if manager.producer is not None else {}
+        producers = manager.producer.producers if manager.producer is not None else []
+        stats = [p.stats_snapshot() for p in producers]
         raise TimeoutError(f"{cfg.role} rank {cfg.tp_rank}: states {states} {stats}")
 
     if prefill:
@@ -346,6 +393,9 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         for first, last in ((0, half), (half, num_pages)) if num_pages else ():
             tokens = slice(first * cfg.page_size, min(last * cfg.page_size, cfg.num_tokens))
             _write(cfg, pool, attention, kv, slots, tokens)
+            if draft_pool is not None:  # the draft model's KV of the same pages
+                draft_kv = global_kv(draft_config(cfg))
+                _write(draft_config(cfg), draft_pool, draft_attention, draft_kv, slots, tokens)
             if last == num_pages:  # the first output token and its metadata, as set_buf
                 meta.output_ids[aux_index, 0] = 1000 + cfg.room % 1000
                 meta.bootstrap_room[aux_index, 0] = cfg.room
@@ -362,6 +412,7 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         return {
             "states": states, "held": held, "reason": reason, "tp_rank": cfg.tp_rank,
             "pp_rank": cfg.pp_rank, "layers": slice(start, start + layers),
+            "draft_held": _draft_held(draft_pool, cfg, slots),
         }  # fmt: skip
 
     receiver_cls = get_kv_class(backend, KVClassType.RECEIVER)
@@ -399,6 +450,7 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         "converted": _converted(cfg, kv, slots, range(start, start + layers))
         if converting
         else None,
+        "draft_held": _draft_held(draft_pool, cfg, slots),
         "untouched": _untouched(buffers, cfg, slots),
         "aux": (int(meta.output_ids[cfg.aux_index, 0]), int(meta.bootstrap_room[cfg.aux_index, 0])),
         "reason": reason,
@@ -498,6 +550,11 @@ def _held(pool: Any, cfg: RankConfig, slots: Any, layers: int) -> np.ndarray:
             ]
         )
     return held.view(torch.int16).numpy().copy()
+
+
+def _draft_held(pool: Any, cfg: RankConfig, slots: Any) -> np.ndarray | None:
+    """What the draft pool holds at the request's slots (`_held`), if the rank has one."""
+    return None if pool is None else _held(pool, draft_config(cfg), slots, DRAFT_LAYERS)
 
 
 def _untouched(buffers: list[Any], cfg: RankConfig, slots: Any) -> bool:

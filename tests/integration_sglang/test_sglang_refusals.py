@@ -24,11 +24,6 @@ def test_hybrid_state_is_refused_naming_its_kind(kind):
         model_of(None, _kv_args(state_types=[kind]), is_mla=False)
 
 
-def test_a_draft_models_kv_is_refused():
-    with pytest.raises(ValueError, match="draft"):
-        model_of(None, _kv_args(num_draft_entries=2), is_mla=False)
-
-
 def test_settings_come_from_kvxfer_config_and_bad_json_names_it(monkeypatch):
     monkeypatch.setenv("KVXFER_CONFIG", '{"secret": "s", "request_timeout_s": 5}')
     settings = load_settings()

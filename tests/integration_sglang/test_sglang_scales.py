@@ -1,6 +1,7 @@
 """The fp8 KV scales kvxfer's SGLang backend puts in its spec: read from SGLang's own attention
 layers (`RadixAttention`, with the scales SGLang's `BaseKVCacheMethod` loads) as the plugin's
-hook on `ModelRunner.load_model` records them, and refused, never guessed, where none were."""
+hook on `ModelRunner.load_model` records them (a draft model's apart), and refused, never
+guessed, where none were."""
 
 from __future__ import annotations
 
@@ -68,11 +69,16 @@ def test_the_plugin_hooks_sglangs_model_loading():
     assert out["wraps_the_original"]
 
 
-def test_the_target_models_scales_are_recorded_and_a_draft_models_are_not():
-    after_load_model(None, SimpleNamespace(model=_attention(range(4), True), is_draft_worker=False))
-    after_load_model(None, SimpleNamespace(model=_attention(range(4), False), is_draft_worker=True))
+def test_the_target_models_scales_and_the_draft_models_are_recorded_apart():
+    target = SimpleNamespace(model=_attention(range(4), True), is_draft_worker=False)
+    draft = SimpleNamespace(model=_attention(range(4, 5), False), is_draft_worker=True)
+    after_load_model(None, target)
+    after_load_model(None, draft)
     k, v = scales_of(range(1, 3))
     assert (k, v) == ((kv_scales(1)[0], kv_scales(2)[0]), (kv_scales(1)[1], kv_scales(2)[1]))
+    assert scales_of(1, draft=True) == ((1.0,), (1.0,))  # the draft's first layer (id 4)
+    with pytest.raises(ValueError, match=r"layers \[5\]: no attention layer .* draft model"):
+        scales_of(2, draft=True)
 
 
 def test_a_model_without_kv_scales_divides_by_one():

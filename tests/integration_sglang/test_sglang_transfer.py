@@ -19,7 +19,17 @@ from typing import Any
 
 import pytest
 import torch
-from ranks import POISON_BYTE, WAIT_S, RankConfig, global_kv, heads_of, run_rank
+from ranks import (
+    DRAFT_KV_HEADS,
+    DRAFT_LAYERS,
+    POISON_BYTE,
+    WAIT_S,
+    RankConfig,
+    draft_config,
+    global_kv,
+    heads_of,
+    run_rank,
+)
 
 from kvxfer.addresses import free_port
 
@@ -31,8 +41,8 @@ RANK_HANG_S = 600.0
 TOKENS = 100  # not a whole number of pages: the last page is partial on both sides
 
 
-def _model(path: Path, kv_heads: int) -> str:
-    """A tiny Llama config with `kv_heads` KV heads of 16 and 4 layers: what SGLang's
+def _model(path: Path, kv_heads: int, layers: int = 4) -> str:
+    """A tiny Llama config with `kv_heads` KV heads of 16 and `layers` layers: what SGLang's
     `ModelConfig` reads."""
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -42,7 +52,7 @@ def _model(path: Path, kv_heads: int) -> str:
         "num_attention_heads": 12,
         "num_key_value_heads": kv_heads,
         "head_dim": 16,
-        "num_hidden_layers": 4,
+        "num_hidden_layers": layers,
         "vocab_size": 256,
         "max_position_embeddings": 1024,
         "rms_norm_eps": 1e-5,
@@ -58,6 +68,12 @@ def _model(path: Path, kv_heads: int) -> str:
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """12 KV heads: TP 2, 3, 4 and 6 all shard them."""
     return _model(tmp_path_factory.mktemp("model"), 12)
+
+
+@pytest.fixture(scope="module")
+def draft_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An EAGLE draft model: one layer, 4 KV heads (its own pool beside the target's)."""
+    return _model(tmp_path_factory.mktemp("draft-model"), DRAFT_KV_HEADS, DRAFT_LAYERS)
 
 
 @pytest.fixture(scope="module")
@@ -123,14 +139,15 @@ def _run_pair(
     serving_dp: tuple[int, int] = (0, 0),
     load_balance_method: str = "follow_bootstrap_room",
     kv_dtypes: tuple[str, str] = ("auto", "auto"),
+    draft_dir: str = "",
 ) -> tuple[list[dict], list[dict], list[RankConfig]]:
     """Prefill TP `prefill[0]` with pages of `prefill[1]` tokens (and `pp_size` stages) ->
     decode TP `decode[0]`, pages of `decode[1]`; every rank in its own process; `mla`: SGLang's
     MLA pool on both sides; `faults`: RankConfig fields by (role, TP rank). `dp`: the prefill's
     and the decode's DP attention sizes, `serving_dp` the DP groups the request is routed to
     (the other groups' ranks start and register, and are left out of the results);
-    `kv_dtypes`: the prefill's and the decode's `--kv-cache-dtype`. A rank killed on purpose
-    answers None."""
+    `kv_dtypes`: the prefill's and the decode's `--kv-cache-dtype`; `draft_dir`: an EAGLE draft
+    model on both sides. A rank killed on purpose answers None."""
     ctx = _rank_context()
     configs = []
     pool_tokens = 512
@@ -150,6 +167,7 @@ def _run_pair(
                         serves=rank // attn_tp == serving_dp[side],
                         load_balance_method=load_balance_method, dist_port=dist_port,
                         kv_dtype=kv_dtypes[side], peer_kv_dtype=kv_dtypes[1 - side],
+                        draft_dir=draft_dir,
                         **(faults or {}).get((role, rank), {}),
                     )
                 )  # fmt: skip
@@ -278,6 +296,29 @@ def test_a_request_changes_dtype_as_the_decode_writes_it(
         )
         assert result["untouched"], f"decode rank {cfg.tp_rank} wrote outside the request"
         assert result["aux"] == (1000 + cfg.room % 1000, cfg.room)
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode"), [((2, 16), (4, 32)), ((1, 64), (2, 16))], ids=["tp2-tp4", "tp1-tp2"]
+)
+def test_speculative_decodings_draft_kv_moves_with_the_target(
+    model_dir, draft_model_dir, bootstrap_port, prefill, decode
+):
+    """EAGLE: the draft model's own pool (its heads, its layer) rides on the target's pages,
+    as SGLang appends it to the backend's buffers; each decode rank's draft pool holds its
+    heads of what the prefill's draft pools hold, and the target moves as ever."""
+    room = 1800 + 10 * prefill[0] + decode[0]
+    prefills, decodes, cfgs = _run_pair(
+        model_dir, bootstrap_port, room, prefill, decode, draft_dir=draft_model_dir
+    )
+    _assert_exact(prefills, decodes, cfgs)
+    held = torch.cat([torch.from_numpy(p["draft_held"]) for p in prefills], 3)
+    assert held.shape[:2] == (DRAFT_LAYERS, 2)
+    assert torch.equal(held, global_kv(draft_config(cfgs[0])).view(torch.int16))
+    for result, cfg in zip(decodes, cfgs, strict=True):
+        want = held[:, :, :, heads_of(draft_config(cfg))]
+        got = torch.from_numpy(result["draft_held"])
+        assert torch.equal(got, want), f"decode rank {cfg.tp_rank}: its draft KV differs"
 
 
 def test_gqa_heads_replicated_on_the_decode(gqa_model_dir, bootstrap_port):

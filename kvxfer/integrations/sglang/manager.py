@@ -1,7 +1,9 @@
 """kvxfer's SGLang transfer manager (`KvxferKVManager`, on SGLang's `CommonKVManager`): each
-rank's `KVProducer` or `KVConsumer`, the control messages over SGLang's ZeroMQ sockets, and what
-it keeps per request (`kvxfer.integrations.sglang.conn` has the flow, and the sender and
-receiver that drive it); with the settings and the model facts it reads from SGLang."""
+rank's producer or consumers (a `KVProducer` or `KVConsumer` per cache group: the target model's
+pool, and the draft model's under speculative decoding), the control messages over SGLang's
+ZeroMQ sockets, and what it keeps per request (`kvxfer.integrations.sglang.conn` has the flow,
+and the sender and receiver that drive it); with the settings and the model facts it reads
+from SGLang."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from sglang.srt.disaggregation.common.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from kvxfer.connector import FetchHandle, KVConsumer, KVProducer, ReleaseReason
+from kvxfer.connector import ReleaseReason
+from kvxfer.connector.groups import CacheGroup, GroupedConsumer, GroupedFetch, GroupedProducer
 from kvxfer.integrations.settings import ConnectorSettings
 from kvxfer.integrations.sglang.pools import SGLangModel, kv_dtype_name, sglang_cache
 from kvxfer.integrations.sglang.scales import scales_of
@@ -51,13 +54,21 @@ def load_settings() -> ConnectorSettings:
     return ConnectorSettings.from_extra_config(extra)
 
 
-def model_of(server_args: Any, kv_args: KVArgs, is_mla: bool) -> SGLangModel:
-    """What the pool's pointers do not say, from SGLang's `ModelConfig`.
+def pool_entries(kv_args: KVArgs) -> tuple[slice, slice]:
+    """Which of `KVArgs`' KV buffers are the target model's pool and which the draft model's:
+    SGLang appends the draft pool's (speculative decoding, `num_draft_entries`)."""
+    target = len(kv_args.kv_data_ptrs) - (getattr(kv_args, "num_draft_entries", 0) or 0)
+    return slice(0, target), slice(target, len(kv_args.kv_data_ptrs))
+
+
+def model_of(server_args: Any, kv_args: KVArgs, is_mla: bool, draft: bool = False) -> SGLangModel:
+    """What a pool's pointers do not say, from SGLang's `ModelConfig`: the target model's pool,
+    or with `draft` the draft model's (its layers those of its pool, in order).
 
     Raises:
-        ValueError: hybrid state (Mamba, sliding window...) or draft buffers, naming the model
-            kind: kvxfer's SGLang backend moves full-attention KV only; or an fp8 pool whose
-            model's scales were not recorded (`scales_of`).
+        ValueError: hybrid state (Mamba, sliding window...), naming the model kind: kvxfer's
+            SGLang backend moves full-attention KV only; or an fp8 pool whose model's scales
+            were not recorded (`scales_of`).
     """
     from sglang.srt.configs.model_config import ModelConfig
 
@@ -68,26 +79,27 @@ def model_of(server_args: Any, kv_args: KVArgs, is_mla: bool) -> SGLangModel:
             f"this model keeps hybrid state ({kinds}) beside its KV cache; kvxfer's SGLang "
             "backend moves full-attention KV only: serve it with another transfer backend"
         )
-    if getattr(kv_args, "num_draft_entries", 0):
-        raise ValueError(
-            "speculative decoding's draft KV is not moved by kvxfer's SGLang backend: run "
-            "without a draft model, or with another transfer backend"
-        )
-    config = ModelConfig.from_server_args(server_args)
+    entries = pool_entries(kv_args)[1 if draft else 0]
+    if draft:  # an MTP model's draft is its own checkpoint's next-token layers
+        path = server_args.speculative_draft_model_path or server_args.model_path
+        config = ModelConfig.from_server_args(server_args, model_path=path, is_draft_model=True)
+    else:
+        config = ModelConfig.from_server_args(server_args)
     dtype = kv_dtype_name(kv_args.kv_cache_dtype_str, config.dtype)
-    layers = config.num_hidden_layers
-    # An fp8 pool's spec carries its stage's scales (what a converting transfer divides or
-    # multiplies by), its layers those of the pool's buffers (MHA: a K and a V each).
+    pool_layers = (entries.stop - entries.start) // (1 if is_mla else 2)
+    # An fp8 pool's spec carries its layers' scales (what a converting transfer divides or
+    # multiplies by): a pipeline stage's layers (MHA: a K and a V buffer each), or the draft's.
     start = getattr(kv_args, "prefill_start_layer", 0) or 0
-    stage = range(start, start + len(kv_args.kv_data_ptrs) // (1 if is_mla else 2))
-    k_scales, v_scales = scales_of(stage) if dtype in FP8_DTYPES else ((), ())
+    layers: range | int = pool_layers if draft else range(start, start + pool_layers)
+    k_scales, v_scales = scales_of(layers, draft) if dtype in FP8_DTYPES else ((), ())
+    total_layers = pool_layers if draft else config.num_hidden_layers
     if is_mla:
         # The latent width (kv_lora_rank + qk_rope_head_dim) is the pool's row.
-        head_dim = kv_args.kv_item_lens[0] // (kv_args.page_size * DTYPE_ITEMSIZE[dtype])
-        return SGLangModel(1, head_dim, layers, dtype, mla=True, k_scales=k_scales)
-    return SGLangModel(
-        config.get_total_num_kv_heads(), config.head_dim, layers, dtype, False, k_scales, v_scales
-    )
+        row = kv_args.kv_item_lens[entries.start] // kv_args.page_size
+        head_dim = row // DTYPE_ITEMSIZE[dtype]
+        return SGLangModel(1, head_dim, total_layers, dtype, mla=True, k_scales=k_scales)
+    heads = config.get_total_num_kv_heads()
+    return SGLangModel(heads, config.head_dim, total_layers, dtype, False, k_scales, v_scales)
 
 
 @dataclass
@@ -108,14 +120,14 @@ class DecodeLoad:
     prefix: int
     num_tokens: int | None = None
     aux: bytes | None = None
-    handle: FetchHandle | None = None
+    handle: GroupedFetch | None = None
     aborted: bool = False  # never start its fetch: SGLang may give its pages away
 
 
 class KvxferKVManager(CommonKVManager):
-    """One rank's kvxfer endpoint inside SGLang: a `KVProducer` (prefill) or `KVConsumer`s, one
-    per prefill DP group it reads (decode), over SGLang's pool, plus the listener of SGLang's
-    control socket (the module docstring)."""
+    """One rank's kvxfer endpoint inside SGLang: a `GroupedProducer` (prefill) or
+    `GroupedConsumer`s, one per prefill DP group it reads (decode), over SGLang's pools, plus
+    the listener of SGLang's control socket (the module docstring)."""
 
     # The pages of a failed or aborted load are held until its fetch ended (no late byte lands
     # in a page SGLang gave to another request): `is_abort_release_safe`.
@@ -141,27 +153,15 @@ class KvxferKVManager(CommonKVManager):
                 "kvxfer's SGLang backend: decode pipeline parallelism is not supported; "
                 "serve the decode engine with --pp-size 1 (the prefill may use any)"
             )
-        model = model_of(server_args, args, bool(is_mla_backend))
-        self.spec, self.caches = sglang_cache(
-            args.kv_data_ptrs,
-            args.kv_data_lens,
-            args.kv_item_lens,
-            args.page_size,
-            model,
-            tp_size=self.attn_tp_size,
-            tp_rank=self.attn_tp_rank,
-            pp_size=self.pp_size,
-            pp_rank=self.pp_rank,
-            layer_start=getattr(args, "prefill_start_layer", 0) or 0,  # as model_of reads it
-            device=_pool_device(server_args, args),
-        )
+        self.groups = self._cache_groups(server_args, args, bool(is_mla_backend))
+        self.spec = self.groups[0].spec
         self._lock = threading.Lock()
-        self.producer: KVProducer | None = None
+        self.producer: GroupedProducer | None = None
         self._sent: dict[int, _Sent] = {}
         self._published: set[int] = set()  # rooms on the producer, not released yet
         self._aborted_rooms: OrderedDict[int, None] = OrderedDict()  # SGLang ABORT notices
-        self._consumers: dict[str, KVConsumer | Exception] = {}
-        self._hellos: dict[str, dict[int, str]] = {}
+        self._consumers: dict[str, GroupedConsumer | Exception] = {}
+        self._hellos: dict[str, dict[int, list[str]]] = {}
         self._expected: dict[str, int] = {}
         self._loads: dict[int, DecodeLoad] = {}
         self._early_aborts: dict[str, set[int]] = {}  # rooms aborted before their group connected
@@ -179,6 +179,36 @@ class KvxferKVManager(CommonKVManager):
         listener.daemon = True
         listener.start()
 
+    def _cache_groups(self, server_args: Any, args: KVArgs, mla: bool) -> list[CacheGroup]:
+        """The rank's pools as kvxfer's cache groups: the target model's, then the draft
+        model's where speculative decoding keeps one (its pages are the target's: SGLang
+        sends one page list for both)."""
+        target, draft = pool_entries(args)
+        groups = []
+        for entries, is_draft in ((target, False), (draft, True)):
+            if is_draft and entries.start == entries.stop:
+                break
+            if is_draft and self.pp_size > 1:
+                raise ValueError(
+                    "kvxfer's SGLang backend: speculative decoding's draft KV with prefill "
+                    "pipeline parallelism is not supported; serve the prefill with --pp-size 1"
+                )
+            spec, caches = sglang_cache(
+                args.kv_data_ptrs[entries],
+                args.kv_data_lens[entries],
+                args.kv_item_lens[entries],
+                args.page_size,
+                model_of(server_args, args, mla, draft=is_draft),
+                tp_size=self.attn_tp_size,
+                tp_rank=self.attn_tp_rank,
+                pp_size=1 if is_draft else self.pp_size,
+                pp_rank=0 if is_draft else self.pp_rank,
+                layer_start=0 if is_draft else getattr(args, "prefill_start_layer", 0) or 0,
+                device=_pool_device(server_args, args),
+            )
+            groups.append(CacheGroup(spec, caches))
+        return groups
+
     def _listen(self, handle: Callable[[list[bytes]], None]) -> None:
         """Serve the control messages on the PULL socket Common bound: `handle` each; a bad
         one is logged, and the next served."""
@@ -194,11 +224,10 @@ class KvxferKVManager(CommonKVManager):
 
     # ---- prefill ------------------------------------------------------------------------
 
-    def _new_producer(self) -> KVProducer:
+    def _new_producer(self) -> GroupedProducer:
         s = self.settings
-        return KVProducer(
-            self.spec,
-            self.caches,
+        return GroupedProducer(
+            self.groups,
             self.engine_id,
             host=self.host,
             release=self._released,
@@ -212,7 +241,8 @@ class KvxferKVManager(CommonKVManager):
             key, ip, port = (part.decode() for part in msg[1:4])
             rank = self.pp_rank * self.attn_tp_size + self.attn_tp_rank
             assert self.producer is not None
-            parts = [HELLO, key.encode(), str(rank).encode(), self.producer.address.encode()]
+            addresses = [a.encode() for a in self.producer.addresses]  # one a cache group
+            parts = [HELLO, key.encode(), str(rank).encode(), *addresses]
             self._send_multipart_locked(f"tcp://{ip}:{port}", parts)
         elif msg[0] == META:
             self._note_reader(msg)
@@ -273,7 +303,7 @@ class KvxferKVManager(CommonKVManager):
         assert self.producer is not None
         try:
             self.producer.publish(
-                str(bootstrap_room), table, num_tokens, first_token=prefix,
+                str(bootstrap_room), [table] * len(self.groups), num_tokens, first_token=prefix,
                 deadline_s=self.settings.request_timeout_s,
             )  # fmt: skip
         except ValueError as exc:
@@ -406,7 +436,7 @@ class KvxferKVManager(CommonKVManager):
         """A prefill rank's `HELLO`, its `READY` (the request published), or SGLang's status
         message (a prefill's failure, with its reason)."""
         if msg[0] == HELLO:
-            self._hello(msg[1].decode(), int(msg[2]), msg[3].decode())
+            self._hello(msg[1].decode(), int(msg[2]), [part.decode() for part in msg[3:]])
         elif msg[0] == READY:
             self._ready(int(msg[1]), int(msg[2]), msg[3])
         else:
@@ -417,23 +447,24 @@ class KvxferKVManager(CommonKVManager):
                     bootstrap_room=room, status=status, prefill_rank=rank, failure_reason=reason
                 )
 
-    def _hello(self, key: str, rank: int, address: str) -> None:
+    def _hello(self, key: str, rank: int, addresses: list[str]) -> None:
         with self._lock:
             hellos = self._hellos.setdefault(key, {})
-            hellos[rank] = address
+            hellos[rank] = addresses
             complete = len(hellos) == self._expected.get(key, -1) and key not in self._consumers
         if complete:
-            addresses = [hellos[r] for r in sorted(hellos)]
-            threading.Thread(target=self._connect_group, args=(key, addresses), daemon=True).start()
+            per_rank = [hellos[r] for r in sorted(hellos)]
+            threading.Thread(target=self._connect_group, args=(key, per_rank), daemon=True).start()
 
-    def _connect_group(self, key: str, addresses: list[str]) -> None:
-        """Connect a consumer to every rank of a prefill DP group (the handshake plans every
-        pair), off the scheduler's thread."""
+    def _connect_group(self, key: str, addresses: list[list[str]]) -> None:
+        """Connect a consumer to every rank of a prefill DP group (`addresses[r]`: rank `r`'s
+        side channels, one a cache group; the handshake plans every pair), off the
+        scheduler's thread."""
         s = self.settings
-        result: KVConsumer | Exception
+        result: GroupedConsumer | Exception
         try:
-            consumer = KVConsumer(
-                self.spec, self.caches, self.engine_id, host=self.host,
+            consumer = GroupedConsumer(
+                self.groups, self.engine_id, host=self.host,
                 **s.consumer_options(s.transport_protocol().protocol),
             )  # fmt: skip
             consumer.connect(addresses, timeout=s.handshake_timeout_s)
@@ -444,7 +475,7 @@ class KvxferKVManager(CommonKVManager):
         with self._lock:
             self._consumers[key] = result
             aborted = self._early_aborts.pop(key, set())
-        if isinstance(result, KVConsumer):
+        if isinstance(result, GroupedConsumer):
             for room in aborted:
                 result.abort(str(room))
         for room in [r for r, load in list(self._loads.items()) if load.key == key]:
@@ -460,10 +491,10 @@ class KvxferKVManager(CommonKVManager):
             consumer = self._consumers.get(key)
             if consumer is None:
                 self._early_aborts.setdefault(key, set()).add(room)
-        if isinstance(consumer, KVConsumer):
+        if isinstance(consumer, GroupedConsumer):
             consumer.abort(str(room))
 
-    def consumer_of(self, key: str) -> KVConsumer | Exception | None:
+    def consumer_of(self, key: str) -> GroupedConsumer | Exception | None:
         """The prefill DP group's consumer, its connection error, or None while connecting."""
         with self._lock:
             return self._consumers.get(key)
@@ -504,14 +535,14 @@ class KvxferKVManager(CommonKVManager):
             if load.aborted:
                 return
             consumer = self._consumers.get(load.key)
-            if not isinstance(consumer, KVConsumer):
+            if not isinstance(consumer, GroupedConsumer):
                 return
             table = np.concatenate(
                 [np.zeros(load.prefix // self.spec.block_size, dtype=np.int64), load.pages]
             )
             load.handle = consumer.fetch(
-                str(room), table, load.num_tokens, start_token=load.prefix,
-                timeout=self.settings.fetch_timeout_s,
+                str(room), [table] * len(self.groups), load.num_tokens,
+                start_token=load.prefix, timeout=self.settings.fetch_timeout_s,
             )  # fmt: skip
 
     def write_aux(self, load: DecodeLoad) -> None:

@@ -157,8 +157,7 @@ def sglang_cache(
     if not model.mla and buffers % 2:
         raise ValueError(
             f"KVArgs: {buffers} KV buffers for an MHA pool, expected K and V of every layer "
-            "(speculative decoding's draft buffers are not moved by kvxfer yet: "
-            "run without a draft model)"
+            "(a draft model's pool is counted by KVArgs.num_draft_entries)"
         )
     for i, (n, item) in enumerate(zip(lens, item_lens, strict=True)):
         if item != page_size * row_bytes:
