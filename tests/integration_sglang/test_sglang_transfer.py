@@ -394,7 +394,9 @@ def test_a_decode_with_the_wrong_secret_is_refused_and_the_prefill_freed(model_d
     )  # fmt: skip
     (decode,) = decodes
     assert decode["states"][-1] == 0 and "secret" in decode["reason"], decode["reason"]
-    assert decode["untouched"]
+    # Refused at its registration: it never learned a side channel or the request's aux row.
+    assert "refused this decode engine's registration" in decode["reason"], decode["reason"]
+    assert decode["aux"] == (0, 0) and decode["untouched"]
     # SGLang's decode tells the prefill (ABORT), whose sender fails: SGLang frees its pages.
     assert prefills[0]["states"][-1] == 0, prefills[0]["states"]
     assert "aborted" in prefills[0]["reason"]

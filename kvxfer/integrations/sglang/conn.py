@@ -2,22 +2,22 @@
 `Common*` classes, moving KV with kvxfer's planner, kernels and pull connector (docs/sglang.md).
 
 SGLang's scheduler speaks to a backend through its `Common*` classes, and so does this one; the
-control messages travel over the ZeroMQ sockets `CommonKVManager` binds (each rank's
-`rank_port`, registered with SGLang's bootstrap server), the KV over kvxfer's `KVProducer` and
-`KVConsumer`:
+control messages, typed and signed (`kvxfer.integrations.sglang.control`), travel over the
+ZeroMQ sockets `CommonKVManager` binds (each rank's `rank_port`, registered with SGLang's
+bootstrap server), the KV over kvxfer's producers and consumers (one a cache group):
 
 1. A decode rank's receiver registers with every rank of the prefill DP group it reads
-   (`REG`), which answers with its `KVProducer`'s address (`HELLO`); once all answered, the
-   decode rank connects one `KVConsumer` to all of them (the handshake plans every rank pair:
-   any TP sizes, page sizes, MLA, prefill PP).
-2. `send_metadata` tells every prefill rank the request's decode rank (`META`); a prefill
+   (`Register`), which answers with its side channels (`Registered`) or, where the proof
+   fails, `Refused`; once all answered, the decode rank connects one consumer to all of them
+   (the handshake plans every rank pair: any TP sizes, page sizes, MLA, prefill PP).
+2. `send_metadata` tells every prefill rank the request's decode rank (`Reading`); a prefill
    sender is `WaitingForInput` once every decode rank did, as in SGLang's own backends.
-3. The prefill sender's last `send` publishes the request's pages on its `KVProducer` and
-   tells the decode ranks (`READY`: the token count, and from the last stage's ranks the aux
+3. The prefill sender's last `send` publishes the request's pages on its producer and tells
+   the decode ranks (`Published`: the token count, and from the last stage's ranks the aux
    row: the first token and its metadata).
 4. Each decode rank fetches its heads and layers; it is `Success` once its fetch completed and
    the aux row is in its metadata buffers; the prefill is `Success` once every decode rank
-   confirmed its reads (`KVProducer`'s release), and only then does SGLang free its pages.
+   confirmed its reads (the producer's release), and only then does SGLang free its pages.
 
 A failed fetch is `Failed` with its block ids, only after its last read ended; an aborted
 decode request tells the producers (`KVConsumer.abort`), which free the pages at once, and its
@@ -36,7 +36,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 
-from kvxfer.integrations.sglang.manager import REG, DecodeLoad, KvxferKVManager
+from kvxfer.integrations.sglang.manager import DecodeLoad, KvxferKVManager
 
 __all__ = ["KvxferKVBootstrapServer", "KvxferKVManager", "KvxferKVReceiver", "KvxferKVSender"]
 
@@ -79,8 +79,7 @@ class KvxferKVReceiver(CommonKVReceiver):
         self.group_key = f"{self.bootstrap_addr}/dp{prefill_dp_rank}"
         mgr = self.kv_mgr
         if mgr.start_group(self.group_key, len(self.bootstrap_infos)):
-            parts = [REG, self.group_key.encode(), mgr.local_ip.encode()]
-            parts.append(str(mgr.rank_port).encode())
+            parts = mgr.registration(self.group_key)
             for info in self.bootstrap_infos:
                 self._send_bootstrap_message(
                     bootstrap_info=info, message=parts, operation="register"
@@ -127,7 +126,7 @@ class KvxferKVReceiver(CommonKVReceiver):
             return self._fail(
                 f"kvxfer fetch failed for pages {blocks}: {'; '.join(result.errors[:3])}"
             )
-        if load.aux is None:  # the aux row's READY is on its way, within SGLang's timeout
+        if load.aux is None:  # the aux row's `Published` is on its way, within SGLang's timeout
             return self._check_waiting_timeout() or KVPoll.WaitingForInput
         try:
             self.kv_mgr.write_aux(load)
@@ -162,4 +161,4 @@ class KvxferKVReceiver(CommonKVReceiver):
 class KvxferKVBootstrapServer(CommonKVBootstrapServer):
     """SGLang's bootstrap server, unchanged: `/route`, `/register_dp_rank`, `/query_dp_ranks`
     and `/health` as `sglang-router` and SGLang's decode engines use them. kvxfer's own
-    addresses travel over the ranks' control sockets (`HELLO`), not through it."""
+    addresses travel over the ranks' control sockets (`Registered`), not through it."""

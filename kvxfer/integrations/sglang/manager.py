@@ -32,13 +32,25 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from kvxfer.connector import ReleaseReason
 from kvxfer.connector.groups import CacheGroup, GroupedConsumer, GroupedFetch, GroupedProducer
 from kvxfer.integrations.settings import ConnectorSettings
+from kvxfer.integrations.sglang.control import (
+    ControlError,
+    Published,
+    Reading,
+    Refused,
+    Register,
+    Registered,
+    frames_of,
+    is_control,
+    message_of,
+    refused_registration,
+)
 from kvxfer.integrations.sglang.pools import SGLangModel, kv_dtype_name, sglang_cache
 from kvxfer.integrations.sglang.scales import scales_of
+from kvxfer.session.auth import new_nonce
 from kvxfer.spec import DTYPE_ITEMSIZE, FP8_DTYPES
 
 log = logging.getLogger(__name__)
 
-REG, HELLO, META, READY = b"KVXFER_REG", b"KVXFER_HELLO", b"KVXFER_META", b"KVXFER_READY"
 _MAX_ABORTED_ROOMS = 100_000  # recent decode aborts a prefill rank remembers
 CONFIG_ENV = "KVXFER_CONFIG"  # JSON of kvxfer's connector settings (docs/sglang.md)
 
@@ -162,6 +174,7 @@ class KvxferKVManager(CommonKVManager):
         self._aborted_rooms: OrderedDict[int, None] = OrderedDict()  # SGLang ABORT notices
         self._consumers: dict[str, GroupedConsumer | Exception] = {}
         self._hellos: dict[str, dict[int, list[str]]] = {}
+        self._nonces: dict[str, str] = {}  # the registration each group's answers must name
         self._expected: dict[str, int] = {}
         self._loads: dict[int, DecodeLoad] = {}
         self._early_aborts: dict[str, set[int]] = {}  # rooms aborted before their group connected
@@ -235,17 +248,11 @@ class KvxferKVManager(CommonKVManager):
         )
 
     def _on_prefill_message(self, msg: list[bytes]) -> None:
-        """A decode rank's registration (`REG`: answered with this rank's `HELLO`), its
-        metadata (`META`), or SGLang's ABORT notice."""
-        if msg[0] == REG:
-            key, ip, port = (part.decode() for part in msg[1:4])
-            rank = self.pp_rank * self.attn_tp_size + self.attn_tp_rank
-            assert self.producer is not None
-            addresses = [a.encode() for a in self.producer.addresses]  # one a cache group
-            parts = [HELLO, key.encode(), str(rank).encode(), *addresses]
-            self._send_multipart_locked(f"tcp://{ip}:{port}", parts)
-        elif msg[0] == META:
-            self._note_reader(msg)
+        """A decode rank's control message (`kvxfer.integrations.sglang.control`: its
+        registration, answered with this rank's side channels, or its `Reading`), or SGLang's
+        ABORT notice."""
+        if is_control(msg):
+            self._on_prefill_control(msg)
         elif msg[0] == ABORT_TAG:
             notice = AbortNotification.from_zmq(msg)
             if notice is not None:
@@ -254,18 +261,42 @@ class KvxferKVManager(CommonKVManager):
                 self.record_failure(notice.room, reason)
                 self.update_status(notice.room, KVPoll.Failed)
 
-    def _note_reader(self, msg: list[bytes]) -> None:
-        """A decode rank will read the request (`META`): once every one of the decode engine's
-        ranks did, the sender is `WaitingForInput`."""
-        room, ip, port, required, prefix = (part.decode() for part in msg[1:6])
+    def _on_prefill_control(self, frames: list[bytes]) -> None:
+        secret = self.settings.secret
+        try:
+            message = message_of(frames, secret)
+        except ControlError as exc:
+            log.warning("kvxfer: refused a decode rank's control message: %s", exc)
+            refusal = refused_registration(frames, str(exc))
+            if refusal is not None:
+                self._send_multipart_locked(*refusal)
+            return
+        if isinstance(message, Register):
+            assert self.producer is not None
+            answer = Registered(
+                group=message.group,
+                rank=self.pp_rank * self.attn_tp_size + self.attn_tp_rank,
+                addresses=self.producer.addresses,  # one a cache group
+                nonce=message.nonce,
+            )
+            self._send_multipart_locked(
+                f"tcp://{message.ip}:{message.port}", frames_of(answer, secret)
+            )
+        elif isinstance(message, Reading):
+            self._note_reader(message)
+
+    def _note_reader(self, reading: Reading) -> None:
+        """A decode rank will read the request: once every one of the decode engine's ranks
+        did, the sender is `WaitingForInput`."""
         reader = SimpleNamespace(
-            endpoint=ip, dst_port=int(port), is_dummy=False, required_dst_info_num=int(required)
-        )
-        readers = self.transfer_infos.setdefault(int(room), {})
-        readers[(ip, int(port))] = reader
-        self.req_to_decode_prefix_len[int(room)] = int(prefix)
-        if len(readers) == int(required):
-            self.update_status(int(room), KVPoll.WaitingForInput)
+            endpoint=reading.ip, dst_port=reading.port, is_dummy=False,
+            required_dst_info_num=reading.readers,
+        )  # fmt: skip
+        readers = self.transfer_infos.setdefault(reading.room, {})
+        readers[(reading.ip, reading.port)] = reader
+        self.req_to_decode_prefix_len[reading.room] = reading.prefix
+        if len(readers) == reading.readers:
+            self.update_status(reading.room, KVPoll.WaitingForInput)
 
     def add_transfer_request(
         self,
@@ -312,9 +343,10 @@ class KvxferKVManager(CommonKVManager):
             return
         self.update_status(bootstrap_room, KVPoll.Transferring)
         aux = self._aux_row(aux_index) if self._serves_aux() and aux_index is not None else b""
-        parts = [READY, str(bootstrap_room).encode(), str(num_tokens).encode(), aux]
+        published = Published(room=bootstrap_room, tokens=num_tokens, aux=aux)
+        frames = frames_of(published, self.settings.secret)
         for ip, port in self.transfer_infos.get(bootstrap_room, {}):
-            self._send_multipart_locked(f"tcp://{ip}:{port}", parts)
+            self._send_multipart_locked(f"tcp://{ip}:{port}", frames)
 
     def give_up(self, room: int, reason: str) -> None:
         """Nobody may read the request any more (SGLang's decode gave it up: its abort, a
@@ -408,19 +440,28 @@ class KvxferKVManager(CommonKVManager):
         return []
 
     def build_receiver_metadata_message(self, **kwargs: Any) -> list[bytes]:
-        """`META`: which decode rank reads the request, and how many of them will."""
-        return [
-            META,
-            str(kwargs["bootstrap_room"]).encode(),
-            self.local_ip.encode(),
-            str(self.rank_port).encode(),
-            str(kwargs["required_dst_info_num"]).encode(),
-            str(kwargs.get("decode_prefix_len") or 0).encode(),
-        ]
+        """`Reading`: which decode rank reads the request, and how many of them will."""
+        reading = Reading(
+            room=int(kwargs["bootstrap_room"]),
+            ip=self.local_ip,
+            port=int(self.rank_port),
+            readers=int(kwargs["required_dst_info_num"]),
+            prefix=int(kwargs.get("decode_prefix_len") or 0),
+        )
+        return frames_of(reading, self.settings.secret)
+
+    def registration(self, key: str) -> list[bytes]:
+        """The `Register` this rank sends every rank of the prefill DP group `key`, with a
+        fresh nonce that their answers must name."""
+        nonce = new_nonce()
+        with self._lock:
+            self._nonces[key] = nonce
+        register = Register(group=key, ip=self.local_ip, port=int(self.rank_port), nonce=nonce)
+        return frames_of(register, self.settings.secret)
 
     def start_group(self, key: str, count: int) -> bool:
-        """Whether to register with the prefill DP group `key` (`count` ranks to hear `HELLO`
-        from): not yet done, or its last connection failed (a restarted engine is met again
+        """Whether to register with the prefill DP group `key` (`count` ranks to hear from):
+        not yet done, or its last connection failed (a restarted engine is met again
         by the next request; the failed one reported the error)."""
         with self._lock:
             if isinstance(self._consumers.get(key), Exception):
@@ -433,28 +474,53 @@ class KvxferKVManager(CommonKVManager):
             return True
 
     def _on_decode_message(self, msg: list[bytes]) -> None:
-        """A prefill rank's `HELLO`, its `READY` (the request published), or SGLang's status
-        message (a prefill's failure, with its reason)."""
-        if msg[0] == HELLO:
-            self._hello(msg[1].decode(), int(msg[2]), [part.decode() for part in msg[3:]])
-        elif msg[0] == READY:
-            self._ready(int(msg[1]), int(msg[2]), msg[3])
-        else:
+        """A prefill rank's control message (its side channels, its refusal, or a request
+        published), or SGLang's status message (a prefill's failure, with its reason)."""
+        if not is_control(msg):
             parsed = self.parse_kv_status_message(msg)
             if parsed is not None:
                 room, status, rank, reason = parsed
                 self.apply_prefill_status(
                     bootstrap_room=room, status=status, prefill_rank=rank, failure_reason=reason
                 )
+            return
+        try:
+            message = message_of(msg, self.settings.secret)
+        except ControlError as exc:
+            log.warning("kvxfer: dropped a prefill rank's control message: %s", exc)
+            return
+        if isinstance(message, Registered):
+            self._hello(message)
+        elif isinstance(message, Refused):
+            self._refused(message)
+        elif isinstance(message, Published):
+            self._ready(message.room, message.tokens, message.aux)
 
-    def _hello(self, key: str, rank: int, addresses: list[str]) -> None:
+    def _hello(self, registered: Registered) -> None:
+        key = registered.group
         with self._lock:
+            if self._nonces.get(key) != registered.nonce:
+                log.warning("kvxfer: dropped side channels of %s not asked for", key)
+                return
             hellos = self._hellos.setdefault(key, {})
-            hellos[rank] = addresses
+            hellos[registered.rank] = registered.addresses
             complete = len(hellos) == self._expected.get(key, -1) and key not in self._consumers
         if complete:
             per_rank = [hellos[r] for r in sorted(hellos)]
             threading.Thread(target=self._connect_group, args=(key, per_rank), daemon=True).start()
+
+    def _refused(self, refused: Refused) -> None:
+        """A prefill rank refused this rank's registration: the group's requests fail with the
+        reason (a refusal is unsigned: it counts only while the group is still being joined)."""
+        error = ConnectionRefusedError(
+            f"the prefill engine refused this decode engine's registration: {refused.reason}"
+        )
+        with self._lock:
+            joining = refused.group in self._expected and refused.group not in self._consumers
+            if joining:
+                self._consumers[refused.group] = error
+        if joining:
+            log.error("kvxfer: %s", error)
 
     def _connect_group(self, key: str, addresses: list[list[str]]) -> None:
         """Connect a consumer to every rank of a prefill DP group (`addresses[r]`: rank `r`'s
@@ -501,7 +567,7 @@ class KvxferKVManager(CommonKVManager):
 
     def add_load(self, room: int, load: DecodeLoad) -> None:
         """The decode rank's pages for a request, recorded before its metadata goes out (so
-        the prefill's `READY` always finds it)."""
+        the prefill's `Published` always finds it)."""
         with self._lock:
             self._loads[room] = load
 
