@@ -33,9 +33,11 @@ side per dim, `V[s, d]` at `block_size * head_dim + (d // 16) * 16 * block_size 
 32 + (d % 16) * 2 + s % 2`. Neither plane has a `[block, slot, head, head_dim]` view; both have
 a `[block, slot // g, slot % g, head, dim // e, dim % e]` one (`cell_planes`).
 
-The spec, the planner, the kernels, the vLLM tensor reader and the test cluster derive their
-layouts from here. `kvxfer/reference.py` does not, on purpose: it indexes each layout of
-docs/design.md's table itself, so that it stays an independent oracle for the tests.
+The element dtypes (`DType`, their torch dtypes and sizes) and how an engine rounds into fp8
+(`FP8Rounding`) are the contract's too. The spec, the planner, the kernels, the vLLM tensor
+reader and the test cluster derive their layouts from here. `kvxfer/reference.py` does not,
+on purpose: it indexes each layout of docs/design.md's table itself, so that it stays an
+independent oracle for the tests.
 """
 
 from __future__ import annotations
@@ -61,6 +63,30 @@ AMX_GROUP = 16
 # The CPU attention placements: registered in HND kv_inner's shape, moved element by element.
 CPU_PLACEMENTS: tuple[str, ...] = (K_TRANSPOSED, AMX_TILES)
 ALL_KV_PLACEMENTS: tuple[str, ...] = (*KV_PLACEMENTS, *CPU_PLACEMENTS)
+
+# fp8 caches (vLLM's kv_cache_dtype "fp8", "fp8_e4m3", "fp8_e5m2") are moved as bytes between
+# equal dtypes; between a 16- or 32-bit float and fp8 the copy kernels convert, with the fp8
+# side's scales (`k_scales`, `v_scales`; kvxfer.kernels.convert).
+DType = Literal["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"]
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+# How an engine's own cache write rounds values into its fp8 cache (`KVCacheSpec.fp8_rounding`).
+FP8Rounding = Literal["nearest_even", "toward_zero", "torch_cast"]
+FP8_ROUNDINGS: tuple[str, ...] = ("nearest_even", "toward_zero", "torch_cast")
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
 
 PLANE, BLOCK, SLOT, HEAD, DIM, CELL = "plane", "block", "slot", "head", "dim", "cell"
 CANONICAL_AXES: tuple[str, ...] = (PLANE, BLOCK, SLOT, HEAD, DIM)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal, NoReturn
+from typing import NoReturn
 
 import msgspec
 import numpy as np
@@ -30,33 +30,16 @@ from kvxfer.layout import (
     KVPlacement,
     Layout,
 )
+
+# The dtypes and fp8 roundings a spec names: the layout contract's, re-exported here.
+from kvxfer.layout import DTYPE_ITEMSIZE as DTYPE_ITEMSIZE
+from kvxfer.layout import FP8_DTYPES as FP8_DTYPES
+from kvxfer.layout import FP8_ROUNDINGS as FP8_ROUNDINGS
 from kvxfer.layout import KV_PLACEMENTS as KV_PLACEMENTS  # re-exported: the GPU placements
+from kvxfer.layout import TORCH_DTYPES as TORCH_DTYPES
+from kvxfer.layout import DType as DType
+from kvxfer.layout import FP8Rounding as FP8Rounding
 from kvxfer.layout import layer_shape as _layer_shape
-
-# fp8 caches (vLLM's kv_cache_dtype "fp8", "fp8_e4m3", "fp8_e5m2") are moved as bytes between
-# equal dtypes; between a 16- or 32-bit float and fp8 the copy kernels convert, with the fp8
-# side's scales (`k_scales`, `v_scales`; kvxfer.kernels.convert).
-DType = Literal["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"]
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
-FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
-# How an engine's own cache write rounds values into its fp8 cache (`KVCacheSpec.fp8_rounding`).
-FP8Rounding = Literal["nearest_even", "toward_zero", "torch_cast"]
-FP8_ROUNDINGS: tuple[str, ...] = ("nearest_even", "toward_zero", "torch_cast")
-DTYPE_ITEMSIZE: dict[str, int] = {
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-}
-
 
 INT_FIELDS: tuple[str, ...] = (
     "num_layers",
