@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from sglang.srt.disaggregation.base.conn import KVArgs, StateType
 
-from kvxfer.integrations.sglang.manager import load_settings, model_of
+from kvxfer.integrations.sglang.manager.model import load_settings, model_of
 
 
 def _kv_args(**fields: object) -> KVArgs:

@@ -24,7 +24,7 @@ assert "kvxfer.integrations.vllm.worker" in names and "kvxfer.kernels.copy_cells
 needs_an_engine = (
     "kvxfer.integrations.vllm",
     "kvxfer.integrations.sglang.conn",
-    "kvxfer.integrations.sglang.manager",
+    "kvxfer.integrations.sglang.manager",  # and its modules
 )
 for name in names:
     if not name.startswith(needs_an_engine):

@@ -78,8 +78,8 @@ class KvxferKVReceiver(CommonKVReceiver):
             return
         self.group_key = f"{self.bootstrap_addr}/dp{prefill_dp_rank}"
         mgr = self.kv_mgr
-        if mgr.start_group(self.group_key, len(self.bootstrap_infos)):
-            parts = mgr.registration(self.group_key)
+        parts = mgr.join_group(self.group_key, len(self.bootstrap_infos))
+        if parts is not None:
             for info in self.bootstrap_infos:
                 self._send_bootstrap_message(
                     bootstrap_info=info, message=parts, operation="register"

@@ -1,0 +1,228 @@
+"""The prefill side of kvxfer's SGLang manager: a rank's `GroupedProducer` over its pools, the
+decode ranks' control messages (their registration, answered with the rank's side channels;
+which of them read a request), each request's chunks until its last publishes it, and the
+producer's releases turned into SGLang's statuses."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import (
+    ABORT_TAG,
+    AbortNotification,
+    CommonKVManager,
+)
+
+from kvxfer.connector import ReleaseReason
+from kvxfer.connector.groups import GroupedProducer
+from kvxfer.integrations.sglang.control import (
+    ControlError,
+    Published,
+    Reading,
+    Register,
+    Registered,
+    frames_of,
+    is_control,
+    message_of,
+    refused_registration,
+)
+
+if TYPE_CHECKING:
+    from kvxfer.connector.groups import CacheGroup
+    from kvxfer.integrations.settings import ConnectorSettings
+    from kvxfer.spec import KVCacheSpec
+
+log = logging.getLogger(__name__)
+
+_MAX_ABORTED_ROOMS = 100_000  # recent decode aborts a prefill rank remembers
+
+
+@dataclass
+class _Sent:
+    """What a prefill rank was given of a request so far (its chunks' pages and tokens)."""
+
+    pages: list[np.ndarray] = field(default_factory=list)
+    tokens: int = 0
+
+
+class PrefillSide(CommonKVManager):
+    """What a prefill rank's manager does (`KvxferKVManager` is both sides; the engine's mode
+    picks which one runs). Its state is guarded by `_lock`: the scheduler's thread, the
+    control listener and the producer's side-channel thread all touch it."""
+
+    settings: ConnectorSettings
+    host: str
+    engine_id: str
+    groups: list[CacheGroup]
+    spec: KVCacheSpec
+    _lock: threading.Lock
+    producer: GroupedProducer | None = None  # a prefill rank's
+
+    def _start_prefill(self) -> None:
+        """The prefill side's state, and its producer serving."""
+        self._sent: dict[int, _Sent] = {}
+        self._published: set[int] = set()  # rooms on the producer, not released yet
+        self._aborted_rooms: OrderedDict[int, None] = OrderedDict()  # SGLang ABORT notices
+        s = self.settings
+        self.producer = GroupedProducer(
+            self.groups,
+            self.engine_id,
+            host=self.host,
+            release=self._released,
+            **s.producer_options(s.transport_protocol().protocol),
+        )
+
+    def _on_prefill_message(self, msg: list[bytes]) -> None:
+        """A decode rank's control message (`kvxfer.integrations.sglang.control`: its
+        registration, answered with this rank's side channels, or its `Reading`), or SGLang's
+        ABORT notice."""
+        if is_control(msg):
+            self._on_prefill_control(msg)
+        elif msg[0] == ABORT_TAG:
+            notice = AbortNotification.from_zmq(msg)
+            if notice is not None:
+                reason = "the decode engine aborted the request"
+                self.give_up(notice.room, reason)
+                self.record_failure(notice.room, reason)
+                self.update_status(notice.room, KVPoll.Failed)
+
+    def _on_prefill_control(self, frames: list[bytes]) -> None:
+        secret = self.settings.secret
+        try:
+            message = message_of(frames, secret)
+        except ControlError as exc:
+            log.warning("kvxfer: refused a decode rank's control message: %s", exc)
+            refusal = refused_registration(frames, str(exc))
+            if refusal is not None:
+                self._send_multipart_locked(*refusal)
+            return
+        if isinstance(message, Register):
+            assert self.producer is not None
+            answer = Registered(
+                group=message.group,
+                rank=self.pp_rank * self.attn_tp_size + self.attn_tp_rank,
+                addresses=self.producer.addresses,  # one a cache group
+                nonce=message.nonce,
+            )
+            self._send_multipart_locked(
+                f"tcp://{message.ip}:{message.port}", frames_of(answer, secret)
+            )
+        elif isinstance(message, Reading):
+            self._note_reader(message)
+
+    def _note_reader(self, reading: Reading) -> None:
+        """A decode rank will read the request: once every one of the decode engine's ranks
+        did, the sender is `WaitingForInput`."""
+        reader = SimpleNamespace(
+            endpoint=reading.ip, dst_port=reading.port, is_dummy=False,
+            required_dst_info_num=reading.readers,
+        )  # fmt: skip
+        readers = self.transfer_infos.setdefault(reading.room, {})
+        readers[(reading.ip, reading.port)] = reader
+        self.req_to_decode_prefix_len[reading.room] = reading.prefix
+        if len(readers) == reading.readers:
+            self.update_status(reading.room, KVPoll.WaitingForInput)
+
+    def add_transfer_request(
+        self,
+        bootstrap_room: int,
+        kv_indices: Any,
+        index_slice: slice,
+        is_last_chunk: bool,
+        aux_index: int | None = None,
+        state_indices: Any = None,
+        num_kv_tokens: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """A chunk of the request's pages is computed (`CommonKVSender.send`); the last one
+        publishes the request and tells its decode ranks."""
+        wait_event = kwargs.get("wait_event")
+        if wait_event is not None:
+            wait_event.synchronize()  # an early send's pages are written on another stream
+        pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        with self._lock:
+            sent = self._sent.setdefault(bootstrap_room, _Sent())
+            sent.pages.append(pages)
+            tokens = len(pages) * self.spec.block_size if num_kv_tokens is None else num_kv_tokens
+            sent.tokens += tokens
+        if not is_last_chunk:
+            return
+        with self._lock:
+            if bootstrap_room in self._aborted_rooms:
+                return  # its decode gave it up: never published (the status says Failed)
+            self._published.add(bootstrap_room)
+        prefix = self.req_to_decode_prefix_len.get(bootstrap_room, 0)
+        num_tokens = prefix + sent.tokens
+        table = np.concatenate(
+            [np.zeros(prefix // self.spec.block_size, dtype=np.int64), *sent.pages]
+        )
+        assert self.producer is not None
+        try:
+            self.producer.publish(
+                str(bootstrap_room), [table] * len(self.groups), num_tokens, first_token=prefix,
+                deadline_s=self.settings.request_timeout_s,
+            )  # fmt: skip
+        except ValueError as exc:
+            self.record_failure(bootstrap_room, f"kvxfer: {exc}")
+            self.update_status(bootstrap_room, KVPoll.Failed)
+            return
+        self.update_status(bootstrap_room, KVPoll.Transferring)
+        aux = self._aux_row(aux_index) if self._serves_aux() and aux_index is not None else b""
+        published = Published(room=bootstrap_room, tokens=num_tokens, aux=aux)
+        frames = frames_of(published, self.settings.secret)
+        for ip, port in self.transfer_infos.get(bootstrap_room, {}):
+            self._send_multipart_locked(f"tcp://{ip}:{port}", frames)
+
+    def give_up(self, room: int, reason: str) -> None:
+        """Nobody may read the request any more (SGLang's decode gave it up: its abort, a
+        failure or its waiting timeout; or the prefill aborted it). Published: its producer
+        fails it, and once `fail` returns no read of the pages is confirmed and no pack of them
+        offered, so SGLang may free the pages at once; not yet: it is never published."""
+        with self._lock:
+            self._aborted_rooms[room] = None
+            while len(self._aborted_rooms) > _MAX_ABORTED_ROOMS:
+                self._aborted_rooms.popitem(last=False)
+            published = room in self._published
+            self._sent.pop(room, None)
+        if published:
+            assert self.producer is not None
+            self.producer.fail(str(room), reason)
+
+    def _serves_aux(self) -> bool:
+        """The last stage's ranks send the aux row (each sampled the same first token, as SGLang's
+        TP ranks do): a decode rank takes the first, so no single prefill rank is needed."""
+        return self.pp_rank == self.pp_size - 1
+
+    def _aux_row(self, index: int) -> bytes:
+        """Row `index` of every metadata buffer, back to back."""
+        a = self.kv_args
+        return b"".join(
+            ctypes.string_at(ptr + index * n, n)
+            for ptr, n in zip(a.aux_data_ptrs, a.aux_item_lens, strict=True)
+        )
+
+    def _released(self, request_id: str, reason: ReleaseReason) -> None:
+        """(the producer's side-channel thread) Every decode rank confirmed its reads, its
+        engine aborted it, its prefill failed or its deadline passed: SGLang may free the
+        pages. Only a deadline is a failure SGLang has not heard of from elsewhere."""
+        room = int(request_id)
+        with self._lock:
+            self._sent.pop(room, None)
+            self._published.discard(room)
+        if reason is ReleaseReason.EXPIRED:
+            self.record_failure(
+                room,
+                f"kvxfer: no decode rank finished reading the request within "
+                f"{self.settings.request_timeout_s:.0f} s (request_timeout_s)",
+            )
+            self.update_status(room, KVPoll.Failed)
+        else:
+            self.update_status(room, KVPoll.Success)
