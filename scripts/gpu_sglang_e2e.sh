@@ -30,6 +30,9 @@
 #   SPEC_ARGS []  speculative decoding's arguments for every engine, e.g. "--speculative-algorithm
 #   EAGLE --speculative-draft-model-path D --speculative-num-steps 3 --speculative-eagle-topk 1
 #   --speculative-num-draft-tokens 4" (the draft's pool moves with the target's)
+# The cases: the default model (full attention); DECODE_KV_DTYPE=fp8_e4m3 (dtypes); SPEC_ARGS
+# with an EAGLE draft; a sliding-window model, e.g. MODEL=unsloth/gemma-3-1b-it (window 512:
+# the longest prompt, about 1,000 tokens, crosses it; docs/sglang.md, "Sliding-window models").
 set -euo pipefail
 
 PYTHON="${PYTHON:-python3}"
@@ -100,7 +103,8 @@ generate() {  # generate PORT OUT_FILE NAME: greedy completions, one JSON per li
 import json, sys, urllib.request
 port, out, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 prompts = ["The capital of France is", "Write a haiku about the sea:",
-           "List three prime numbers greater than 100:", "def fibonacci(n):" + " #" * 200]
+           "List three prime numbers greater than 100:", "def fibonacci(n):" + " #" * 200,
+           "Count the tides: " + " ".join(f"tide {i} comes in." for i in range(200))]
 with open(out, "w") as f:
     for prompt in prompts:
         body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens}}

@@ -61,6 +61,11 @@ class RankConfig:
     draft_dir: str = ""  # speculative decoding (EAGLE): the draft model, whose pool is moved too
     kv_dtype: str = "auto"  # SGLang's --kv-cache-dtype: "auto" (the model's bf16), "fp8_e4m3"...
     peer_kv_dtype: str = "auto"  # the other engine's
+    # A sliding-window model (> 0: SGLang's sliding_window_size, in tokens): even layers full
+    # attention, odd layers in SGLang's window pool (`SWAKVPool`), the request's tokens at
+    # `window_pages` there (one a page of the request, as SGLang's allocator maps them).
+    window: int = 0
+    window_pages: list[int] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -109,6 +114,31 @@ def token_slots(cfg: RankConfig) -> Any:
     return pages * cfg.page_size + t % cfg.page_size
 
 
+def window_layers(cfg: RankConfig) -> list[int]:
+    """The layers in the window pool (a sliding-window model's odd layers)."""
+    return list(range(1, cfg.layers, 2)) if cfg.window else []
+
+
+def window_slots(cfg: RankConfig) -> Any:
+    """Each token's slot in this engine's window pool (`token_slots` of `window_pages`)."""
+    import dataclasses
+
+    return token_slots(dataclasses.replace(cfg, pages=cfg.window_pages))
+
+
+def fetched_window(cfg: RankConfig) -> range:
+    """The tokens of the window layers a decode needs (and kvxfer moves): what its first query,
+    at position `num_tokens`, attends to."""
+    return range(max(0, cfg.num_tokens - cfg.window + 1), cfg.num_tokens)
+
+
+def sent_window_pages(cfg: RankConfig) -> list[int]:
+    """The window pages SGLang hands the backend (its "swa" state indices, prefill and decode
+    alike): from the page-aligned window start to the last token."""
+    start = max(0, cfg.num_tokens - cfg.window) // cfg.page_size
+    return cfg.window_pages[start : -(-cfg.num_tokens // cfg.page_size)]
+
+
 def run_rank(cfg: RankConfig, conn: Any) -> None:
     """The process's body: report `("ok", result)` or `("error", traceback)` on `conn`."""
     try:
@@ -155,11 +185,22 @@ def _attention(cfg: RankConfig, layers: range) -> Any:
 
 
 def _pool(cfg: RankConfig, layers: int, start: int) -> Any:
-    """SGLang's KV pool of the rank, in its `kv_dtype`."""
+    """SGLang's KV pool of the rank, in its `kv_dtype` (a sliding-window model's: SGLang's
+    `SWAKVPool`, a full pool and a window pool)."""
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     dtype = getattr(torch, _POOL_DTYPES[cfg.kv_dtype])
+    if cfg.window:
+        window = window_layers(cfg)
+        return SWAKVPool(
+            size=cfg.pool_tokens, size_swa=cfg.pool_tokens, page_size=cfg.page_size,
+            dtype=dtype, head_num=heads_of(cfg).stop - heads_of(cfg).start,
+            head_dim=cfg.head_dim, swa_attention_layer_ids=window,
+            full_attention_layer_ids=[i for i in range(layers) if i not in window],
+            device="cpu",
+        )  # fmt: skip
     if cfg.mla:
         return MLATokenToKVPool(
             size=cfg.pool_tokens, page_size=cfg.page_size, dtype=dtype,
@@ -198,7 +239,7 @@ def _draft_pool(cfg: RankConfig, kv_args: Any) -> tuple[Any, Any]:
     """The draft model's pool and attention layers, appended to `kv_args`' buffers as
     SGLang's schedulers append them (`num_draft_entries`), its scales recorded as the plugin's
     hook records a draft runner's."""
-    from kvxfer.integrations.sglang.scales import record_model_scales
+    from kvxfer.integrations.sglang.loaded import record_model_scales
 
     draft = draft_config(cfg)
     pool = _pool(draft, DRAFT_LAYERS, 0)
@@ -222,7 +263,12 @@ def _write(cfg: RankConfig, pool: Any, attention: Any, kv: Any, slots: Any, toke
             continue
         h = heads_of(cfg)
         k, v = kv[layer.layer_id, 0, tokens, h].clone(), kv[layer.layer_id, 1, tokens, h].clone()
-        pool.set_kv_buffer(layer, slots[tokens], k, v, layer.k_scale, layer.v_scale)
+        loc = slots[tokens]
+        if cfg.window:  # the write location in both pools, as an attention backend gives it
+            from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+            loc = KVWriteLoc(slots[tokens], window_slots(cfg)[tokens], None)
+        pool.set_kv_buffer(layer, loc, k, v, layer.k_scale, layer.v_scale)
 
 
 def _converted(cfg: RankConfig, kv: Any, slots: Any, layers: range) -> np.ndarray:
@@ -267,7 +313,7 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
 
-    from kvxfer.integrations.sglang.scales import record_model_scales
+    from kvxfer.integrations.sglang.loaded import record_model_scales, record_sliding_window
 
     prefill = cfg.role == "prefill"
     args = ServerArgs(
@@ -312,8 +358,9 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
     # What kvxfer's plugin hook records as SGLang's ModelRunner loads the model (this process
     # has no model runner): the layers' fp8 scales.
     record_model_scales(attention)
+    record_sliding_window(cfg.window or None)  # as the hook records the model runner's
     meta = MetadataBuffers(8, 16, torch.float32, 0)
-    buffers = pool.kv_buffer if cfg.mla else [*pool.k_buffer, *pool.v_buffer]
+    buffers = _buffers(pool)
     if not prefill:
         for b in buffers:
             b.view(torch.uint8).fill_(POISON_BYTE)
@@ -400,7 +447,11 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
                 meta.output_ids[aux_index, 0] = 1000 + cfg.room % 1000
                 meta.bootstrap_room[aux_index, 0] = cfg.room
             pages = np.asarray(cfg.pages[first:last], dtype=np.int32)
-            sender.send(pages, None, num_kv_tokens=tokens.stop - tokens.start)
+            window = None
+            if cfg.window and last == num_pages:  # the last chunk's state indices
+                window = [np.asarray(sent_window_pages(cfg), dtype=np.int32)]
+                _free_before_window(pool, cfg)
+            sender.send(pages, window, num_kv_tokens=tokens.stop - tokens.start)
         final = wait_for({KVPoll.Success, KVPoll.Failed}, sender)
         reason = None
         if final == KVPoll.Failed:
@@ -428,7 +479,8 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         assert time.monotonic() < deadline, "the decode rank never connected"
         time.sleep(0.01)
     pages = np.asarray(cfg.pages, dtype=np.int32)
-    receiver.send_metadata(pages, cfg.aux_index, None, decode_prefix_len=0)
+    window = [np.asarray(sent_window_pages(cfg), dtype=np.int32)] if cfg.window else None
+    receiver.send_metadata(pages, cfg.aux_index, window, decode_prefix_len=0)
     if cfg.abort_after_metadata:
         receiver.abort()
     final = wait_for({KVPoll.Success, KVPoll.Failed}, receiver)
@@ -451,7 +503,7 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         if converting
         else None,
         "draft_held": _draft_held(draft_pool, cfg, slots),
-        "untouched": _untouched(buffers, cfg, slots),
+        "untouched": _untouched(pool, buffers, cfg, slots),
         "aux": (int(meta.output_ids[cfg.aux_index, 0]), int(meta.bootstrap_room[cfg.aux_index, 0])),
         "reason": reason,
     }
@@ -541,10 +593,11 @@ def _held(pool: Any, cfg: RankConfig, slots: Any, layers: int) -> np.ndarray:
     if cfg.mla:
         held = torch.stack([pool.get_key_buffer(start + i)[slots, 0] for i in range(layers)])
     else:
+        at = [window_slots(cfg) if i in window_layers(cfg) else slots for i in range(layers)]
         held = torch.stack(
             [
                 torch.stack(
-                    [pool.get_key_buffer(start + i)[slots], pool.get_value_buffer(start + i)[slots]]
+                    [pool.get_key_buffer(start + i)[at[i]], pool.get_value_buffer(start + i)[at[i]]]
                 )
                 for i in range(layers)
             ]
@@ -557,10 +610,38 @@ def _draft_held(pool: Any, cfg: RankConfig, slots: Any) -> np.ndarray | None:
     return None if pool is None else _held(pool, draft_config(cfg), slots, DRAFT_LAYERS)
 
 
-def _untouched(buffers: list[Any], cfg: RankConfig, slots: Any) -> bool:
-    """Whether every byte outside the request's slots still holds the poison."""
+def _buffers(pool: Any) -> list[Any]:
+    """Every KV buffer of SGLang's pool (a sliding-window pool's: its full pool's, then its
+    window pool's)."""
+    if hasattr(pool, "swa_kv_pool"):
+        return [*_buffers(pool.full_kv_pool), *_buffers(pool.swa_kv_pool)]
+    return pool.kv_buffer if hasattr(pool, "kv_buffer") else [*pool.k_buffer, *pool.v_buffer]
+
+
+def _untouched(pool: Any, buffers: list[Any], cfg: RankConfig, slots: Any) -> bool:
+    """Whether every byte outside the request's slots still holds the poison: of a window
+    pool, outside the slots of the tokens the decode needs (`fetched_window`)."""
     import torch
 
-    keep = torch.ones(buffers[0].shape[0], dtype=torch.bool)
-    keep[slots] = False
-    return all(bool((b[keep].view(torch.uint8) == POISON_BYTE).all()) for b in buffers)
+    written = {id(b): slots for b in buffers}
+    if cfg.window:
+        needed = window_slots(cfg)[list(fetched_window(cfg))]
+        written.update({id(b): needed for b in _buffers(pool.swa_kv_pool)})
+    for b in buffers:
+        keep = torch.ones(b.shape[0], dtype=torch.bool)
+        keep[written[id(b)]] = False
+        if not bool((b[keep].view(torch.uint8) == POISON_BYTE).all()):
+            return False
+    return True
+
+
+def _free_before_window(pool: Any, cfg: RankConfig) -> None:
+    """What SGLang does with a prefill's window pages before the window (it frees them as the
+    prefill moves on, and another request may write them): overwritten, so that a transfer
+    that read them would be seen."""
+    import torch
+
+    window_start = max(0, cfg.num_tokens - cfg.window) // cfg.page_size * cfg.page_size
+    before = window_slots(cfg)[:window_start]
+    for b in _buffers(pool.swa_kv_pool):
+        b[before].view(torch.uint8).fill_(0x33)

@@ -18,10 +18,21 @@ def _kv_args(**fields: object) -> KVArgs:
     return args
 
 
-@pytest.mark.parametrize("kind", [StateType.MAMBA, StateType.SWA])
-def test_hybrid_state_is_refused_naming_its_kind(kind):
-    with pytest.raises(ValueError, match=f"hybrid state \\({kind.value}\\).*another transfer"):
-        model_of(None, _kv_args(state_types=[kind]), is_mla=False)
+@pytest.mark.parametrize(
+    "kinds",
+    [[StateType.MAMBA], [StateType.SWA, StateType.MAMBA], [StateType.SWA, StateType.SWA]],
+    ids=["mamba", "window-and-mamba", "target-and-draft-windows"],
+)
+def test_hybrid_state_but_one_window_pool_is_refused_naming_its_kinds(kinds):
+    named = ", ".join(kind.value for kind in kinds)
+    with pytest.raises(ValueError, match=f"hybrid state \\({named}\\).*another transfer"):
+        model_of(None, _kv_args(state_types=kinds), is_mla=False)
+
+
+def test_an_fp8_sliding_window_model_is_refused_naming_the_fix():
+    args = _kv_args(state_types=[StateType.SWA], kv_cache_dtype_str="fp8_e4m3")
+    with pytest.raises(ValueError, match=r"fp8 sliding-window model.*--kv-cache-dtype auto"):
+        model_of(None, args, is_mla=False)
 
 
 def test_settings_come_from_kvxfer_config_and_bad_json_names_it(monkeypatch):

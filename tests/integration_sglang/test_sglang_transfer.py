@@ -26,9 +26,11 @@ from ranks import (
     WAIT_S,
     RankConfig,
     draft_config,
+    fetched_window,
     global_kv,
     heads_of,
     run_rank,
+    window_layers,
 )
 
 from kvxfer.addresses import free_port
@@ -140,6 +142,7 @@ def _run_pair(
     load_balance_method: str = "follow_bootstrap_room",
     kv_dtypes: tuple[str, str] = ("auto", "auto"),
     draft_dir: str = "",
+    window: int = 0,
 ) -> tuple[list[dict], list[dict], list[RankConfig]]:
     """Prefill TP `prefill[0]` with pages of `prefill[1]` tokens (and `pp_size` stages) ->
     decode TP `decode[0]`, pages of `decode[1]`; every rank in its own process; `mla`: SGLang's
@@ -147,13 +150,15 @@ def _run_pair(
     and the decode's DP attention sizes, `serving_dp` the DP groups the request is routed to
     (the other groups' ranks start and register, and are left out of the results);
     `kv_dtypes`: the prefill's and the decode's `--kv-cache-dtype`; `draft_dir`: an EAGLE draft
-    model on both sides. A rank killed on purpose answers None."""
+    model on both sides; `window`: a sliding-window model's window (SGLang's `SWAKVPool`). A
+    rank killed on purpose answers None."""
     ctx = _rank_context()
     configs = []
     pool_tokens = 512
     dist_port = free_port()  # the prefill's process groups, where a case builds them
     for side, (role, (tp, page)) in enumerate((("prefill", prefill), ("decode", decode))):
         pages = _pages(-(-TOKENS // page), pool_tokens // page, seed=room + tp)
+        window_pages = _pages(len(pages), pool_tokens // page, seed=room + tp + 77)
         stages = pp_size if role == "prefill" else 1
         attn_tp = tp // dp[side]
         for pp_rank in range(stages):
@@ -167,7 +172,8 @@ def _run_pair(
                         serves=rank // attn_tp == serving_dp[side],
                         load_balance_method=load_balance_method, dist_port=dist_port,
                         kv_dtype=kv_dtypes[side], peer_kv_dtype=kv_dtypes[1 - side],
-                        draft_dir=draft_dir,
+                        draft_dir=draft_dir, window=window,
+                        window_pages=window_pages if window else [],
                         **(faults or {}).get((role, rank), {}),
                     )
                 )  # fmt: skip
@@ -319,6 +325,39 @@ def test_speculative_decodings_draft_kv_moves_with_the_target(
         want = held[:, :, :, heads_of(draft_config(cfg))]
         got = torch.from_numpy(result["draft_held"])
         assert torch.equal(got, want), f"decode rank {cfg.tp_rank}: its draft KV differs"
+
+
+WINDOW = 40  # tokens: the window's start falls inside a page on both sides of every case
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode"), [((1, 16), (2, 32)), ((2, 32), (3, 16))], ids=["tp1-tp2", "tp2-tp3"]
+)
+def test_a_sliding_window_models_window_moves_beside_its_full_layers(
+    model_dir, bootstrap_port, prefill, decode
+):
+    """SGLang's `SWAKVPool` (full layers, and window layers in a pool of their own, addressed by
+    the window pages SGLang hands the backend as its "swa" state indices): the full layers move
+    whole; the window layers the tokens the decode's first query attends to, into the decode's
+    window pages, never from a prefill page before the window (SGLang frees those: overwritten
+    here), and nothing else of the decode's window pool is written."""
+    room = 1900 + 10 * prefill[0] + decode[0]
+    prefills, decodes, cfgs = _run_pair(
+        model_dir, bootstrap_port, room, prefill, decode, window=WINDOW
+    )
+    full, window = [0, 2], window_layers(cfgs[0])
+    tokens = list(fetched_window(cfgs[0]))
+    want_all = global_kv(cfgs[0]).view(torch.int16)
+    held = torch.cat([torch.from_numpy(p["held"]) for p in prefills], 3)
+    assert torch.equal(held[full], want_all[full])
+    assert torch.equal(held[window][:, :, tokens], want_all[window][:, :, tokens])
+    for result, cfg in zip(decodes, cfgs, strict=True):
+        got, want = torch.from_numpy(result["held"]), want_all[:, :, :, heads_of(cfg)]
+        assert torch.equal(got[full], want[full]), f"decode rank {cfg.tp_rank}: full layers"
+        window_got = got[window][:, :, tokens]
+        assert torch.equal(window_got, want[window][:, :, tokens]), f"rank {cfg.tp_rank}: window"
+        assert result["untouched"], f"decode rank {cfg.tp_rank} wrote outside the window"
+        assert result["aux"] == (1000 + cfg.room % 1000, cfg.room)
 
 
 def test_gqa_heads_replicated_on_the_decode(gqa_model_dir, bootstrap_port):

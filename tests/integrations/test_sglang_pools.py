@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvxfer.integrations.sglang.pools import SGLangModel, heads_held, kv_dtype_name, sglang_cache
+from kvxfer.integrations.sglang.pools import (
+    SGLangModel,
+    heads_held,
+    kv_dtype_name,
+    sglang_cache,
+    window_table,
+)
 
 LAYERS, HEADS, DIM, PAGE, ROWS = 2, 4, 8, 16, 80
 MODEL = SGLangModel(total_kv_heads=8, head_dim=DIM, total_layers=LAYERS, dtype="bfloat16")
@@ -70,3 +76,15 @@ def test_dtypes_and_heads_as_sglang_names_them():
     with pytest.raises(ValueError, match="--kv-cache-dtype 'fp4_e2m1'"):
         kv_dtype_name("fp4_e2m1", torch.bfloat16)
     assert [heads_held(8, t) for t in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+
+
+def test_window_pages_sit_at_the_requests_last_pages():
+    # 100 tokens in pages of 16: 7 pages; SGLang names the window's (from token 48: 3 to 6).
+    assert window_table([9, 4, 7, 2], 100, 16) == [0, 0, 0, 9, 4, 7, 2]
+    assert window_table([5], 32, 32) == [5]
+    assert window_table([], 10, 16) == [0]
+
+
+def test_more_window_pages_than_the_request_has_are_refused():
+    with pytest.raises(ValueError, match="3 sliding-window pages for a request of 20 tokens"):
+        window_table([1, 2, 3], 20, 16)

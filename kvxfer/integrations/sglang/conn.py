@@ -94,16 +94,13 @@ class KvxferKVReceiver(CommonKVReceiver):
         if not hasattr(self, "group_key"):  # init failed: SGLang's own path reports it
             super().send_metadata(kv_indices, aux_index, *args, **kwargs)
             return
+        # SGLang's state indices, one list a state kind: the manager took only one sliding-
+        # window pool (`check_state_kinds`), whose indices are the request's window pages.
         state_indices = kwargs.get("state_indices", args[0] if args else None)
-        if state_indices is not None and len(state_indices):
-            self.kv_mgr.record_failure(
-                self.bootstrap_room, "kvxfer's SGLang backend moves no hybrid state"
-            )
-            self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-            return
         prefix = kwargs.get("decode_prefix_len") or 0
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         load = DecodeLoad(self.group_key, pages, -1 if aux_index is None else aux_index, prefix)
+        load.window_pages = state_indices[0] if state_indices else ()
         self.kv_mgr.add_load(self.bootstrap_room, load)
         super().send_metadata(kv_indices, aux_index, *args, **kwargs)
 

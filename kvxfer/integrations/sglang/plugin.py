@@ -11,7 +11,7 @@ patching no line of SGLang.
   imported it) answers kvxfer's manager, sender, receiver and bootstrap server for `KVXFER`, and
   leaves every other backend to SGLang;
 - an AFTER hook on `ModelRunner.load_model` records the model's fp8 KV scales
-  (`kvxfer.integrations.sglang.scales`), which the manager's spec carries.
+  (`kvxfer.integrations.sglang.loaded`), which the manager's spec carries.
 
 SGLang runs `load_plugins()` in `launch_server`, `sglang serve`, the engine, and every scheduler
 process, so every process that builds a backend has it.
@@ -26,7 +26,7 @@ BACKEND = "kvxfer"
 # SGLang versions whose Common* classes, plugin API and pools this backend was verified
 # against (tests/integration_sglang); the classes it subclasses change between releases.
 SUPPORTED_SGLANG = ("0.5.23",)
-# Where the plugin records the model's fp8 KV scales (`kvxfer.integrations.sglang.scales`).
+# Where the plugin records the model's fp8 KV scales (`kvxfer.integrations.sglang.loaded`).
 LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 
 
@@ -69,7 +69,7 @@ def register() -> None:
     if BACKEND not in DISAGG_TRANSFER_BACKEND_CHOICES:
         add_disagg_transfer_backend_choices([BACKEND])
     _add_enum_member(utils.TransferBackend, "KVXFER", BACKEND)
-    from kvxfer.integrations.sglang.scales import after_load_model
+    from kvxfer.integrations.sglang.loaded import after_load_model
 
     for target, hook, kind in (
         ("sglang.srt.disaggregation.utils.get_kv_class", _get_kv_class, HookType.AROUND),

@@ -50,7 +50,7 @@ class SGLangModel:
         dtype: the KV cache's dtype, a `KVCacheSpec.dtype` name.
         mla: the model keeps an MLA latent cache.
         k_scales: an fp8 pool's K scale per layer of its pipeline stage
-            (`kvxfer.integrations.sglang.scales`); empty for other dtypes.
+            (`kvxfer.integrations.sglang.loaded`); empty for other dtypes.
         v_scales: the same for V (empty for MLA, whose latent uses `k_scales`).
     """
 
@@ -212,3 +212,22 @@ def sglang_cache(
         fp8_rounding="torch_cast" if model.dtype in FP8_DTYPES else "nearest_even",
     )
     return spec, layers
+
+
+def window_table(pages: Sequence[int], num_tokens: int, page_size: int) -> list[int]:
+    """A request's sliding-window pages (SGLang's "swa" state indices: the window pool's pages
+    of the request's last pages, from a page-aligned window start to its last token) as the
+    window group's block table: the request's every page, 0 (SGLang's padding page, never
+    read or written: `CacheGroup`'s window) before the window.
+
+    Raises:
+        ValueError: more window pages than the request has pages.
+    """
+    pages = [int(p) for p in pages]
+    blocks = -(-num_tokens // page_size)
+    if len(pages) > blocks:
+        raise ValueError(
+            f"{len(pages)} sliding-window pages for a request of {num_tokens} tokens "
+            f"({blocks} pages of {page_size}); SGLang's window indices do not fit the request"
+        )
+    return [0] * (blocks - len(pages)) + pages

@@ -12,6 +12,7 @@ model's under speculative decoding) and the listener of SGLang's control socket.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -23,12 +24,15 @@ from sglang.srt.disaggregation.base.conn import KVArgs
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from kvxfer.connector.groups import CacheGroup
+from kvxfer.integrations.sglang.loaded import sliding_window_of
 from kvxfer.integrations.sglang.manager.decode import DecodeLoad, DecodeSide
 from kvxfer.integrations.sglang.manager.model import (
+    SWA,
     load_settings,
     model_of,
     pool_device,
     pool_entries,
+    state_kinds,
 )
 from kvxfer.integrations.sglang.manager.prefill import PrefillSide
 from kvxfer.integrations.sglang.pools import sglang_cache
@@ -113,7 +117,30 @@ class KvxferKVManager(PrefillSide, DecodeSide):
                 device=pool_device(server_args, args),
             )
             groups.append(CacheGroup(spec, caches))
+        if state_kinds(args) == [SWA]:
+            groups.append(self._window_group(server_args, args, mla))
         return groups
+
+    def _window_group(self, server_args: Any, args: KVArgs, mla: bool) -> CacheGroup:
+        """The window layers' pool (`SWAKVPool`'s, SGLang's one "swa" state) as a
+        sliding-window group: its pages are the request's window pages (its state indices),
+        and its window the one SGLang's model runner resolved."""
+        if self.pp_size > 1:
+            raise ValueError(
+                "kvxfer's SGLang backend: a sliding-window model with prefill pipeline "
+                "parallelism is not supported; serve the prefill with --pp-size 1"
+            )
+        ptrs, lens, item_lens = (
+            args.state_data_ptrs[0], args.state_data_lens[0], args.state_item_lens[0]
+        )  # fmt: skip
+        layers = len(ptrs) if mla else len(ptrs) // 2
+        model = dataclasses.replace(model_of(server_args, args, mla), total_layers=layers)
+        spec, caches = sglang_cache(
+            ptrs, lens, item_lens, args.page_size, model,
+            tp_size=self.attn_tp_size, tp_rank=self.attn_tp_rank,
+            device=pool_device(server_args, args),
+        )  # fmt: skip
+        return CacheGroup(spec, caches, sliding_window=sliding_window_of())
 
     def _listen(self, handle: Callable[[list[bytes]], None]) -> None:
         """Serve the control messages on the PULL socket Common bound: `handle` each; a bad

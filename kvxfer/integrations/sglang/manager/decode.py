@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVManager, PrefillServerInfo
 
 from kvxfer.connector.groups import GroupedConsumer, GroupedFetch
@@ -28,6 +29,7 @@ from kvxfer.integrations.sglang.control import (
     message_of,
 )
 from kvxfer.integrations.sglang.links import GroupLink, LinkState
+from kvxfer.integrations.sglang.manager.model import group_tables
 from kvxfer.session.auth import new_nonce
 
 if TYPE_CHECKING:
@@ -50,6 +52,7 @@ class DecodeLoad:
     aux: bytes | None = None
     handle: GroupedFetch | None = None
     aborted: bool = False  # never start its fetch: SGLang may give its pages away
+    window_pages: Any = ()  # a sliding-window model's: its window pages (SGLang's "swa" state)
 
 
 class DecodeSide(CommonKVManager):
@@ -274,9 +277,17 @@ class DecodeSide(CommonKVManager):
             table = np.concatenate(
                 [np.zeros(load.prefix // self.spec.block_size, dtype=np.int64), load.pages]
             )
+            try:
+                tables = group_tables(self.groups, table, load.window_pages, load.num_tokens)
+            except ValueError as exc:
+                load.aborted = True  # never fetched: its pages are SGLang's again at once
+                self.record_failure(room, f"kvxfer: {exc}")
+                self.update_status(room, KVPoll.Failed)
+                return
+            # SGLang's page 0 is its padding page: a window table's leading 0s are no pages.
             load.handle = consumer.fetch(
-                str(room), [table] * len(self.groups), load.num_tokens,
-                start_token=load.prefix, timeout=self.settings.fetch_timeout_s,
+                str(room), tables, load.num_tokens, start_token=load.prefix,
+                timeout=self.settings.fetch_timeout_s, null_block=0,
             )  # fmt: skip
 
     def write_aux(self, load: DecodeLoad) -> None:

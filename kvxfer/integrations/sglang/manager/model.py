@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvxfer.integrations.settings import ConnectorSettings
-from kvxfer.integrations.sglang.pools import SGLangModel, kv_dtype_name
-from kvxfer.integrations.sglang.scales import scales_of
+from kvxfer.integrations.sglang.loaded import scales_of
+from kvxfer.integrations.sglang.pools import SGLangModel, kv_dtype_name, window_table
 from kvxfer.spec import DTYPE_ITEMSIZE, FP8_DTYPES
 
 if TYPE_CHECKING:
     from sglang.srt.disaggregation.base.conn import KVArgs
 
+    from kvxfer.connector.groups import CacheGroup
+
+SWA = "swa"  # SGLang's StateType.SWA: the window layers' pool (SWAKVPool)
 CONFIG_ENV = "KVXFER_CONFIG"  # JSON of kvxfer's connector settings (docs/sglang.md)
 
 
@@ -37,24 +43,46 @@ def pool_entries(kv_args: KVArgs) -> tuple[slice, slice]:
     return slice(0, target), slice(target, len(kv_args.kv_data_ptrs))
 
 
+def state_kinds(kv_args: KVArgs) -> list[str]:
+    """The kinds of the state pools SGLang registered beside the KV pool (`KVArgs.state_types`:
+    "swa", "mamba"...), in their order."""
+    return [str(getattr(t, "value", t)) for t in getattr(kv_args, "state_types", None) or []]
+
+
+def check_state_kinds(kv_args: KVArgs) -> None:
+    """Refuse the hybrid state kvxfer's SGLang backend does not move: everything but one
+    sliding-window pool (`SWAKVPool`'s window layers), beside full attention in bf16, fp16 or
+    fp32.
+
+    Raises:
+        ValueError: naming the kinds and the fix.
+    """
+    kinds = state_kinds(kv_args)
+    if kinds and kinds != [SWA]:
+        raise ValueError(
+            f"this model keeps hybrid state ({', '.join(kinds)}) beside its KV cache; kvxfer's "
+            "SGLang backend moves full-attention KV and one sliding-window pool, not Mamba or "
+            "the other kinds (nor a draft model's window pool): serve it with another transfer "
+            "backend"
+        )
+    if kinds and kv_args.kv_cache_dtype_str.startswith("fp8"):
+        raise ValueError(
+            "an fp8 sliding-window model: kvxfer's SGLang backend has not verified the scales of "
+            "its window layers; serve it with --kv-cache-dtype auto"
+        )
+
+
 def model_of(server_args: Any, kv_args: KVArgs, is_mla: bool, draft: bool = False) -> SGLangModel:
     """What a pool's pointers do not say, from SGLang's `ModelConfig`: the target model's pool,
     or with `draft` the draft model's (its layers those of its pool, in order).
 
     Raises:
-        ValueError: hybrid state (Mamba, sliding window...), naming the model kind: kvxfer's
-            SGLang backend moves full-attention KV only; or an fp8 pool whose model's scales
-            were not recorded (`scales_of`).
+        ValueError: hybrid state other than one sliding-window pool (`check_state_kinds`), or
+            an fp8 pool whose model's scales were not recorded (`scales_of`).
     """
     from sglang.srt.configs.model_config import ModelConfig
 
-    state_types = list(getattr(kv_args, "state_types", None) or [])
-    if state_types:
-        kinds = ", ".join(str(getattr(t, "value", t)) for t in state_types)
-        raise ValueError(
-            f"this model keeps hybrid state ({kinds}) beside its KV cache; kvxfer's SGLang "
-            "backend moves full-attention KV only: serve it with another transfer backend"
-        )
+    check_state_kinds(kv_args)
     entries = pool_entries(kv_args)[1 if draft else 0]
     if draft:  # an MTP model's draft is its own checkpoint's next-token layers
         path = server_args.speculative_draft_model_path or server_args.model_path
@@ -82,3 +110,18 @@ def pool_device(server_args: Any, kv_args: KVArgs) -> str:
     """Where SGLang keeps the pools: `cuda:<gpu_id>`, or the server's device."""
     device = getattr(server_args, "device", None) or "cuda"
     return f"cuda:{kv_args.gpu_id}" if device == "cuda" else str(device)
+
+
+def group_tables(
+    groups: Sequence[CacheGroup], kv_pages: np.ndarray, window_pages: Any, num_tokens: int
+) -> list[np.ndarray]:
+    """Every group's block table for a request of `num_tokens` tokens: `kv_pages` for the
+    full-attention groups (the target's and the draft's share its pages), the request's
+    sliding-window pages (`window_table`, from SGLang's "swa" state indices) for the window
+    group."""
+    return [
+        kv_pages
+        if group.sliding_window is None
+        else np.asarray(window_table(window_pages, num_tokens, group.spec.block_size))
+        for group in groups
+    ]

@@ -34,6 +34,7 @@ from kvxfer.integrations.sglang.control import (
     message_of,
     refused_registration,
 )
+from kvxfer.integrations.sglang.manager.model import group_tables
 
 if TYPE_CHECKING:
     from kvxfer.connector.groups import CacheGroup
@@ -143,7 +144,8 @@ class PrefillSide(CommonKVManager):
         **kwargs: Any,
     ) -> None:
         """A chunk of the request's pages is computed (`CommonKVSender.send`); the last one
-        publishes the request and tells its decode ranks."""
+        publishes the request (with a sliding-window model, its window pages: `state_indices`)
+        and tells its decode ranks."""
         wait_event = kwargs.get("wait_event")
         if wait_event is not None:
             wait_event.synchronize()  # an early send's pages are written on another stream
@@ -164,10 +166,12 @@ class PrefillSide(CommonKVManager):
         table = np.concatenate(
             [np.zeros(prefix // self.spec.block_size, dtype=np.int64), *sent.pages]
         )
+        window_pages = state_indices[0] if state_indices else ()  # the one "swa" state's
         assert self.producer is not None
         try:
+            tables = group_tables(self.groups, table, window_pages, num_tokens)
             self.producer.publish(
-                str(bootstrap_room), [table] * len(self.groups), num_tokens, first_token=prefix,
+                str(bootstrap_room), tables, num_tokens, first_token=prefix,
                 deadline_s=self.settings.request_timeout_s,
             )  # fmt: skip
         except ValueError as exc:

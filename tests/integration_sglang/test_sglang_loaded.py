@@ -14,7 +14,7 @@ from ranks import kv_scales
 from test_sglang_plugin import _python
 
 from kvxfer.integrations.sglang import plugin
-from kvxfer.integrations.sglang.scales import (
+from kvxfer.integrations.sglang.loaded import (
     after_load_model,
     forget_model_scales,
     record_model_scales,
@@ -65,7 +65,7 @@ def test_the_plugin_hooks_sglangs_model_loading():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["hooks"] == [["AFTER", "kvxfer.integrations.sglang.scales.after_load_model"]]
+    assert out["hooks"] == [["AFTER", "kvxfer.integrations.sglang.loaded.after_load_model"]]
     assert out["wraps_the_original"]
 
 
