@@ -67,8 +67,9 @@ FAKE_SERVER = textwrap.dedent(
     p.add_argument("--disaggregation-mode", default="null")
     p.add_argument("--disaggregation-transfer-backend")
     p.add_argument("--disaggregation-bootstrap-port", type=int)
-    p.add_argument("--base-gpu-id", type=int)
-    args = p.parse_args()
+    p.add_argument("--base-gpu-id", type=int); p.add_argument("--kv-cache-dtype")
+    args, speculative = p.parse_known_args()  # SPEC_ARGS: recorded in argv
+    assert all(a.startswith("--speculative-") for a in speculative[::2]), speculative
     mode = args.disaggregation_mode
     with open(os.path.join(os.environ["FAKE_SGLANG_RECORD"], f"{mode}.json"), "w") as f:
         json.dump({"argv": sys.argv[1:], "pid": os.getpid()}, f)
@@ -201,7 +202,7 @@ def test_the_script_compares_pd_through_the_router_with_one_engine(tmp_path):
     assert "MATCH: every greedy output" in done.stdout
     out = tmp_path / "out"
     baseline = (out / "baseline.jsonl").read_text().splitlines()
-    assert len(baseline) == 4 and json.loads(baseline[0]) == "is France of capital The"
+    assert len(baseline) == 5 and json.loads(baseline[0]) == "is France of capital The"
     assert (out / "disaggregated.jsonl").read_text().splitlines() == baseline
     records = _records(tmp_path)
     assert set(records) == {"null", "prefill", "decode", "router"}
@@ -213,6 +214,20 @@ def test_the_script_compares_pd_through_the_router_with_one_engine(tmp_path):
     router = records["router"]["args"]
     assert router["pd_disaggregation"] and router["prefill"][1] == env["BOOTSTRAP_PORT"]
     assert router["decode"] == f"http://127.0.0.1:{env['DECODE_PORT']}"
+    assert _all_stopped(records)
+
+
+def test_each_engine_gets_its_kv_dtype_and_every_engine_the_speculative_arguments(tmp_path):
+    # A bf16 prefill feeding an fp8 decode: the one engine alone runs the decode's dtype.
+    spec = "--speculative-algorithm EAGLE --speculative-draft-model-path D"
+    env = _env(tmp_path, DECODE_KV_DTYPE="fp8_e4m3", SPEC_ARGS=spec)
+    done = _run(env)
+    assert done.returncode == 0, done.stderr
+    records = _records(tmp_path)
+    for name, dtype in (("null", "fp8_e4m3"), ("prefill", "auto"), ("decode", "fp8_e4m3")):
+        argv = records[name]["argv"]
+        assert argv[argv.index("--kv-cache-dtype") + 1] == dtype, name
+        assert " ".join(argv[argv.index("--speculative-algorithm") :][:4]) == spec, name
     assert _all_stopped(records)
 
 
