@@ -17,8 +17,11 @@ Its duties, one member each:
   the engine may free its blocks.
 
 `kvxfer.integrations.vllm.worker.WorkerSide` implements it (checked by mypy against vLLM's real
-types in `make test-vllm`). Adding an engine means one adapter package under `integrations/`
-with a class of this shape; its engine's objects are the type parameters.
+types in `make test-vllm`), and so does `kvxfer.integrations.sglang.manager.KvxferKVManager`,
+whose discovery is SGLang's: the prefill's ranks answer a decode rank's registration with the
+side channels `register` kept, and `look_up` reads those answers. Adding an engine means one
+adapter package under `integrations/` with a class of this shape; its engine's objects are the
+type parameters.
 """
 
 from __future__ import annotations
@@ -37,6 +40,17 @@ RankChannels = tuple[tuple[str, ...], Hashable]
 """A look-up's answer: each rank's side channels (a rank's groups' channels in one string, in
 the engine's rank order), and a fingerprint of the registrations they come from: a reconnect
 that finds another fingerprint knows the remote engine restarted."""
+
+
+def rank_channels(addresses: list[str]) -> str:
+    """A producer rank's side channels, one per KV cache group, as one string (comma
+    separated: addresses hold none), so that ranks compare and log as plain strings."""
+    return ",".join(addresses)
+
+
+def split_channels(channels: str) -> list[str]:
+    """The per-group side channels of `rank_channels`."""
+    return channels.split(",")
 
 
 class EngineAdapter(Protocol[CachesT_contra, SendT_contra, LoadT_contra, AbortT_contra]):

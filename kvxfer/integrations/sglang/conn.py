@@ -99,7 +99,8 @@ class KvxferKVReceiver(CommonKVReceiver):
         state_indices = kwargs.get("state_indices", args[0] if args else None)
         prefix = kwargs.get("decode_prefix_len") or 0
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
-        load = DecodeLoad(self.group_key, pages, -1 if aux_index is None else aux_index, prefix)
+        aux_row = -1 if aux_index is None else aux_index
+        load = DecodeLoad(self.group_key, self.bootstrap_room, pages, aux_row, prefix)
         load.window_pages = state_indices[0] if state_indices else ()
         self.kv_mgr.add_load(self.bootstrap_room, load)
         super().send_metadata(kv_indices, aux_index, *args, **kwargs)
@@ -144,7 +145,7 @@ class KvxferKVReceiver(CommonKVReceiver):
         pages at once), and stop its fetch here."""
         key = getattr(self, "group_key", None)
         if key is not None:
-            self.kv_mgr.abort_load(key, self.bootstrap_room)
+            self.kv_mgr.abort((key, self.bootstrap_room))
         super().abort()
 
     def clear(self) -> None:

@@ -49,6 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvxfer.integrations.base import rank_channels, split_channels
 from kvxfer.integrations.bootstrap import BootstrapClient
 from kvxfer.integrations.vllm.connections import Connection, Fingerprint, Remote
 from kvxfer.integrations.vllm.metadata import RemoteEngine, Route
@@ -405,14 +406,3 @@ def look_up_ranks(
         tuple(rank_channels(w.group_addresses or [w.address]) for w in workers),
         tuple((w.address, w.generation) for w in workers),
     )
-
-
-def rank_channels(addresses: list[str]) -> str:
-    """A producer rank's side channels, one per KV cache group, as one string (comma
-    separated: addresses hold none), so that ranks compare and log as plain strings."""
-    return ",".join(addresses)
-
-
-def split_channels(channels: str) -> list[str]:
-    """The per-group side channels of `rank_channels`."""
-    return channels.split(",")

@@ -24,6 +24,7 @@ from sglang.srt.disaggregation.base.conn import KVArgs
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from kvxfer.connector.groups import CacheGroup
+from kvxfer.integrations.base import EngineAdapter
 from kvxfer.integrations.sglang.loaded import sliding_window_of
 from kvxfer.integrations.sglang.manager.decode import DecodeLoad, DecodeSide
 from kvxfer.integrations.sglang.manager.model import (
@@ -34,10 +35,10 @@ from kvxfer.integrations.sglang.manager.model import (
     pool_entries,
     state_kinds,
 )
-from kvxfer.integrations.sglang.manager.prefill import PrefillSide
+from kvxfer.integrations.sglang.manager.prefill import PrefillSide, Send
 from kvxfer.integrations.sglang.pools import sglang_cache
 
-__all__ = ["DecodeLoad", "KvxferKVManager", "load_settings", "model_of"]
+__all__ = ["DecodeLoad", "KvxferKVManager", "Send", "load_settings", "model_of"]
 
 log = logging.getLogger(__name__)
 
@@ -65,29 +66,37 @@ class KvxferKVManager(PrefillSide, DecodeSide):
         super().__init__(args, disaggregation_mode, server_args, bool(is_mla_backend))
         self.settings = load_settings()
         self.host = os.environ.get("KVXFER_HOST") or self.local_ip
-        prefill = disaggregation_mode == DisaggregationMode.PREFILL
-        if not prefill and self.pp_size > 1:
+        self._prefill = disaggregation_mode == DisaggregationMode.PREFILL
+        if not self._prefill and self.pp_size > 1:
             raise ValueError(
                 "kvxfer's SGLang backend: decode pipeline parallelism is not supported; "
                 "serve the decode engine with --pp-size 1 (the prefill may use any)"
             )
-        self.groups = self._cache_groups(server_args, args, bool(is_mla_backend))
-        self.spec = self.groups[0].spec
         self._lock = threading.Lock()
         handle: Callable[[list[bytes]], None]
-        if prefill:
+        if self._prefill:
             self.engine_id = f"sglang-prefill-{uuid.uuid4().hex[:12]}"
-            self._start_prefill()
             handle = self._on_prefill_message
         else:
             host = getattr(server_args, "host", "127.0.0.1")
             port = getattr(server_args, "port", 0)
             self.engine_id = f"sglang-decode-{host}:{port}-dp{self.attn_dp_rank}"
-            self._start_decode()
             handle = self._on_decode_message
+        self.register_kv_caches(args)
         listener = threading.Thread(target=self._listen, args=(handle,), name="kvxfer-sglang")
         listener.daemon = True
         listener.start()
+
+    def register_kv_caches(self, caches: KVArgs) -> None:
+        """Geometry -> spec (the engine-adapter contract, `kvxfer.integrations.base`): the
+        rank's pools, from SGLang's `KVArgs`, as cache groups; a prefill starts serving and
+        `register`s its side channels, a decode starts keeping its links and loads."""
+        self.groups = self._cache_groups(self.server_args, caches, bool(self.is_mla_backend))
+        self.spec = self.groups[0].spec
+        if self._prefill:
+            self._start_prefill()
+        else:
+            self._start_decode()
 
     def _cache_groups(self, server_args: Any, args: KVArgs, mla: bool) -> list[CacheGroup]:
         """The rank's pools as kvxfer's cache groups: the target model's, then the draft
@@ -154,3 +163,12 @@ class KvxferKVManager(PrefillSide, DecodeSide):
                 handle(msg)
             except Exception:
                 log.exception("kvxfer: bad control message %r", msg[:1])
+
+
+def _keeps_the_adapter_contract(
+    manager: KvxferKVManager,
+) -> EngineAdapter[KVArgs, Send, DecodeLoad, tuple[str, int]]:
+    """Never called: mypy checks here that the SGLang manager keeps the engine-adapter
+    contract (`kvxfer.integrations.base`), and `make test-sglang` that its members are the
+    contract's."""
+    return manager

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVManager, PrefillServerInfo
 
 from kvxfer.connector.groups import GroupedConsumer, GroupedFetch
+from kvxfer.integrations.base import RankChannels, rank_channels, split_channels
 from kvxfer.integrations.sglang.control import (
     ControlError,
     Published,
@@ -45,6 +47,7 @@ class DecodeLoad:
     """A decode rank's request: where it goes, and how its fetch stands."""
 
     key: str
+    room: int
     pages: np.ndarray
     aux_index: int
     prefix: int
@@ -175,9 +178,8 @@ class DecodeSide(CommonKVManager):
                 log.warning("kvxfer: dropped side channels of %s not asked for", key)
                 return
             complete = link.answer(registered.rank, registered.addresses)
-            addresses = link.side_channels()
         if complete:
-            threading.Thread(target=self._connect_group, args=(key, addresses), daemon=True).start()
+            threading.Thread(target=self._connect_group, args=(key,), daemon=True).start()
 
     def _refused(self, refused: Refused) -> None:
         """A prefill rank refused this rank's registration: the group's requests fail with the
@@ -191,10 +193,30 @@ class DecodeSide(CommonKVManager):
         if taken:
             log.error("kvxfer: %s", error)
 
-    def _connect_group(self, key: str, addresses: list[list[str]]) -> None:
-        """Connect a consumer to every rank of a prefill DP group (`addresses[r]`: rank `r`'s
-        side channels, one a cache group; the handshake plans every pair), off the
+    @property
+    def look_up(self) -> Callable[[str], RankChannels]:
+        """Discovery, decode side (the engine-adapter contract): the side channels every rank
+        of a prefill DP group answered this rank's registration with, and the registration's
+        nonce as their fingerprint.
+
+        Raises (the callable):
+            LookupError: not every rank of the group answered yet.
+        """
+        return self._answers_of
+
+    def _answers_of(self, key: str) -> RankChannels:
+        with self._lock:
+            link = self._links.get(key)
+            if link is None or link.state is LinkState.REGISTERING:
+                raise LookupError(f"the prefill DP group {key} has not answered every rank")
+            return tuple(rank_channels(a) for a in link.side_channels()), link.nonce
+
+    def _connect_group(self, key: str) -> None:
+        """Connect a consumer to every rank of a prefill DP group (each rank's side channels,
+        one a cache group, from `look_up`; the handshake plans every pair), off the
         scheduler's thread."""
+        channels, _ = self.look_up(key)
+        addresses = [split_channels(rank) for rank in channels]
         s = self.settings
         consumer: GroupedConsumer | None = None
         try:
@@ -215,9 +237,11 @@ class DecodeSide(CommonKVManager):
         for room in [r for r, load in list(self._loads.items()) if load.key == key]:
             self._start_fetch(room)
 
-    def abort_load(self, key: str, room: int) -> None:
-        """This engine will never read the request: tell the prefill DP group's producers
-        (at once, or once connected: they free its pages) and stop its fetch here."""
+    def abort(self, abort: tuple[str, int]) -> None:
+        """This engine will never read the request `(group, room)` (the engine-adapter
+        contract): tell the prefill DP group's producers (at once, or once connected: they
+        free its pages) and stop its fetch here."""
+        key, room = abort
         with self._lock:
             load = self._loads.get(room)
             if load is not None:
@@ -262,33 +286,38 @@ class DecodeSide(CommonKVManager):
         self._start_fetch(room)
 
     def _start_fetch(self, room: int) -> None:
-        """Fetch the request once its pages, its token count and a connected consumer are
+        """`fetch` the request once its pages, its token count and a connected consumer are
         all here (they arrive in any order)."""
         with self._lock:
             load = self._loads.get(room)
             if load is None or not load.key or load.num_tokens is None or load.handle:
                 return
-            if load.aborted:
-                return
             link = self._links.get(load.key)
-            consumer = None if link is None else link.outcome()
-            if not isinstance(consumer, GroupedConsumer):
+            if load.aborted or link is None or link.state is not LinkState.CONNECTED:
                 return
-            table = np.concatenate(
-                [np.zeros(load.prefix // self.spec.block_size, dtype=np.int64), load.pages]
-            )
-            try:
-                tables = group_tables(self.groups, table, load.window_pages, load.num_tokens)
-            except ValueError as exc:
-                load.aborted = True  # never fetched: its pages are SGLang's again at once
-                self.record_failure(room, f"kvxfer: {exc}")
-                self.update_status(room, KVPoll.Failed)
-                return
-            # SGLang's page 0 is its padding page: a window table's leading 0s are no pages.
-            load.handle = consumer.fetch(
-                str(room), tables, load.num_tokens, start_token=load.prefix,
-                timeout=self.settings.fetch_timeout_s, null_block=0,
-            )  # fmt: skip
+            self.fetch(load)
+
+    def fetch(self, load: DecodeLoad) -> None:
+        """Start loading a request's KV into its pages (the engine-adapter contract; the
+        caller holds the manager's lock, and the load's link is connected): kvxfer's fetch
+        runs off the scheduler's thread, which polls it (`KvxferKVReceiver.poll`)."""
+        room, consumer = int(load.room), self._links[load.key].consumer
+        assert consumer is not None and load.num_tokens is not None
+        table = np.concatenate(
+            [np.zeros(load.prefix // self.spec.block_size, dtype=np.int64), load.pages]
+        )
+        try:
+            tables = group_tables(self.groups, table, load.window_pages, load.num_tokens)
+        except ValueError as exc:
+            load.aborted = True  # never fetched: its pages are SGLang's again at once
+            self.record_failure(room, f"kvxfer: {exc}")
+            self.update_status(room, KVPoll.Failed)
+            return
+        # SGLang's page 0 is its padding page: a window table's leading 0s are no pages.
+        load.handle = consumer.fetch(
+            str(room), tables, load.num_tokens, start_token=load.prefix,
+            timeout=self.settings.fetch_timeout_s, null_block=0,
+        )  # fmt: skip
 
     def write_aux(self, load: DecodeLoad) -> None:
         """The prefill's aux row into this rank's row `load.aux_index`.

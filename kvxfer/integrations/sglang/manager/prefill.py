@@ -54,6 +54,20 @@ class _Sent:
     tokens: int = 0
 
 
+@dataclass(frozen=True)
+class Send:
+    """A request a prefill rank publishes (its last chunk was sent): its block table (the
+    decode's prefix as padding, then the pages of every chunk), its sliding-window pages if
+    any (SGLang's "swa" state indices), its tokens, the decode's prefix, its aux row."""
+
+    room: int
+    table: np.ndarray
+    window_pages: Any
+    num_tokens: int
+    prefix: int
+    aux_index: int | None
+
+
 class PrefillSide(CommonKVManager):
     """What a prefill rank's manager does (`KvxferKVManager` is both sides; the engine's mode
     picks which one runs). Its state is guarded by `_lock`: the scheduler's thread, the
@@ -68,7 +82,7 @@ class PrefillSide(CommonKVManager):
     producer: GroupedProducer | None = None  # a prefill rank's
 
     def _start_prefill(self) -> None:
-        """The prefill side's state, and its producer serving."""
+        """The prefill side's state, and its producer serving and registered."""
         self._sent: dict[int, _Sent] = {}
         self._published: set[int] = set()  # rooms on the producer, not released yet
         self._aborted_rooms: OrderedDict[int, None] = OrderedDict()  # SGLang ABORT notices
@@ -77,9 +91,16 @@ class PrefillSide(CommonKVManager):
             self.groups,
             self.engine_id,
             host=self.host,
-            release=self._released,
+            release=self.released,
             **s.producer_options(s.transport_protocol().protocol),
         )
+        self.register(self.producer.addresses)
+
+    def register(self, addresses: list[str]) -> None:
+        """Discovery (the engine-adapter contract): keep this rank's side channels, one a
+        cache group, for the decode ranks' registrations (SGLang's bootstrap server makes the
+        rank's control socket findable; `Registered` answers with these)."""
+        self._side_channels = list(addresses)
 
     def _on_prefill_message(self, msg: list[bytes]) -> None:
         """A decode rank's control message (`kvxfer.integrations.sglang.control`: its
@@ -106,11 +127,10 @@ class PrefillSide(CommonKVManager):
                 self._send_multipart_locked(*refusal)
             return
         if isinstance(message, Register):
-            assert self.producer is not None
             answer = Registered(
                 group=message.group,
                 rank=self.pp_rank * self.attn_tp_size + self.attn_tp_rank,
-                addresses=self.producer.addresses,  # one a cache group
+                addresses=self._side_channels,
                 nonce=message.nonce,
             )
             self._send_multipart_locked(
@@ -162,27 +182,34 @@ class PrefillSide(CommonKVManager):
                 return  # its decode gave it up: never published (the status says Failed)
             self._published.add(bootstrap_room)
         prefix = self.req_to_decode_prefix_len.get(bootstrap_room, 0)
-        num_tokens = prefix + sent.tokens
         table = np.concatenate(
             [np.zeros(prefix // self.spec.block_size, dtype=np.int64), *sent.pages]
         )
         window_pages = state_indices[0] if state_indices else ()  # the one "swa" state's
+        self.publish(Send(bootstrap_room, table, window_pages, prefix + sent.tokens, prefix,
+                          aux_index))  # fmt: skip
+
+    def publish(self, send: Send) -> None:
+        """Offer a request's pages (the engine-adapter contract), and tell its decode ranks
+        (`Published`: its token count and, from the last stage, its aux row)."""
+        room = send.room
         assert self.producer is not None
         try:
-            tables = group_tables(self.groups, table, window_pages, num_tokens)
+            tables = group_tables(self.groups, send.table, send.window_pages, send.num_tokens)
             self.producer.publish(
-                str(bootstrap_room), tables, num_tokens, first_token=prefix,
+                str(room), tables, send.num_tokens, first_token=send.prefix,
                 deadline_s=self.settings.request_timeout_s,
             )  # fmt: skip
         except ValueError as exc:
-            self.record_failure(bootstrap_room, f"kvxfer: {exc}")
-            self.update_status(bootstrap_room, KVPoll.Failed)
+            self.record_failure(room, f"kvxfer: {exc}")
+            self.update_status(room, KVPoll.Failed)
             return
-        self.update_status(bootstrap_room, KVPoll.Transferring)
-        aux = self._aux_row(aux_index) if self._serves_aux() and aux_index is not None else b""
-        published = Published(room=bootstrap_room, tokens=num_tokens, aux=aux)
+        self.update_status(room, KVPoll.Transferring)
+        index = send.aux_index
+        aux = self._aux_row(index) if self._serves_aux() and index is not None else b""
+        published = Published(room=room, tokens=send.num_tokens, aux=aux)
         frames = frames_of(published, self.settings.secret)
-        for ip, port in self.transfer_infos.get(bootstrap_room, {}):
+        for ip, port in self.transfer_infos.get(room, {}):
             self._send_multipart_locked(f"tcp://{ip}:{port}", frames)
 
     def give_up(self, room: int, reason: str) -> None:
@@ -213,7 +240,7 @@ class PrefillSide(CommonKVManager):
             for ptr, n in zip(a.aux_data_ptrs, a.aux_item_lens, strict=True)
         )
 
-    def _released(self, request_id: str, reason: ReleaseReason) -> None:
+    def released(self, request_id: str, reason: ReleaseReason) -> None:
         """(the producer's side-channel thread) Every decode rank confirmed its reads, its
         engine aborted it, its prefill failed or its deadline passed: SGLang may free the
         pages. Only a deadline is a failure SGLang has not heard of from elsewhere."""
