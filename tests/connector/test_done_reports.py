@@ -1,9 +1,9 @@
-"""A consumer rank reports finished requests to every producer rank in batches (one
-`RequestsDone` per producer rank per batch, not one message per request): within a few
-milliseconds with no other traffic, at once when the batch is full, and always before a later
-ask for one of them. Real producers and consumers in one process over the local transport (the
-reports are the session's, not the transport's); what the producer received is recorded in its
-own handler, in order."""
+"""A consumer rank reports finished requests to every producer rank in batches while other
+fetches run (one `RequestsDone` per producer rank per batch, not one message per request):
+within a few milliseconds, at once when the batch is full or the last fetch in flight
+finished, and always before a later ask for one of them. Real producers and consumers in one
+process over the local transport (the reports are the session's, not the transport's); what
+the producer received is recorded in its own handler, in order."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from kvxfer.connector.messages import RequestsDone, TransferRequest
 from kvxfer.testing import make_scenario, poll, side_specs
 
 NUM_TOKENS = 64
+HELD = "held-open"  # a request fetched, never published
 
 
 class Rig:
@@ -56,6 +57,11 @@ class Rig:
         result = self.consumers[rank].fetch(request_id, ids, NUM_TOKENS).wait(30.0)
         assert result.ok, result.errors
 
+    def hold(self, rank: int) -> None:
+        """A fetch in flight on `rank` for the rest of the test (its request is never
+        published): finished requests then wait in the batch."""
+        self.consumers[rank].fetch(HELD, self.scenario.dst[rank][2], NUM_TOKENS, timeout=600.0)
+
     def reports(self) -> list[list[str]]:
         return [m.request_ids for m in self.received if isinstance(m, RequestsDone)]
 
@@ -72,9 +78,19 @@ def rig(monkeypatch):
     r.close()
 
 
-def test_finished_requests_are_reported_within_moments_with_no_other_traffic(rig):
+def test_the_last_fetch_in_flight_reports_at_once(rig, monkeypatch):
+    monkeypatch.setattr(sessions_mod, "_DONE_BATCH_S", 3600.0)  # never by time here
     rig.producer.publish("r", rig.src_ids, NUM_TOKENS)
     for rank in (0, 1):
+        rig.fetch(rank, "r")
+    assert poll(lambda: list(rig.released), bool, 30.0) == ["r"]
+    assert sorted(rig.reports()) == [["r"], ["r"]]
+
+
+def test_finished_requests_are_reported_within_moments_while_others_run(rig):
+    rig.producer.publish("r", rig.src_ids, NUM_TOKENS)
+    for rank in (0, 1):
+        rig.hold(rank)
         rig.fetch(rank, "r")
     # Nothing else happens: the batch goes by the loops' own turns
     assert poll(lambda: list(rig.released), bool, 30.0) == ["r"]
@@ -90,6 +106,7 @@ def test_a_full_batch_goes_at_once_in_one_message(rig, monkeypatch):
     for request_id in ids:
         rig.producer.publish(request_id, rig.src_ids, NUM_TOKENS)
     for rank in (0, 1):
+        rig.hold(rank)
         handles = [
             rig.consumers[rank].fetch(rid, rig.scenario.dst[rank][2], NUM_TOKENS) for rid in ids
         ]
@@ -105,6 +122,7 @@ def test_a_report_waiting_in_the_batch_goes_before_a_new_ask_for_its_request(rig
     batch_s = sessions_mod._DONE_BATCH_S
     monkeypatch.setattr(sessions_mod, "_DONE_BATCH_S", 3600.0)  # never by time here
     rig.producer.publish("r", rig.src_ids, NUM_TOKENS)
+    rig.hold(0)
     rig.fetch(0, "r")
     rig.fetch(0, "r")  # fetched again (rank 1 has not reported: the request is still held)
     order = [
@@ -122,6 +140,7 @@ def test_a_closing_consumer_reports_what_it_finished(rig, monkeypatch):
     monkeypatch.setattr(sessions_mod, "_DONE_BATCH_S", 3600.0)  # never by time here
     rig.producer.publish("r", rig.src_ids, NUM_TOKENS)
     for rank in (0, 1):
+        rig.hold(rank)
         rig.fetch(rank, "r")
     assert rig.released == []  # both reports wait in their batches
     closed = threading.Thread(target=lambda: [c.close() for c in rig.consumers])

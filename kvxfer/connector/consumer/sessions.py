@@ -80,9 +80,10 @@ from kvxfer.transport.factory import check_peer_endpoint
 log = logging.getLogger(__name__)
 
 _MAX_NOTICES = 4096  # done/abort notices kept per producer rank while it is unreachable
-# Finished requests are reported in batches: at most this long after the first one finished
-# (the loop turns at least every 10 ms while one waits), or once this many wait. Nothing waits
-# for the report but the prefill's blocks: one message per producer rank per batch, not per
+# Finished requests are reported in batches while other fetches run: at most this long after
+# the first one finished (the loop turns at least every 10 ms while one waits), or once this
+# many wait; at once when the last fetch in flight finished (`FetchMachine`). Nothing waits for
+# the report but the prefill's blocks: one message per producer rank per batch, not per
 # request, and none in the way of the fetches still running.
 _DONE_BATCH_S = 0.005
 _DONE_BATCH_MAX = 64
