@@ -8,67 +8,61 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvxfer.integrations.sglang.control import (
-    TAGS,
-    ControlError,
-    Published,
-    Reading,
-    Refused,
-    Register,
-    Registered,
-    frames_of,
-    is_control,
-    message_of,
-    refused_registration,
-)
+from kvxfer.integrations.sglang import control
 
 MESSAGES = [
-    Register(group="10.0.0.1:8998/dp0", ip="10.0.0.2", port=17001, nonce="ab" * 16),
-    Registered(group="10.0.0.1:8998/dp0", rank=3, addresses=["a:1", "a:2"], nonce="ab" * 16),
-    Reading(room=77, ip="10.0.0.2", port=17001, readers=4, prefix=32),
-    Published(room=77, tokens=1000, aux=b"\x00\x01first token"),
+    control.Register(group="10.0.0.1:8998/dp0", ip="10.0.0.2", port=17001, nonce="ab" * 16),
+    control.Registered(
+        group="10.0.0.1:8998/dp0", rank=3, addresses=["a:1", "a:2"], nonce="ab" * 16
+    ),
+    control.Reading(room=77, ip="10.0.0.2", port=17001, readers=4, prefix=32),
+    control.Published(room=77, tokens=1000, aux=b"\x00\x01first token"),
 ]
 
 
 @pytest.mark.parametrize("secret", ["s3cret", None])
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
 def test_a_signed_message_reads_back_under_its_secret(message, secret):
-    frames = frames_of(message, secret)
-    assert is_control(frames) and frames[0] == TAGS[type(message)]
-    got = message_of(frames, secret)
+    frames = control.frames_of(message, secret)
+    assert control.is_control(frames) and frames[0] == control.TAGS[type(message)]
+    got = control.message_of(frames, secret)
     assert msgspec.structs.replace(got, proof="") == message and got.proof
 
 
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
 def test_a_message_under_another_secret_is_refused_naming_the_secret(message):
-    with pytest.raises(ControlError, match="secrets differ"):
-        message_of(frames_of(message, "guess"), "s3cret")
-    with pytest.raises(ControlError, match="secrets differ"):  # signed without one
-        message_of(frames_of(message, None), "s3cret")
+    with pytest.raises(control.ControlError, match="secrets differ"):
+        control.message_of(control.frames_of(message, "guess"), "s3cret")
+    with pytest.raises(control.ControlError, match="secrets differ"):  # signed without one
+        control.message_of(control.frames_of(message, None), "s3cret")
 
 
 def test_an_altered_field_breaks_the_proof():
-    frames = frames_of(MESSAGES[3], "s3cret")
-    forged = msgspec.structs.replace(message_of(frames, "s3cret"), aux=b"\x00\x02other token")
-    with pytest.raises(ControlError, match="proof does not hold"):
-        message_of([frames[0], msgspec.msgpack.encode(forged)], "s3cret")
+    frames = control.frames_of(MESSAGES[3], "s3cret")
+    forged = msgspec.structs.replace(
+        control.message_of(frames, "s3cret"), aux=b"\x00\x02other token"
+    )
+    with pytest.raises(control.ControlError, match="proof does not hold"):
+        control.message_of([frames[0], msgspec.msgpack.encode(forged)], "s3cret")
 
 
 def test_a_payload_under_another_tag_or_malformed_is_refused():
-    registered = frames_of(MESSAGES[1], "s3cret")
-    with pytest.raises(ControlError, match="carries a Registered"):
-        message_of([TAGS[Register], registered[1]], "s3cret")
-    with pytest.raises(ControlError, match="malformed"):
-        message_of([TAGS[Reading], b"\xc1"], "s3cret")
-    with pytest.raises(ControlError, match="not a kvxfer control message"):
-        message_of([b"ABORT", b""], "s3cret")
-    assert not is_control([b"ABORT", b""])
+    registered = control.frames_of(MESSAGES[1], "s3cret")
+    with pytest.raises(control.ControlError, match="carries a Registered"):
+        control.message_of([control.TAGS[control.Register], registered[1]], "s3cret")
+    with pytest.raises(control.ControlError, match="malformed"):
+        control.message_of([control.TAGS[control.Reading], b"\xc1"], "s3cret")
+    with pytest.raises(control.ControlError, match="not a kvxfer control message"):
+        control.message_of([b"ABORT", b""], "s3cret")
+    assert not control.is_control([b"ABORT", b""])
 
 
 def test_a_refused_registration_is_answered_where_it_asked_and_unsigned():
-    frames = frames_of(MESSAGES[0], "guess")
-    where, answer = refused_registration(frames, "its proof does not hold")
+    frames = control.frames_of(MESSAGES[0], "guess")
+    where, answer = control.refused_registration(frames, "its proof does not hold")
     assert where == "tcp://10.0.0.2:17001"
-    refused = message_of(answer, "anything")  # a refusal carries no proof to check
-    assert refused == Refused(group="10.0.0.1:8998/dp0", reason="its proof does not hold")
-    assert refused_registration(frames_of(MESSAGES[2], "guess"), "x") is None  # not a Register
+    refused = control.message_of(answer, "anything")  # a refusal carries no proof to check
+    assert refused == control.Refused(group="10.0.0.1:8998/dp0", reason="its proof does not hold")
+    assert (
+        control.refused_registration(control.frames_of(MESSAGES[2], "guess"), "x") is None
+    )  # no Register

@@ -11,11 +11,11 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.common.conn import CommonKVManager, PrefillServerInfo
+from sglang.srt.disaggregation.common.conn import PrefillServerInfo
 
 from kvxfer.connector.groups import GroupedConsumer, GroupedFetch
 from kvxfer.integrations.base import RankChannels, rank_channels, split_channels
@@ -32,12 +32,8 @@ from kvxfer.integrations.sglang.control import (
 )
 from kvxfer.integrations.sglang.links import GroupLink, LinkState
 from kvxfer.integrations.sglang.manager.model import group_tables
+from kvxfer.integrations.sglang.manager.rank import Rank
 from kvxfer.session.auth import new_nonce
-
-if TYPE_CHECKING:
-    from kvxfer.connector.groups import CacheGroup
-    from kvxfer.integrations.settings import ConnectorSettings
-    from kvxfer.spec import KVCacheSpec
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +54,10 @@ class DecodeLoad:
     window_pages: Any = ()  # a sliding-window model's: its window pages (SGLang's "swa" state)
 
 
-class DecodeSide(CommonKVManager):
+class DecodeSide(Rank):
     """What a decode rank's manager does (`KvxferKVManager` is both sides; the engine's mode
     picks which one runs). Its links and loads are guarded by `_lock`: the scheduler's
     thread, the control listener and the connecting threads all touch them."""
-
-    settings: ConnectorSettings
-    host: str
-    engine_id: str
-    groups: list[CacheGroup]
-    spec: KVCacheSpec
-    _lock: threading.Lock
 
     def _start_decode(self) -> None:
         """The decode side's state (links connect as requests meet their groups)."""

@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import (
     ABORT_TAG,
     AbortNotification,
-    CommonKVManager,
 )
 
 from kvxfer.connector import ReleaseReason
@@ -35,11 +33,7 @@ from kvxfer.integrations.sglang.control import (
     refused_registration,
 )
 from kvxfer.integrations.sglang.manager.model import group_tables
-
-if TYPE_CHECKING:
-    from kvxfer.connector.groups import CacheGroup
-    from kvxfer.integrations.settings import ConnectorSettings
-    from kvxfer.spec import KVCacheSpec
+from kvxfer.integrations.sglang.manager.rank import Rank
 
 log = logging.getLogger(__name__)
 
@@ -68,17 +62,11 @@ class Send:
     aux_index: int | None
 
 
-class PrefillSide(CommonKVManager):
+class PrefillSide(Rank):
     """What a prefill rank's manager does (`KvxferKVManager` is both sides; the engine's mode
     picks which one runs). Its state is guarded by `_lock`: the scheduler's thread, the
     control listener and the producer's side-channel thread all touch it."""
 
-    settings: ConnectorSettings
-    host: str
-    engine_id: str
-    groups: list[CacheGroup]
-    spec: KVCacheSpec
-    _lock: threading.Lock
     producer: GroupedProducer | None = None  # a prefill rank's
 
     def _start_prefill(self) -> None:
