@@ -214,6 +214,7 @@ class FakeSessions:
         self.sent: list[tuple[ProducerSession, object]] = []
         self.notices: list[object] = []
         self.finished: list[str] = []  # reported done (batched by the real sessions)
+        self.reported: list[str] = []  # of those, the ones whose batch went out
 
     def session_for(self, rank, since):
         return self.session
@@ -226,6 +227,9 @@ class FakeSessions:
 
     def done(self, request_id) -> None:
         self.finished.append(request_id)
+
+    def report_done(self) -> None:
+        self.reported = list(self.finished)
 
     def messages(self, kind):
         return [m for _, m in self.sent if isinstance(m, kind)]
@@ -329,6 +333,7 @@ def test_a_chunk_read_from_staging_goes_ask_offer_read_copy_done():
     assert chunk.state is S.DONE and rig.pool.free_slots == 2
     assert rig.result().ok
     assert rig.sessions.finished == ["req"] and rig.sessions.notices == []
+    assert rig.sessions.reported == ["req"]  # the last fetch in flight: reported at once
 
 
 def test_a_chunk_read_from_the_cache_is_confirmed_before_its_copy():
