@@ -19,6 +19,7 @@ from kvxfer.integrations.sglang.loaded import (
     forget_model_scales,
     record_model_scales,
     scales_of,
+    sliding_window_of,
 )
 
 
@@ -95,3 +96,19 @@ def test_a_layer_the_recorded_model_lacks_is_refused_naming_it():
     record_model_scales(_attention(range(2), True))  # a pipeline stage's layers 0 and 1
     with pytest.raises(ValueError, match=r"layers \[2, 3\]: no attention layer"):
         scales_of(range(4))
+
+
+def test_the_window_the_model_runner_resolved_is_recorded_per_model():
+    # Gemma's runner resolves its config's sliding_window - 1: the runner's, not the config's.
+    target = SimpleNamespace(model=_attention(range(2), False), sliding_window_size=511)
+    draft = SimpleNamespace(model=_attention(range(2, 3), False), is_draft_worker=True)
+    after_load_model(None, target)
+    after_load_model(None, draft)
+    assert sliding_window_of() == 511
+    with pytest.raises(ValueError, match=r"sliding window is None"):
+        sliding_window_of(draft=True)  # a draft of full attention
+
+
+def test_a_window_pool_without_a_recorded_window_is_refused_naming_the_fix():
+    with pytest.raises(ValueError, match=r"no model's sliding window was recorded.*plugins"):
+        sliding_window_of()
