@@ -100,8 +100,10 @@ class KvxferKVReceiver(CommonKVReceiver):
         prefix = kwargs.get("decode_prefix_len") or 0
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         aux_row = -1 if aux_index is None else aux_index
-        load = DecodeLoad(self.group_key, self.bootstrap_room, pages, aux_row, prefix)
-        load.window_pages = state_indices[0] if state_indices else ()
+        window = state_indices[0] if state_indices else ()
+        load = DecodeLoad(
+            self.group_key, self.bootstrap_room, pages, aux_row, prefix, window_pages=window
+        )
         self.kv_mgr.add_load(self.bootstrap_room, load)
         super().send_metadata(kv_indices, aux_index, *args, **kwargs)
 

@@ -10,8 +10,8 @@ patching no line of SGLang.
 - an AROUND hook on `get_kv_class` (`HookRegistry`, which also rebinds the modules that
   imported it) answers kvxfer's manager, sender, receiver and bootstrap server for `KVXFER`, and
   leaves every other backend to SGLang;
-- an AFTER hook on `ModelRunner.load_model` records the model's fp8 KV scales
-  (`kvxfer.integrations.sglang.loaded`), which the manager's spec carries.
+- an AFTER hook on `ModelRunner.load_model` records the model's fp8 KV scales and sliding
+  window (`kvxfer.integrations.sglang.loaded`), which the manager's specs and groups carry.
 
 SGLang runs `load_plugins()` in `launch_server`, `sglang serve`, the engine, and every scheduler
 process, so every process that builds a backend has it.
@@ -26,7 +26,8 @@ BACKEND = "kvxfer"
 # SGLang versions whose Common* classes, plugin API and pools this backend was verified
 # against (tests/integration_sglang); the classes it subclasses change between releases.
 SUPPORTED_SGLANG = ("0.5.23",)
-# Where the plugin records the model's fp8 KV scales (`kvxfer.integrations.sglang.loaded`).
+# Where the plugin records the model's fp8 KV scales and sliding window
+# (`kvxfer.integrations.sglang.loaded`).
 LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 
 
