@@ -169,11 +169,6 @@ class EventLoop:
             self._guarded(self.run_posted)
             self._guarded(self._tick)
             self._guarded(self._drive_reads)
-            if not self._events.empty():
-                # What the drive settled (a read's completion posts its copy): this turn, not
-                # a turn of its own (each costs about 65 us of CPU: benchmarks/history,
-                # 2026-12-07, "where a 16-token fetch's time goes").
-                self._guarded(self.run_posted)
             if self._clock.turn_was_long():
                 self._clock.report_turn(f"{len(readable)} readable sockets, posted events, tick")
 
