@@ -128,8 +128,9 @@ def window_slots(cfg: RankConfig) -> Any:
 
 def fetched_window(cfg: RankConfig) -> range:
     """The tokens of the window layers a decode needs (and kvxfer moves): what its first query,
-    at position `num_tokens`, attends to."""
-    return range(max(0, cfg.num_tokens - cfg.window + 1), cfg.num_tokens)
+    at position `num_tokens`, attends to under SGLang's FlashAttention and FlashInfer backends
+    (`[p - window, p]`; Triton's attends one fewer), and what SGLang's own window pages hold."""
+    return range(max(0, cfg.num_tokens - cfg.window), cfg.num_tokens)
 
 
 def sent_window_pages(cfg: RankConfig) -> list[int]:

@@ -71,8 +71,9 @@ def forget_model_scales() -> None:
 
 
 def sliding_window_of(draft: bool = False) -> int:
-    """The recorded attention window of the target (or `draft`) model, in tokens: a query
-    at position `p` attends to `[p - window + 1, p]` (SGLang's attention backends).
+    """The recorded attention window of the target (or `draft`) model, in tokens, as SGLang's
+    model runner resolved it (`sliding_window_size`; what a query attends with it differs by
+    one between SGLang's attention backends: the manager's decode side fetches the wider).
 
     Raises:
         ValueError: none was recorded in this process, or the model has none, naming the fix.

@@ -297,16 +297,20 @@ class DecodeSide(Rank):
         )
         try:
             tables = group_tables(self.groups, table, load.window_pages, load.num_tokens)
-        except ValueError as exc:
+            # SGLang's page 0 is its padding page: a window table's leading 0s are no pages.
+            # SGLang's attention backends differ by one in what a window of `w` attends from a
+            # query at `p` (Triton: [p - w + 1, p]; FlashAttention, FlashInfer: [p - w, p]):
+            # the wider is fetched, as for a first query at `num_tokens - 1` under Triton's
+            # rule. That is where SGLang's own window pages start (its `_swa_payload`).
+            load.handle = consumer.fetch(
+                str(room), tables, load.num_tokens, start_token=load.prefix,
+                timeout=self.settings.fetch_timeout_s, null_block=0,
+                first_computed=load.num_tokens - 1,
+            )  # fmt: skip
+        except Exception as exc:
             load.aborted = True  # never fetched: its pages are SGLang's again at once
             self.record_failure(room, f"kvxfer: {exc}")
             self.update_status(room, KVPoll.Failed)
-            return
-        # SGLang's page 0 is its padding page: a window table's leading 0s are no pages.
-        load.handle = consumer.fetch(
-            str(room), tables, load.num_tokens, start_token=load.prefix,
-            timeout=self.settings.fetch_timeout_s, null_block=0,
-        )  # fmt: skip
 
     def write_aux(self, load: DecodeLoad) -> None:
         """The prefill's aux row into this rank's row `load.aux_index`.
