@@ -7,6 +7,7 @@ model's under speculative decoding) and the listener of SGLang's control socket.
   at its last chunk, the producer's releases as SGLang's statuses;
 - `decode`: the look-up of a prefill engine, a link to each prefill DP group
   (`kvxfer.integrations.sglang.links`), each request's load and fetch;
+- `rank`: what both sides share;
 - `model`: the settings and the model facts the manager reads from SGLang.
 """
 
@@ -36,7 +37,7 @@ from kvxfer.integrations.sglang.manager.model import (
     state_kinds,
 )
 from kvxfer.integrations.sglang.manager.prefill import PrefillSide, Send
-from kvxfer.integrations.sglang.pools import sglang_cache
+from kvxfer.integrations.sglang.pools import SGLangModel, sglang_cache
 
 __all__ = ["DecodeLoad", "KvxferKVManager", "Send", "load_settings", "model_of"]
 
@@ -103,6 +104,7 @@ class KvxferKVManager(PrefillSide, DecodeSide):
         model's where speculative decoding keeps one (its pages are the target's: SGLang
         sends one page list for both)."""
         target, draft = pool_entries(args)
+        target_model = model_of(server_args, args, mla)
         groups = []
         for entries, is_draft in ((target, False), (draft, True)):
             if is_draft and entries.start == entries.stop:
@@ -117,7 +119,7 @@ class KvxferKVManager(PrefillSide, DecodeSide):
                 args.kv_data_lens[entries],
                 args.kv_item_lens[entries],
                 args.page_size,
-                model_of(server_args, args, mla, draft=is_draft),
+                model_of(server_args, args, mla, draft=True) if is_draft else target_model,
                 tp_size=self.attn_tp_size,
                 tp_rank=self.attn_tp_rank,
                 pp_size=1 if is_draft else self.pp_size,
@@ -127,13 +129,15 @@ class KvxferKVManager(PrefillSide, DecodeSide):
             )
             groups.append(CacheGroup(spec, caches))
         if state_kinds(args) == [SWA]:
-            groups.append(self._window_group(server_args, args, mla))
+            groups.append(self._window_group(server_args, args, mla, target_model))
         return groups
 
-    def _window_group(self, server_args: Any, args: KVArgs, mla: bool) -> CacheGroup:
+    def _window_group(
+        self, server_args: Any, args: KVArgs, mla: bool, target: SGLangModel
+    ) -> CacheGroup:
         """The window layers' pool (`SWAKVPool`'s, SGLang's one "swa" state) as a
-        sliding-window group: its pages are the request's window pages (its state indices),
-        and its window the one SGLang's model runner resolved."""
+        sliding-window group of the `target` model's heads: its pages are the request's window
+        pages (its state indices), and its window the one SGLang's model runner resolved."""
         if self.pp_size > 1:
             raise ValueError(
                 "kvxfer's SGLang backend: a sliding-window model with prefill pipeline "
@@ -143,7 +147,7 @@ class KvxferKVManager(PrefillSide, DecodeSide):
             args.state_data_ptrs[0], args.state_data_lens[0], args.state_item_lens[0]
         )  # fmt: skip
         layers = len(ptrs) if mla else len(ptrs) // 2
-        model = dataclasses.replace(model_of(server_args, args, mla), total_layers=layers)
+        model = dataclasses.replace(target, total_layers=layers)
         spec, caches = sglang_cache(
             ptrs, lens, item_lens, args.page_size, model,
             tp_size=self.attn_tp_size, tp_rank=self.attn_tp_rank,
