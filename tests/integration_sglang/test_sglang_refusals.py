@@ -20,18 +20,23 @@ def _kv_args(**fields: object) -> KVArgs:
 
 @pytest.mark.parametrize(
     "kinds",
-    [[StateType.MAMBA], [StateType.SWA, StateType.MAMBA], [StateType.SWA, StateType.SWA]],
-    ids=["mamba", "window-and-mamba", "target-and-draft-windows"],
+    [
+        [StateType.SWA, StateType.MAMBA],
+        [StateType.SWA, StateType.SWA],
+        [StateType.MAMBA, StateType.MAMBA],
+    ],
+    ids=["window-and-mamba", "target-and-draft-windows", "target-and-draft-mamba"],
 )
-def test_hybrid_state_but_one_window_pool_is_refused_naming_its_kinds(kinds):
+def test_hybrid_state_but_one_window_pool_or_mamba_state_is_refused_naming_its_kinds(kinds):
     named = ", ".join(kind.value for kind in kinds)
     with pytest.raises(ValueError, match=f"hybrid state \\({named}\\).*another transfer"):
         model_of(None, _kv_args(state_types=kinds), is_mla=False)
 
 
-def test_an_fp8_sliding_window_model_is_refused_naming_the_fix():
-    args = _kv_args(state_types=[StateType.SWA], kv_cache_dtype_str="fp8_e4m3")
-    with pytest.raises(ValueError, match=r"fp8 sliding-window model.*--kv-cache-dtype auto"):
+@pytest.mark.parametrize("kind", [StateType.SWA, StateType.MAMBA], ids=["window", "mamba"])
+def test_an_fp8_hybrid_model_is_refused_naming_the_fix(kind):
+    args = _kv_args(state_types=[kind], kv_cache_dtype_str="fp8_e4m3")
+    with pytest.raises(ValueError, match=rf"fp8 hybrid model \({kind.value}\).*dtype auto"):
         model_of(None, args, is_mla=False)
 
 

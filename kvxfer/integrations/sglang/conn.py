@@ -94,16 +94,16 @@ class KvxferKVReceiver(CommonKVReceiver):
         if not hasattr(self, "group_key"):  # init failed: SGLang's own path reports it
             super().send_metadata(kv_indices, aux_index, *args, **kwargs)
             return
-        # SGLang's state indices, one list a state kind: the manager took only one sliding-
-        # window pool (`check_state_kinds`), whose indices are the request's window pages.
+        # SGLang's state indices, one list a state kind: the manager took one state at most
+        # (`check_state_kinds`): the request's window pages, or its Mamba slot.
         state_indices = kwargs.get("state_indices", args[0] if args else None)
         prefix = kwargs.get("decode_prefix_len") or 0
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         aux_row = -1 if aux_index is None else aux_index
-        window = state_indices[0] if state_indices else ()
         load = DecodeLoad(
-            self.group_key, self.bootstrap_room, pages, aux_row, prefix, window_pages=window
-        )
+            self.group_key, self.bootstrap_room, pages, aux_row, prefix,
+            state_indices=state_indices or (),
+        )  # fmt: skip
         self.kv_mgr.add_load(self.bootstrap_room, load)
         super().send_metadata(kv_indices, aux_index, *args, **kwargs)
 

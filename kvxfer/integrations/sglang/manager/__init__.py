@@ -27,6 +27,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from kvxfer.connector.groups import CacheGroup
 from kvxfer.integrations.base import EngineAdapter
 from kvxfer.integrations.sglang.loaded import sliding_window_of
+from kvxfer.integrations.sglang.mamba import MAMBA, mamba_groups, mamba_model
 from kvxfer.integrations.sglang.manager.decode import DecodeLoad, DecodeSide
 from kvxfer.integrations.sglang.manager.model import (
     SWA,
@@ -102,7 +103,8 @@ class KvxferKVManager(PrefillSide, DecodeSide):
     def _cache_groups(self, server_args: Any, args: KVArgs, mla: bool) -> list[CacheGroup]:
         """The rank's pools as kvxfer's cache groups: the target model's, then the draft
         model's where speculative decoding keeps one (its pages are the target's: SGLang
-        sends one page list for both)."""
+        sends one page list for both), then the hybrid state's (a window pool's, or a Mamba
+        state's groups)."""
         target, draft = pool_entries(args)
         target_model = model_of(server_args, args, mla)
         groups = []
@@ -130,7 +132,28 @@ class KvxferKVManager(PrefillSide, DecodeSide):
             groups.append(CacheGroup(spec, caches))
         if state_kinds(args) == [SWA]:
             groups.append(self._window_group(server_args, args, mla, target_model))
+        if state_kinds(args) == [MAMBA]:
+            groups += self._mamba_groups(server_args, args, drafts=len(groups) > 1)
         return groups
+
+    def _mamba_groups(self, server_args: Any, args: KVArgs, drafts: bool) -> list[CacheGroup]:
+        """The target model's Mamba state (SGLang's one "mamba" state) as state groups
+        (`kvxfer.integrations.sglang.mamba`): a request's table is its slot."""
+        if self.pp_size > 1:
+            raise ValueError(
+                "kvxfer's SGLang backend: a Mamba model with prefill pipeline parallelism is "
+                "not supported; serve the prefill with --pp-size 1"
+            )
+        if drafts:
+            raise ValueError(
+                "kvxfer's SGLang backend: speculative decoding with a Mamba model (its draft's "
+                "KV and state) is not supported; serve it without a speculative algorithm"
+            )
+        return mamba_groups(
+            args, 0, mamba_model(server_args),
+            tp_size=self.attn_tp_size, tp_rank=self.attn_tp_rank,
+            device=pool_device(server_args, args),
+        )  # fmt: skip
 
     def _window_group(
         self, server_args: Any, args: KVArgs, mla: bool, target: SGLangModel

@@ -51,7 +51,7 @@ class DecodeLoad:
     aux: bytes | None = None
     handle: GroupedFetch | None = None
     aborted: bool = False  # never start its fetch: SGLang may give its pages away
-    window_pages: Any = ()  # a sliding-window model's: its window pages (SGLang's "swa" state)
+    state_indices: Any = ()  # a hybrid model's: SGLang's (window pages, or Mamba slot)
 
 
 class DecodeSide(Rank):
@@ -296,7 +296,7 @@ class DecodeSide(Rank):
             [np.zeros(load.prefix // self.spec.block_size, dtype=np.int64), load.pages]
         )
         try:
-            tables = group_tables(self.groups, table, load.window_pages, load.num_tokens)
+            tables = group_tables(self.groups, table, load.state_indices, load.num_tokens)
             # SGLang's page 0 is its padding page: a window table's leading 0s are no pages.
             # SGLang's attention backends differ by one in what a window of `w` attends from a
             # query at `p` (Triton: [p - w + 1, p]; FlashAttention, FlashInfer: [p - w, p]):

@@ -13,6 +13,7 @@ import numpy as np
 
 from kvxfer.integrations.settings import ConnectorSettings
 from kvxfer.integrations.sglang.loaded import scales_of
+from kvxfer.integrations.sglang.mamba import MAMBA
 from kvxfer.integrations.sglang.pools import SGLangModel, kv_dtype_name, window_table
 from kvxfer.spec import DTYPE_ITEMSIZE, FP8_DTYPES
 
@@ -51,24 +52,25 @@ def state_kinds(kv_args: KVArgs) -> list[str]:
 
 def check_state_kinds(kv_args: KVArgs) -> None:
     """Refuse the hybrid state kvxfer's SGLang backend does not move: everything but one
-    sliding-window pool (`SWAKVPool`'s window layers), beside full attention in bf16, fp16 or
-    fp32.
+    sliding-window pool (`SWAKVPool`'s window layers) or one Mamba state (`MambaPool`'s, of
+    the target model), beside full attention in bf16, fp16 or fp32.
 
     Raises:
         ValueError: naming the kinds and the fix.
     """
     kinds = state_kinds(kv_args)
-    if kinds and kinds != [SWA]:
+    if kinds and kinds not in ([SWA], [MAMBA]):
         raise ValueError(
             f"this model keeps hybrid state ({', '.join(kinds)}) beside its KV cache; kvxfer's "
-            "SGLang backend moves full-attention KV and one sliding-window pool, not Mamba or "
-            "the other kinds (nor a draft model's window pool): serve it with another transfer "
-            "backend"
+            "SGLang backend moves full-attention KV with one sliding-window pool or one Mamba "
+            "state, not the other kinds (nor a draft model's window pool or Mamba state): "
+            "serve it with another transfer backend"
         )
     if kinds and kv_args.kv_cache_dtype_str.startswith("fp8"):
         raise ValueError(
-            "an fp8 sliding-window model: kvxfer's SGLang backend has not verified the scales of "
-            "its window layers; serve it with --kv-cache-dtype auto"
+            f"an fp8 hybrid model ({kinds[0]}): kvxfer's SGLang backend has not verified the "
+            "scales of its full-attention layers beside that state; serve it with "
+            "--kv-cache-dtype auto"
         )
 
 
@@ -113,15 +115,20 @@ def pool_device(server_args: Any, kv_args: KVArgs) -> str:
 
 
 def group_tables(
-    groups: Sequence[CacheGroup], kv_pages: np.ndarray, window_pages: Any, num_tokens: int
+    groups: Sequence[CacheGroup], kv_pages: np.ndarray, state_indices: Any, num_tokens: int
 ) -> list[np.ndarray]:
     """Every group's block table for a request of `num_tokens` tokens: `kv_pages` for the
-    full-attention groups (the target's and the draft's share its pages), the request's
-    sliding-window pages (`window_table`, from SGLang's "swa" state indices) for the window
-    group."""
-    return [
-        kv_pages
-        if group.sliding_window is None
-        else np.asarray(window_table(window_pages, num_tokens, group.spec.block_size))
-        for group in groups
-    ]
+    full-attention groups (the target's and the draft's share its pages); from SGLang's state
+    indices (one list, its one state's), the request's sliding-window pages (`window_table`)
+    for a window group, its Mamba slot for a state group."""
+    indices = state_indices[0] if state_indices else ()
+    tables = []
+    for group in groups:
+        if group.state:
+            tables.append(np.asarray(indices[:1], dtype=np.int64))
+        elif group.sliding_window is not None:
+            pages = window_table(indices, num_tokens, group.spec.block_size)
+            tables.append(np.asarray(pages))
+        else:
+            tables.append(kv_pages)
+    return tables

@@ -51,12 +51,13 @@ class _Sent:
 @dataclass(frozen=True)
 class Send:
     """A request a prefill rank publishes (its last chunk was sent): its block table (the
-    decode's prefix as padding, then the pages of every chunk), its sliding-window pages if
-    any (SGLang's "swa" state indices), its tokens, the decode's prefix, its aux row."""
+    decode's prefix as padding, then the pages of every chunk), SGLang's state indices of it
+    if the model keeps hybrid state (one list, its one state's: sliding-window pages, or a
+    Mamba slot), its tokens, the decode's prefix, its aux row."""
 
     room: int
     table: np.ndarray
-    window_pages: Any
+    state_indices: Any
     num_tokens: int
     prefix: int
     aux_index: int | None
@@ -152,7 +153,7 @@ class PrefillSide(Rank):
         **kwargs: Any,
     ) -> None:
         """A chunk of the request's pages is computed (`CommonKVSender.send`); the last one
-        publishes the request (with a sliding-window model, its window pages: `state_indices`)
+        publishes the request (with a hybrid model, its state indices: window pages, Mamba slot)
         and tells its decode ranks."""
         wait_event = kwargs.get("wait_event")
         if wait_event is not None:
@@ -173,9 +174,8 @@ class PrefillSide(Rank):
         table = np.concatenate(
             [np.zeros(prefix // self.spec.block_size, dtype=np.int64), *sent.pages]
         )
-        window_pages = state_indices[0] if state_indices else ()  # the one "swa" state's
-        self.publish(Send(bootstrap_room, table, window_pages, prefix + sent.tokens, prefix,
-                          aux_index))  # fmt: skip
+        self.publish(Send(bootstrap_room, table, state_indices or (), prefix + sent.tokens,
+                          prefix, aux_index))  # fmt: skip
 
     def publish(self, send: Send) -> None:
         """Offer a request's pages (the engine-adapter contract), and tell its decode ranks
@@ -183,7 +183,7 @@ class PrefillSide(Rank):
         room = send.room
         assert self.producer is not None
         try:
-            tables = group_tables(self.groups, send.table, send.window_pages, send.num_tokens)
+            tables = group_tables(self.groups, send.table, send.state_indices, send.num_tokens)
             self.producer.publish(
                 str(room), tables, send.num_tokens, first_token=send.prefix,
                 deadline_s=self.settings.request_timeout_s,

@@ -1,0 +1,213 @@
+"""SGLang's Mamba / linear-attention state as kvxfer's recurrent-state groups (`kvxfer.state`),
+read from what SGLang hands a transfer backend (`KVArgs.state_*`) and the model's own cache
+parameters, and checked, never assumed.
+
+What SGLang 0.5.23 keeps (`MambaPool`; docs/sglang.md, "Mamba and linear attention"): per
+mamba layer a conv state `[size + 1, conv_dim / tp, K - 1]` and a temporal (SSM) state
+`[size + 1, heads / tp, head_dim, N]`, each stacked over the layers; a request holds one slot
+(its state index), slot 0 is SGLang's dummy. `KVArgs` lists one buffer per (state, layer):
+every layer's conv, then every layer's temporal, each `size + 1` items of `item_len` bytes
+(one slot), with `state_dim_per_tensor` the rank's rows (conv channels, heads).
+
+How the rows split over TP is the model's sharding, which the pool's shapes alone do not say:
+a gated delta net (Qwen3-Next) holds the r-th even slice of each of its conv's q, k and v
+(SGLang's `conv_shard_groups`), a Mamba2 mixer (NemotronH, Falcon-H1, Granite) the r-th slice
+of each of x, B and C, a Mamba1 mixer its slice of x; the temporal state is heads, split
+evenly. Each is a `StateComponent` with those sub-projections, in a `StateLayout` of its own
+(conv and temporal are apart in memory), so kvxfer moves a slot between any two TP sizes bit
+for bit. (SGLang's own backends slice one contiguous range where no `conv_shard_groups` are
+given, and need one TP size to divide the other.)
+
+Refused, naming the setting: a Mamba2 model whose `n_groups` its TP does not divide (SGLang
+then gives every rank all of B and C: rows `kvxfer.state` does not move), a channels-last conv
+(Kimi's KDA: `state_slice_outer_counts` > 1), another state shape (lightning attention), a state
+registered whole on every rank (`state_dim_per_tensor` 0), and SGLang's CPU pools on an AMX
+machine (their conv layout is transposed in place, behind the same metadata).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvxfer.connector.groups import CacheGroup
+from kvxfer.integrations.sglang.pools import tensor_at
+from kvxfer.state import StateComponent, StateLayout
+
+if TYPE_CHECKING:
+    from sglang.srt.disaggregation.base.conn import KVArgs
+
+MAMBA = "mamba"  # SGLang's StateType.MAMBA
+
+
+@dataclass(frozen=True)
+class MambaModel:
+    """The whole model's state rows, from its cache parameters.
+
+    Attributes:
+        conv_segments: the conv channels of each sub-projection (q, k, v; x, B, C; x), each
+            split evenly over the ranks.
+        heads: the temporal state's rows.
+    """
+
+    conv_segments: tuple[int, ...]
+    heads: int
+
+    @property
+    def conv_rows(self) -> int:
+        """Conv channels of the whole model."""
+        return sum(self.conv_segments)
+
+
+def mamba_model(server_args: Any) -> MambaModel:
+    """The served model's state rows, from SGLang's own cache parameters
+    (`mambaish_config(...).mamba2_cache_params`, as its scheduler sizes the pool).
+
+    Raises:
+        ValueError: a state shape kvxfer has not verified (module docstring).
+    """
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+    from sglang.srt.configs.model_config import ModelConfig
+
+    config = mambaish_config(ModelConfig.from_server_args(server_args))
+    shape = getattr(getattr(config, "mamba2_cache_params", None), "shape", None)
+    if shape is None or not hasattr(shape, "intermediate_size"):
+        raise ValueError(
+            f"this model's linear-attention state ({type(shape).__name__}) is not a layout "
+            "kvxfer's SGLang backend has verified (it moves gated delta nets, Mamba1 and "
+            "Mamba2 mixers); serve it with another transfer backend"
+        )
+    groups = getattr(config, "mamba_n_groups", None) or getattr(config, "n_groups", None)
+    return MambaModel(conv_segments(shape, groups), int(shape.num_heads))
+
+
+def conv_segments(shape: Any, n_groups: int | None) -> tuple[int, ...]:
+    """The conv's sub-projections, global channels each, of SGLang's `Mamba2StateShape`
+    (made at this rank's TP) and the model's `n_groups` (None where its config has none).
+
+    Raises:
+        ValueError: a layout kvxfer has not verified: more than one conv tensor, sub-projections
+            that do not add up to the conv, or B and C replicated over the ranks.
+    """
+    if len(shape.conv) != 1:
+        raise ValueError(
+            f"this model keeps {len(shape.conv)} conv states a layer; kvxfer's SGLang backend "
+            "moves one"
+        )
+    inner, conv_dim = int(shape.intermediate_size), int(shape.conv_dim)
+    if shape.conv_shard_groups:  # a gated delta net's q, k, v
+        segments = tuple(int(g) for g in shape.conv_shard_groups)
+    elif conv_dim == inner:  # Mamba1: the conv is x alone
+        segments = (inner,)
+    else:  # Mamba2: x, then B and C of n_groups x N channels each
+        group_rows = (conv_dim - inner) // 2
+        if n_groups is None or int(n_groups) * int(shape.state_size) != group_rows:
+            raise ValueError(
+                f"a Mamba2 model with n_groups={n_groups} at this TP: SGLang gives every rank "
+                f"all of B and C ({group_rows} channels each, n_groups extended to the TP), "
+                "rows kvxfer does not move yet; serve it with a TP that divides n_groups on "
+                "both engines, or with another transfer backend"
+            )
+        segments = (inner, group_rows, group_rows)
+    if sum(segments) != conv_dim:
+        raise ValueError(
+            f"the conv's sub-projections {list(segments)} do not add up to its {conv_dim} "
+            "channels (heads padded for this TP?); serve it with a TP that divides its heads"
+        )
+    return segments
+
+
+def mamba_groups(
+    kv_args: KVArgs,
+    index: int,
+    model: MambaModel,
+    *,
+    tp_size: int,
+    tp_rank: int,
+    device: torch.device | str,
+) -> list[CacheGroup]:
+    """One rank's Mamba state, SGLang's state `index` of `kv_args`, as state groups: the conv's
+    sub-projections, then the temporal state (module docstring).
+
+    Raises:
+        ValueError: buffers that do not fit `model` at this TP, or a layout kvxfer has not
+            verified (module docstring), naming what differs.
+    """
+    device = torch.device(device)
+    _check_amx(device)
+    ptrs, lens = kv_args.state_data_ptrs[index], kv_args.state_data_lens[index]
+    items, rows = kv_args.state_item_lens[index], kv_args.state_dim_per_tensor[index]
+    outer = list(kv_args.state_slice_outer_counts[index] or [])
+    if any(count != 1 for count in outer):
+        raise ValueError(
+            "a channels-last conv state (state_slice_outer_counts "
+            f"{sorted(set(outer))}, Kimi's KDA) is not a layout kvxfer's SGLang backend has "
+            "verified; serve it with another transfer backend"
+        )
+    count = len(ptrs)
+    if count % 2 or not (len(lens) == len(items) == len(rows) == count):
+        raise ValueError(
+            f"KVArgs: {count} Mamba state buffers, {len(lens)} lens, {len(items)} item lens, "
+            f"{len(rows)} dims; expected a conv and a temporal buffer of every layer"
+        )
+    layers = count // 2
+    groups: list[CacheGroup] = []
+    for name, entries, total, segments in (
+        ("conv", slice(0, layers), model.conv_rows, model.conv_segments),
+        ("temporal", slice(layers, count), model.heads, ()),
+    ):
+        page, local = _one_size(name, items[entries], rows[entries], total, tp_size)
+        component = StateComponent(total, (page // local,), torch.uint8, segments)
+        layout = StateLayout((component,), page, tp_size, tp_rank)
+        pages = [
+            _slots(name, ptr, nbytes, page, device)
+            for ptr, nbytes in zip(ptrs[entries], lens[entries], strict=True)
+        ]
+        groups += layout.groups(pages)
+    return groups
+
+
+def _one_size(
+    name: str, items: Sequence[int], rows: Sequence[int], total: int, tp_size: int
+) -> tuple[int, int]:
+    """A state's one slot size and local rows over every layer, checked against the model's
+    `total` rows at `tp_size`."""
+    if 0 in rows:
+        raise ValueError(
+            f"the {name} state is registered whole on every rank (state_dim_per_tensor 0): not "
+            "a layout kvxfer's SGLang backend has verified"
+        )
+    local = total // tp_size
+    if set(rows) != {local} or len(set(items)) != 1 or items[0] % local:
+        raise ValueError(
+            f"the {name} state: {sorted(set(rows))} rows of {sorted(set(items))} bytes a slot "
+            f"per layer, expected {local} rows ({total} over TP {tp_size}) of one size; the "
+            "pool is not a layout kvxfer has verified"
+        )
+    return items[0], local
+
+
+def _slots(name: str, ptr: int, nbytes: int, slot_bytes: int, device: torch.device) -> torch.Tensor:
+    """A layer's state buffer as `[slots, slot_bytes]` bytes."""
+    if nbytes % slot_bytes:
+        raise ValueError(
+            f"the {name} state: a buffer of {nbytes} bytes is not whole slots of {slot_bytes}"
+        )
+    return tensor_at(ptr, nbytes, torch.uint8, device).view(nbytes // slot_bytes, slot_bytes)
+
+
+def _check_amx(device: torch.device) -> None:
+    """Refuse SGLang's CPU pools on an AMX machine: its conv state is then re-strided to
+    `[K - 1, channels]` in place (`_init_amx_conv_state`), behind the same metadata."""
+    if device.type != "cpu":
+        return
+    from sglang.srt.utils import cpu_has_amx_support
+
+    if cpu_has_amx_support():
+        raise ValueError(
+            "SGLang's Mamba state on an AMX CPU keeps its conv state transposed, a layout "
+            "kvxfer's SGLang backend has not verified; serve it on CUDA or without AMX"
+        )

@@ -1,0 +1,121 @@
+"""SGLang's Mamba state as kvxfer reads it (`kvxfer.integrations.sglang.mamba`), on SGLang's own
+`Mamba2StateShape`, `MambaPool`, `HybridLinearKVPool` and `setup_state_kv_args`: the conv's
+sub-projections each model shards apart, every group's view landing on the bytes of the rank's
+slice in SGLang's pool, and the layouts kvxfer has not verified refused with their reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+from sglang.srt.disaggregation.base.conn import KVArgs, StateType
+from sglang.srt.disaggregation.utils import setup_state_kv_args
+from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
+
+from kvxfer.integrations.sglang.mamba import MambaModel, conv_segments, mamba_groups
+
+# A tiny gated delta net's conv (q, k, v) and a tiny Mamba2 mixer: 4 heads of 16, N 16, K 4.
+QKV = [32, 32, 64]
+INNER, STATE, HEADS, HEAD_DIM, KERNEL = 64, 16, 4, 16, 4
+MAMBA_LAYERS, FULL_LAYERS = [0, 2], [1, 3]
+SLOTS = 8
+
+
+def _shape(tp: int, n_groups: int = 2, shard_groups: list[int] | None = None) -> Mamba2StateShape:
+    return Mamba2StateShape.create(
+        tp_world_size=tp, intermediate_size=INNER, n_groups=n_groups, num_heads=HEADS,
+        head_dim=HEAD_DIM, state_size=STATE, conv_kernel=KERNEL, conv_shard_groups=shard_groups,
+    )  # fmt: skip
+
+
+def _pool_args(shape: Mamba2StateShape) -> tuple[MambaPool, KVArgs]:
+    """SGLang's pools of a rank and the `KVArgs` its scheduler fills from them."""
+    dtype = Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32)
+    params = Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS, dtype=dtype)
+    mamba = MambaPool(
+        size=SLOTS, spec_state_size=4, cache_params=params, mamba_layer_ids=MAMBA_LAYERS,
+        device="cpu",
+    )  # fmt: skip
+    pool = HybridLinearKVPool(
+        size=256, dtype=torch.bfloat16, page_size=16, head_num=1, head_dim=32,
+        full_attention_layer_ids=FULL_LAYERS, device="cpu", mamba_pool=mamba,
+    )  # fmt: skip
+    args = KVArgs()
+    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = pool.get_contiguous_buf_infos()
+    setup_state_kv_args(args, pool, None, len(MAMBA_LAYERS) + len(FULL_LAYERS))
+    assert args.state_types == [StateType.MAMBA]
+    return mamba, args
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_each_models_conv_is_split_into_the_sub_projections_it_shards_apart(tp):
+    assert conv_segments(_shape(tp, shard_groups=QKV), None) == tuple(QKV)  # q, k, v
+    assert conv_segments(_shape(tp, n_groups=2), 2) == (INNER, 2 * STATE, 2 * STATE)  # x, B, C
+    full_rank = Mamba2StateShape.create_full_rank(
+        tp_world_size=tp, intermediate_size=INNER, state_size=STATE, conv_kernel=KERNEL
+    )
+    assert conv_segments(full_rank, None) == (INNER,)  # Mamba1: x alone
+
+
+def test_a_mamba2_model_whose_groups_its_tp_does_not_divide_is_refused():
+    """n_groups 1 at TP 2: SGLang gives both ranks all of B and C (replicated rows)."""
+    assert conv_segments(_shape(1, n_groups=1), 1) == (INNER, STATE, STATE)
+    with pytest.raises(ValueError, match=r"n_groups=1 at this TP.*all of B and C"):
+        conv_segments(_shape(2, n_groups=1), 1)
+    with pytest.raises(ValueError, match=r"n_groups=None"):
+        conv_segments(_shape(2, n_groups=2), None)  # a config that does not say
+
+
+@pytest.mark.parametrize(
+    ("tp", "shard_groups"), [(1, QKV), (2, QKV), (2, None)], ids=["gdn-tp1", "gdn-tp2", "mamba2-tp2"]
+)
+def test_every_group_views_its_rank_slice_of_sglangs_pool(tp, shard_groups):
+    """Each group's layer tensor is the pool's own memory: a slot's rows of each sub-projection
+    are the conv channels (temporal heads) of that slot, where SGLang's pool keeps them."""
+    shape = _shape(tp, shard_groups=shard_groups)
+    model = MambaModel(conv_segments(shape, 2), HEADS)
+    mamba, args = _pool_args(shape)
+    conv, temporal = mamba.mamba_cache.conv[0], mamba.mamba_cache.temporal
+    conv.view(torch.int16).copy_(torch.arange(conv.numel(), dtype=torch.int16).view(conv.shape))
+    temporal.view(torch.int32).copy_(
+        torch.arange(temporal.numel(), dtype=torch.int32).view(temporal.shape)
+    )
+    for rank in range(tp):
+        groups = mamba_groups(args, 0, model, tp_size=tp, tp_rank=rank, device="cpu")
+        assert len(groups) == len(model.conv_segments) + 1 and all(g.state for g in groups)
+        first = 0
+        for group, size in zip(groups, model.conv_segments, strict=False):
+            local = size // tp
+            for layer, view in enumerate(group.caches):
+                for slot in (0, 3, SLOTS):
+                    want = conv[layer, slot, first : first + local].contiguous()
+                    got = view[slot, 0].contiguous().view(torch.bfloat16).view(want.shape)
+                    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+            first += local
+        assert first == conv.shape[2]  # the sub-projections tile the rank's channels
+        for layer, view in enumerate(groups[-1].caches):
+            want = temporal[layer, 5]
+            assert torch.equal(view[5, 0].contiguous().view(torch.int32).view(want.shape),
+                               want.view(torch.int32))  # fmt: skip
+
+
+def test_a_channels_last_conv_or_a_state_held_whole_is_refused():
+    shape = _shape(2, shard_groups=QKV)
+    model = MambaModel(conv_segments(shape, None), HEADS)
+    _, args = _pool_args(shape)
+    count = len(args.state_data_ptrs[0])
+    args.state_slice_outer_counts = [[3] * count]  # Kimi's KDA: K - 1 rows of channels
+    with pytest.raises(ValueError, match="channels-last conv state"):
+        mamba_groups(args, 0, model, tp_size=2, tp_rank=0, device="cpu")
+    args.state_slice_outer_counts = [[1] * count]
+    args.state_dim_per_tensor = [[0] * count]
+    with pytest.raises(ValueError, match="registered whole on every rank"):
+        mamba_groups(args, 0, model, tp_size=2, tp_rank=0, device="cpu")
+
+
+def test_a_pool_of_another_tp_than_the_model_says_is_refused_naming_both():
+    shape = _shape(2, shard_groups=QKV)
+    _, args = _pool_args(shape)
+    model = MambaModel(conv_segments(shape, None), HEADS)
+    with pytest.raises(ValueError, match=r"the conv state: \[64\] rows.*expected 32 rows"):
+        mamba_groups(args, 0, model, tp_size=4, tp_rank=0, device="cpu")
