@@ -6,7 +6,9 @@ page, one after another (`MambaBase.bind_kv_cache`): for Mamba2 a conv state
 `[conv_channels, state_len]` (DS layout) then an SSM state `[heads, head_dim, d_state]`, each
 sharded over TP along its first axis. The conv channels are sub-projections (`x, B, C` for
 Mamba2, `Q, K, V` for a gated delta net), each split evenly over the ranks: rank `r` holds the
-`r`-th slice of every sub-projection, back to back.
+`r`-th slice of every sub-projection, back to back. A sub-projection of fewer rows than ranks is
+replicated as KV heads are (`H < T`): rank `r` holds its row `r // (T / H)` (a Mamba2 mixer with
+fewer groups than ranks gives each rank B and C whole, one row of `n_groups = 1` groups).
 
 Each (state, sub-projection) is then exactly a KV cache of this library with one token per
 block: rows are "heads" (the TP-sharded axis, global rows split as KV heads are), a row's bytes
@@ -42,7 +44,8 @@ class StateComponent:
         row_shape: the shape of one row (conv: `(state_len,)`; SSM: `(head_dim, d_state)`).
         dtype: the state's dtype.
         segments: the global sizes of the sub-projections along the rows, each split evenly
-            over the ranks (Mamba2 conv: `(x, B, C)`); empty: one, of `rows`.
+            over the ranks, or replicated where it has fewer rows than ranks (module
+            docstring) (Mamba2 conv: `(x, B, C)`); empty: one, of `rows`.
     """
 
     rows: int
@@ -85,11 +88,11 @@ class StateLayout:
                     f"up to its {component.rows} rows"
                 )
             for size in component.parts:
-                if size < self.tp_size or size % self.tp_size:
+                if (size % self.tp_size) if size >= self.tp_size else (self.tp_size % size):
                     raise ValueError(
                         f"StateLayout: state {index} has a sub-projection of {size} rows, which "
-                        f"TP {self.tp_size} cannot split evenly (replicated sub-projections, "
-                        "as vLLM makes for fewer Mamba groups than ranks, are not supported)"
+                        f"TP {self.tp_size} cannot split evenly or replicate (a TP that divides "
+                        "its rows, or that its rows divide)"
                     )
             if component.row_bytes % 2:
                 raise ValueError(
@@ -105,7 +108,11 @@ class StateLayout:
     @property
     def rank_bytes(self) -> int:
         """Bytes of this rank's states in a page."""
-        return sum(c.rows // self.tp_size * c.row_bytes for c in self.components)
+        return sum(
+            _rows_held(size, self.tp_size) * c.row_bytes
+            for c in self.components
+            for size in c.parts
+        )
 
     def slices(self) -> list[tuple[int, int, int]]:
         """Per (state, sub-projection), in page order: `(byte offset in the page, global
@@ -114,7 +121,7 @@ class StateLayout:
         for component in self.components:
             for size in component.parts:
                 result.append((offset, size, component.row_bytes))
-                offset += size // self.tp_size * component.row_bytes
+                offset += _rows_held(size, self.tp_size) * component.row_bytes
         return result
 
     def specs(self, num_layers: int, num_blocks: int) -> list[KVCacheSpec]:
@@ -166,6 +173,11 @@ class StateLayout:
             ]
             groups.append(CacheGroup(spec, views, state=True))
         return groups
+
+
+def _rows_held(rows: int, tp_size: int) -> int:
+    """Rows of a sub-projection one rank holds: its share, or one replicated row."""
+    return max(1, rows // tp_size)
 
 
 def _page_bytes(page: torch.Tensor, page_bytes: int, used: int, num_blocks: int) -> torch.Tensor:

@@ -23,9 +23,22 @@ def components(state_len: int = STATE_LEN) -> tuple[StateComponent, ...]:
     )
 
 
-def layout(tp: int, rank: int, state_len: int = STATE_LEN) -> StateLayout:
-    """One rank's layout."""
-    return StateLayout(components(state_len), PAGE_BYTES, tp, rank)
+def grouped_components(state_len: int = STATE_LEN) -> tuple[StateComponent, ...]:
+    """The same conv state of one Mamba group (`n_groups` 1): x by channels, then B and C one
+    row each of all their channels, which every rank beyond TP 1 holds whole (SGLang's and
+    vLLM's Mamba2 mixers with fewer groups than ranks); then the SSM state."""
+    return (
+        StateComponent(X, (state_len,), torch.bfloat16),
+        StateComponent(1, (GROUPS_SS, state_len), torch.bfloat16),
+        StateComponent(1, (GROUPS_SS, state_len), torch.bfloat16),
+        StateComponent(SSM_HEADS, (HEAD_DIM, D_STATE), torch.float32),
+    )
+
+
+def layout(tp: int, rank: int, state_len: int = STATE_LEN, grouped: bool = False) -> StateLayout:
+    """One rank's layout (`grouped`: of `grouped_components`)."""
+    parts = grouped_components(state_len) if grouped else components(state_len)
+    return StateLayout(parts, PAGE_BYTES, tp, rank)
 
 
 def global_states(seed: int, state_len: int = STATE_LEN) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -40,12 +53,16 @@ def global_states(seed: int, state_len: int = STATE_LEN) -> list[tuple[torch.Ten
     ]
 
 
-def rank_page(conv: torch.Tensor, ssm: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    """One layer's page bytes on one rank: its x, B and C slices, then its SSM heads."""
+def rank_page(
+    conv: torch.Tensor, ssm: torch.Tensor, tp: int, rank: int, grouped: bool = False
+) -> torch.Tensor:
+    """One layer's page bytes on one rank: its x, B and C slices (`grouped`: its x slice, B and
+    C whole), then its SSM heads."""
     parts = []
     for start, size in ((0, X), (X, GROUPS_SS), (X + GROUPS_SS, GROUPS_SS)):
-        per = size // tp
-        parts.append(conv[start + rank * per : start + (rank + 1) * per])
+        per = size if grouped and start else size // tp
+        first = start if grouped and start else start + rank * per
+        parts.append(conv[first : first + per])
     local_conv = torch.cat(parts).contiguous().view(torch.uint8).reshape(-1)
     per = SSM_HEADS // tp
     local_ssm = ssm[rank * per : (rank + 1) * per].contiguous().view(torch.uint8).reshape(-1)
@@ -65,8 +82,8 @@ def pages(fill: int | None = None, seed: int = 0, device: str = "cpu") -> list[t
     return result
 
 
-def write_state(layer_pages, states, tp: int, rank: int, block: int) -> None:
+def write_state(layer_pages, states, tp: int, rank: int, block: int, grouped: bool = False) -> None:
     """Put a request's state (in block `block`) into a rank's pages."""
     for page, (conv, ssm) in zip(layer_pages, states, strict=True):
-        data = rank_page(conv, ssm, tp, rank).to(page.device)
+        data = rank_page(conv, ssm, tp, rank, grouped).to(page.device)
         page[block, : data.numel()] = data

@@ -29,25 +29,38 @@ SRC_BLOCK, DST_BLOCK = 4, 1
 TP_PAIRS = [(2, 4), (4, 2), (1, 2), (2, 2)]
 
 
-def _side(tp: int, poisoned: bool, states):
+def _side(tp: int, poisoned: bool, states, grouped: bool = False):
     """Every rank's (layout, pages) of one engine, the request's state in SRC_BLOCK unless
-    poisoned."""
+    poisoned (`grouped`: one Mamba group, B and C whole on every rank)."""
     ranks = []
     for rank in range(tp):
         layer_pages = pages(POISON if poisoned else None, seed=rank)
         if not poisoned:
-            write_state(layer_pages, states, tp, rank, SRC_BLOCK)
-        ranks.append((layout(tp, rank), layer_pages))
+            write_state(layer_pages, states, tp, rank, SRC_BLOCK, grouped)
+        ranks.append((layout(tp, rank, grouped=grouped), layer_pages))
     return ranks
 
 
-def _expected(tp: int, states) -> list[list[torch.Tensor]]:
+def _expected(tp: int, states, grouped: bool = False) -> list[list[torch.Tensor]]:
     expected = []
     for rank in range(tp):
         layer_pages = pages(POISON)
-        write_state(layer_pages, states, tp, rank, DST_BLOCK)
+        write_state(layer_pages, states, tp, rank, DST_BLOCK, grouped)
         expected.append(layer_pages)
     return expected
+
+
+def _reshard_groups(src, dst, strategy: str) -> None:
+    src_groups = [lay.groups(p) for lay, p in src]
+    dst_groups = [lay.groups(p) for lay, p in dst]
+    for g in range(len(src_groups[0])):
+        reshard(
+            [(gs[g].spec, gs[g].caches, [SRC_BLOCK]) for gs in src_groups],
+            [(gs[g].spec, gs[g].caches, [DST_BLOCK]) for gs in dst_groups],
+            1,
+            strategy=strategy,
+            backend="torch",
+        )
 
 
 def _assert_pages(dst, expected) -> None:
@@ -61,17 +74,20 @@ def _assert_pages(dst, expected) -> None:
 def test_reshard_moves_state_exactly(src_tp, dst_tp, strategy):
     states = global_states(seed=src_tp * 10 + dst_tp)
     src, dst = _side(src_tp, False, states), _side(dst_tp, True, states)
-    src_groups = [lay.groups(p) for lay, p in src]
-    dst_groups = [lay.groups(p) for lay, p in dst]
-    for g in range(len(src_groups[0])):
-        reshard(
-            [(gs[g].spec, gs[g].caches, [SRC_BLOCK]) for gs in src_groups],
-            [(gs[g].spec, gs[g].caches, [DST_BLOCK]) for gs in dst_groups],
-            1,
-            strategy=strategy,
-            backend="torch",
-        )
+    _reshard_groups(src, dst, strategy)
     _assert_pages(dst, _expected(dst_tp, states))
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)])
+@pytest.mark.parametrize("strategy", ["direct", "pack+unpack"])
+def test_reshard_moves_a_replicated_mamba_group_exactly(src_tp, dst_tp, strategy):
+    """One Mamba group (B and C whole on every rank beyond TP 1): each destination rank gets
+    its x slice and the whole of B and C, from whichever source holds them."""
+    states = global_states(seed=src_tp * 10 + dst_tp + 5)
+    src = _side(src_tp, False, states, grouped=True)
+    dst = _side(dst_tp, True, states, grouped=True)
+    _reshard_groups(src, dst, strategy)
+    _assert_pages(dst, _expected(dst_tp, states, grouped=True))
 
 
 @pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 4), (4, 2)])
@@ -107,14 +123,24 @@ def test_slices_follow_vllm_page_packing():
 
 
 def test_layouts_that_cannot_be_moved_are_refused():
-    with pytest.raises(ValueError, match="cannot split evenly"):
-        StateLayout(components(), PAGE_BYTES, 16, 0)
+    with pytest.raises(ValueError, match="cannot split evenly or replicate"):
+        StateLayout(components(), PAGE_BYTES, 3, 0)
+    with pytest.raises(ValueError, match="cannot split evenly or replicate"):
+        StateLayout((StateComponent(2, (3,), torch.bfloat16),), PAGE_BYTES, 3, 0)
     with pytest.raises(ValueError, match="do not add up"):
         StateLayout((StateComponent(10, (3,), torch.bfloat16, (4, 4)),), PAGE_BYTES, 2, 0)
     with pytest.raises(ValueError, match="more than the"):
         StateLayout(components(), 64, 2, 0)
     with pytest.raises(ValueError, match="bytes apart"):
         layout(2, 0).groups([torch.zeros(NUM_BLOCKS, PAGE_BYTES // 2, dtype=torch.uint8)])
+
+
+def test_a_replicated_group_takes_one_row_on_every_rank():
+    lay = layout(4, 3, grouped=True)
+    # x's quarter (4 channels of 6 bytes), B and C whole (8 channels of 6 bytes), SSM heads.
+    assert lay.slices() == [(0, 16, 6), (24, 1, 48), (72, 1, 48), (120, 8, 64)]
+    spec = lay.specs(2, NUM_BLOCKS)[1]
+    assert (spec.num_kv_heads, spec.heads_per_rank, spec.first_head) == (1, 1, 0)
 
 
 def test_rank_page_packs_sub_projections_per_rank():
