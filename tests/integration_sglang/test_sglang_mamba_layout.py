@@ -1,7 +1,8 @@
 """SGLang's Mamba state as kvxfer reads it (`kvxfer.integrations.sglang.mamba`), on SGLang's own
 `Mamba2StateShape`, `MambaPool`, `HybridLinearKVPool` and `setup_state_kv_args`: the conv's
-sub-projections each model shards apart, every group's view landing on the bytes of the rank's
-slice in SGLang's pool, and the layouts kvxfer has not verified refused with their reason."""
+runs each model shards apart (a single Mamba2 group whole on every rank), every group's view
+landing on the bytes of the rank's slice in SGLang's pool, and the layouts kvxfer has not
+verified refused with their reason."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from sglang.srt.disaggregation.base.conn import KVArgs, StateType
 from sglang.srt.disaggregation.utils import setup_state_kv_args
 from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
 
-from kvxfer.integrations.sglang.mamba import MambaModel, conv_segments, mamba_groups
+from kvxfer.integrations.sglang.mamba import ConvPart, MambaModel, conv_parts, mamba_groups
 
 # A tiny gated delta net's conv (q, k, v) and a tiny Mamba2 mixer: 4 heads of 16, N 16, K 4.
 QKV = [32, 32, 64]
@@ -48,32 +49,37 @@ def _pool_args(shape: Mamba2StateShape) -> tuple[MambaPool, KVArgs]:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_each_models_conv_is_split_into_the_sub_projections_it_shards_apart(tp):
-    assert conv_segments(_shape(tp, shard_groups=QKV), None) == tuple(QKV)  # q, k, v
-    assert conv_segments(_shape(tp, n_groups=2), 2) == (INNER, 2 * STATE, 2 * STATE)  # x, B, C
+def test_each_models_conv_is_split_into_the_runs_it_shards_apart(tp):
+    assert conv_parts(_shape(tp, shard_groups=QKV), None, tp) == (ConvPart(128, 1, tuple(QKV)),)
+    groups = ConvPart(2, STATE)  # x, then B and C: 2 groups of N channels each
+    assert conv_parts(_shape(tp, n_groups=2), 2, tp) == (ConvPart(INNER), groups, groups)
     full_rank = Mamba2StateShape.create_full_rank(
         tp_world_size=tp, intermediate_size=INNER, state_size=STATE, conv_kernel=KERNEL
     )
-    assert conv_segments(full_rank, None) == (INNER,)  # Mamba1: x alone
+    assert conv_parts(full_rank, None, tp) == (ConvPart(INNER),)  # Mamba1: x alone
 
 
-def test_a_mamba2_model_whose_groups_its_tp_does_not_divide_is_refused():
-    """n_groups 1 at TP 2: SGLang gives both ranks all of B and C (replicated rows)."""
-    assert conv_segments(_shape(1, n_groups=1), 1) == (INNER, STATE, STATE)
-    with pytest.raises(ValueError, match=r"n_groups=1 at this TP.*all of B and C"):
-        conv_segments(_shape(2, n_groups=1), 1)
-    with pytest.raises(ValueError, match=r"n_groups=None"):
-        conv_segments(_shape(2, n_groups=2), None)  # a config that does not say
+def test_one_mamba2_group_is_held_whole_by_every_rank():
+    """n_groups 1 at TP 2: SGLang extends the groups to the TP and gives both ranks all of B
+    and C; kvxfer's runs say so (one row of N channels, replicated), the same at any TP."""
+    one = ConvPart(1, STATE)
+    for tp in (1, 2, 4):
+        assert conv_parts(_shape(tp, n_groups=1), 1, tp) == (ConvPart(INNER), one, one)
+    with pytest.raises(ValueError, match=r"n_groups=None at TP 2"):
+        conv_parts(_shape(2, n_groups=2), None, 2)  # a config that does not say
 
 
 @pytest.mark.parametrize(
-    ("tp", "shard_groups"), [(1, QKV), (2, QKV), (2, None)], ids=["gdn-tp1", "gdn-tp2", "mamba2-tp2"]
+    ("tp", "shard_groups", "n_groups"),
+    [(1, QKV, 2), (2, QKV, 2), (2, None, 2), (2, None, 1)],
+    ids=["gdn-tp1", "gdn-tp2", "mamba2-tp2", "mamba2-one-group-tp2"],
 )
-def test_every_group_views_its_rank_slice_of_sglangs_pool(tp, shard_groups):
-    """Each group's layer tensor is the pool's own memory: a slot's rows of each sub-projection
-    are the conv channels (temporal heads) of that slot, where SGLang's pool keeps them."""
-    shape = _shape(tp, shard_groups=shard_groups)
-    model = MambaModel(conv_segments(shape, 2), HEADS)
+def test_every_group_views_its_rank_slice_of_sglangs_pool(tp, shard_groups, n_groups):
+    """Each group's layer tensor is the pool's own memory: a slot's rows of the groups, in
+    order, are that slot's conv channels (temporal heads) where SGLang's pool keeps them, and
+    together every channel of the rank."""
+    shape = _shape(tp, n_groups=n_groups, shard_groups=shard_groups)
+    model = MambaModel(conv_parts(shape, n_groups, tp), HEADS)
     mamba, args = _pool_args(shape)
     conv, temporal = mamba.mamba_cache.conv[0], mamba.mamba_cache.temporal
     conv.view(torch.int16).copy_(torch.arange(conv.numel(), dtype=torch.int16).view(conv.shape))
@@ -82,17 +88,16 @@ def test_every_group_views_its_rank_slice_of_sglangs_pool(tp, shard_groups):
     )
     for rank in range(tp):
         groups = mamba_groups(args, 0, model, tp_size=tp, tp_rank=rank, device="cpu")
-        assert len(groups) == len(model.conv_segments) + 1 and all(g.state for g in groups)
+        assert all(g.state for g in groups)
         first = 0
-        for group, size in zip(groups, model.conv_segments, strict=False):
-            local = size // tp
+        for group in groups[:-1]:
             for layer, view in enumerate(group.caches):
                 for slot in (0, 3, SLOTS):
-                    want = conv[layer, slot, first : first + local].contiguous()
-                    got = view[slot, 0].contiguous().view(torch.bfloat16).view(want.shape)
-                    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-            first += local
-        assert first == conv.shape[2]  # the sub-projections tile the rank's channels
+                    got = view[slot, 0].contiguous().view(torch.int16).reshape(-1, KERNEL - 1)
+                    want = conv[layer, slot, first : first + got.shape[0]].view(torch.int16)
+                    assert torch.equal(got, want)
+            first += got.shape[0]
+        assert first == conv.shape[2]  # the groups tile the rank's channels
         for layer, view in enumerate(groups[-1].caches):
             want = temporal[layer, 5]
             assert torch.equal(view[5, 0].contiguous().view(torch.int32).view(want.shape),
@@ -101,7 +106,7 @@ def test_every_group_views_its_rank_slice_of_sglangs_pool(tp, shard_groups):
 
 def test_a_channels_last_conv_or_a_state_held_whole_is_refused():
     shape = _shape(2, shard_groups=QKV)
-    model = MambaModel(conv_segments(shape, None), HEADS)
+    model = MambaModel(conv_parts(shape, None, 2), HEADS)
     _, args = _pool_args(shape)
     count = len(args.state_data_ptrs[0])
     args.state_slice_outer_counts = [[3] * count]  # Kimi's KDA: K - 1 rows of channels
@@ -116,6 +121,6 @@ def test_a_channels_last_conv_or_a_state_held_whole_is_refused():
 def test_a_pool_of_another_tp_than_the_model_says_is_refused_naming_both():
     shape = _shape(2, shard_groups=QKV)
     _, args = _pool_args(shape)
-    model = MambaModel(conv_segments(shape, None), HEADS)
+    model = MambaModel(conv_parts(shape, None, 2), HEADS)
     with pytest.raises(ValueError, match=r"the conv state: \[64\] rows.*expected 32 rows"):
         mamba_groups(args, 0, model, tp_size=4, tp_rank=0, device="cpu")

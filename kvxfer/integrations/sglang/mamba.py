@@ -12,14 +12,15 @@ every layer's conv, then every layer's temporal, each `size + 1` items of `item_
 How the rows split over TP is the model's sharding, which the pool's shapes alone do not say:
 a gated delta net (Qwen3-Next) holds the r-th even slice of each of its conv's q, k and v
 (SGLang's `conv_shard_groups`), a Mamba2 mixer (NemotronH, Falcon-H1, Granite) the r-th slice
-of each of x, B and C, a Mamba1 mixer its slice of x; the temporal state is heads, split
-evenly. Each is a `StateComponent` with those sub-projections, in a `StateLayout` of its own
-(conv and temporal are apart in memory), so kvxfer moves a slot between any two TP sizes bit
-for bit. (SGLang's own backends slice one contiguous range where no `conv_shard_groups` are
-given, and need one TP size to divide the other.)
+of x and its share of B's and C's groups (`n_groups` rows of `N` channels each: with one group
+and several ranks, each holds B and C whole), a Mamba1 mixer its slice of x; the temporal state
+is heads, split evenly. Each run is a `StateComponent`, in a `StateLayout` per tensor (conv and
+temporal are apart in memory), so kvxfer moves a slot between any two TP sizes bit for bit.
+(SGLang's own backends slice one contiguous range where no `conv_shard_groups` are given, and
+need one TP size to divide the other.)
 
-Refused, naming the setting: a Mamba2 model whose `n_groups` its TP does not divide (SGLang
-then gives every rank all of B and C: rows `kvxfer.state` does not move), a channels-last conv
+Refused, naming the setting: a Mamba2 model of several groups fewer than its ranks (SGLang's
+own mixer refuses it too), a channels-last conv
 (Kimi's KDA: `state_slice_outer_counts` > 1), another state shape (lightning attention), a state
 registered whole on every rank (`state_dim_per_tensor` 0), and SGLang's CPU pools on an AMX
 machine (their conv layout is transposed in place, behind the same metadata).
@@ -44,25 +45,42 @@ MAMBA = "mamba"  # SGLang's StateType.MAMBA
 
 
 @dataclass(frozen=True)
+class ConvPart:
+    """One run of the conv state's channels, as the model shards it.
+
+    Attributes:
+        rows: the run's rows in the whole model, split evenly over the ranks (or replicated
+            where fewer than the ranks: `kvxfer.state`).
+        channels: channels a row (a Mamba2 group's B or C: `N`; else 1).
+        segments: the rows of each sub-projection in the run, each split evenly (a gated delta
+            net's q, k, v); empty: one.
+    """
+
+    rows: int
+    channels: int = 1
+    segments: tuple[int, ...] = ()
+
+    def held(self, tp_size: int) -> int:
+        """Channels of this run one rank holds."""
+        return sum(max(1, rows // tp_size) for rows in self.segments or (self.rows,)) * (
+            self.channels
+        )
+
+
+@dataclass(frozen=True)
 class MambaModel:
     """The whole model's state rows, from its cache parameters.
 
     Attributes:
-        conv_segments: the conv channels of each sub-projection (q, k, v; x, B, C; x), each
-            split evenly over the ranks.
+        conv: the conv state's channel runs, in a rank's order.
         heads: the temporal state's rows.
     """
 
-    conv_segments: tuple[int, ...]
+    conv: tuple[ConvPart, ...]
     heads: int
 
-    @property
-    def conv_rows(self) -> int:
-        """Conv channels of the whole model."""
-        return sum(self.conv_segments)
 
-
-def mamba_model(server_args: Any) -> MambaModel:
+def mamba_model(server_args: Any, tp_size: int) -> MambaModel:
     """The served model's state rows, from SGLang's own cache parameters
     (`mambaish_config(...).mamba2_cache_params`, as its scheduler sizes the pool).
 
@@ -81,43 +99,48 @@ def mamba_model(server_args: Any) -> MambaModel:
             "Mamba2 mixers); serve it with another transfer backend"
         )
     groups = getattr(config, "mamba_n_groups", None) or getattr(config, "n_groups", None)
-    return MambaModel(conv_segments(shape, groups), int(shape.num_heads))
+    return MambaModel(conv_parts(shape, groups, tp_size), int(shape.num_heads))
 
 
-def conv_segments(shape: Any, n_groups: int | None) -> tuple[int, ...]:
-    """The conv's sub-projections, global channels each, of SGLang's `Mamba2StateShape`
-    (made at this rank's TP) and the model's `n_groups` (None where its config has none).
+def conv_parts(shape: Any, n_groups: int | None, tp_size: int) -> tuple[ConvPart, ...]:
+    """The conv's channel runs of SGLang's `Mamba2StateShape` (made at this rank's TP,
+    `tp_size`) and the model's `n_groups` (None where its config has none): a gated delta
+    net's q, k, v; a Mamba2 mixer's x, then B and C of `n_groups` rows of `N` channels (each
+    rank holds its groups, or both whole where the model has one group and several ranks:
+    SGLang's extension of `n_groups` to the TP); a Mamba1 mixer's x.
 
     Raises:
-        ValueError: a layout kvxfer has not verified: more than one conv tensor, sub-projections
-            that do not add up to the conv, or B and C replicated over the ranks.
+        ValueError: a layout kvxfer has not verified: more than one conv tensor, runs that do
+            not add up to the rank's conv, or a Mamba2 model without `n_groups`.
     """
     if len(shape.conv) != 1:
         raise ValueError(
             f"this model keeps {len(shape.conv)} conv states a layer; kvxfer's SGLang backend "
             "moves one"
         )
-    inner, conv_dim = int(shape.intermediate_size), int(shape.conv_dim)
+    inner, local = int(shape.intermediate_size), int(shape.conv[0][0])
     if shape.conv_shard_groups:  # a gated delta net's q, k, v
         segments = tuple(int(g) for g in shape.conv_shard_groups)
-    elif conv_dim == inner:  # Mamba1: the conv is x alone
-        segments = (inner,)
-    else:  # Mamba2: x, then B and C of n_groups x N channels each
-        group_rows = (conv_dim - inner) // 2
-        if n_groups is None or int(n_groups) * int(shape.state_size) != group_rows:
-            raise ValueError(
-                f"a Mamba2 model with n_groups={n_groups} at this TP: SGLang gives every rank "
-                f"all of B and C ({group_rows} channels each, n_groups extended to the TP), "
-                "rows kvxfer does not move yet; serve it with a TP that divides n_groups on "
-                "both engines, or with another transfer backend"
-            )
-        segments = (inner, group_rows, group_rows)
-    if sum(segments) != conv_dim:
+        parts: tuple[ConvPart, ...] = (ConvPart(sum(segments), 1, segments),)
+    elif int(shape.conv_dim) == inner:  # Mamba1: the conv is x alone
+        parts = (ConvPart(inner),)
+    elif n_groups is None or (n_groups < tp_size and n_groups != 1):
         raise ValueError(
-            f"the conv's sub-projections {list(segments)} do not add up to its {conv_dim} "
-            "channels (heads padded for this TP?); serve it with a TP that divides its heads"
+            f"a Mamba2 model with n_groups={n_groups} at TP {tp_size}: its groups' place on the "
+            "ranks is not one kvxfer has verified (its config's n_groups or mamba_n_groups, "
+            "1 or a multiple of the TP); serve it with another transfer backend"
         )
-    return segments
+    else:
+        state = int(shape.state_size)
+        parts = (ConvPart(inner), ConvPart(n_groups, state), ConvPart(n_groups, state))
+    held = sum(part.held(tp_size) for part in parts)
+    if held != local:
+        raise ValueError(
+            f"the conv's runs {[(p.rows, p.channels) for p in parts]} give a rank {held} of its "
+            f"{local} channels at TP {tp_size} (heads padded for this TP?); serve it with a TP "
+            "that divides its heads"
+        )
+    return parts
 
 
 def mamba_groups(
@@ -155,13 +178,18 @@ def mamba_groups(
         )
     layers = count // 2
     groups: list[CacheGroup] = []
-    for name, entries, total, segments in (
-        ("conv", slice(0, layers), model.conv_rows, model.conv_segments),
-        ("temporal", slice(layers, count), model.heads, ()),
+    for name, entries, parts in (
+        ("conv", slice(0, layers), model.conv),
+        ("temporal", slice(layers, count), (ConvPart(model.heads),)),
     ):
-        page, local = _one_size(name, items[entries], rows[entries], total, tp_size)
-        component = StateComponent(total, (page // local,), torch.uint8, segments)
-        layout = StateLayout((component,), page, tp_size, tp_rank)
+        local = sum(part.held(tp_size) for part in parts)
+        page = _one_size(name, items[entries], rows[entries], local)
+        row = page // local  # bytes of one channel (conv) or head (temporal)
+        components = tuple(
+            StateComponent(part.rows, (part.channels * row,), torch.uint8, part.segments)
+            for part in parts
+        )
+        layout = StateLayout(components, page, tp_size, tp_rank)
         pages = [
             _slots(name, ptr, nbytes, page, device)
             for ptr, nbytes in zip(ptrs[entries], lens[entries], strict=True)
@@ -170,24 +198,21 @@ def mamba_groups(
     return groups
 
 
-def _one_size(
-    name: str, items: Sequence[int], rows: Sequence[int], total: int, tp_size: int
-) -> tuple[int, int]:
-    """A state's one slot size and local rows over every layer, checked against the model's
-    `total` rows at `tp_size`."""
+def _one_size(name: str, items: Sequence[int], rows: Sequence[int], local: int) -> int:
+    """A state's one slot size over every layer, checked against the `local` rows (channels,
+    heads) the model gives a rank."""
     if 0 in rows:
         raise ValueError(
             f"the {name} state is registered whole on every rank (state_dim_per_tensor 0): not "
             "a layout kvxfer's SGLang backend has verified"
         )
-    local = total // tp_size
     if set(rows) != {local} or len(set(items)) != 1 or items[0] % local:
         raise ValueError(
             f"the {name} state: {sorted(set(rows))} rows of {sorted(set(items))} bytes a slot "
-            f"per layer, expected {local} rows ({total} over TP {tp_size}) of one size; the "
-            "pool is not a layout kvxfer has verified"
+            f"per layer, expected {local} rows (the model's at this TP) of one size; the pool "
+            "is not a layout kvxfer has verified"
         )
-    return items[0], local
+    return items[0]
 
 
 def _slots(name: str, ptr: int, nbytes: int, slot_bytes: int, device: torch.device) -> torch.Tensor:

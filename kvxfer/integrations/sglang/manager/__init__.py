@@ -150,7 +150,7 @@ class KvxferKVManager(PrefillSide, DecodeSide):
                 "KV and state) is not supported; serve it without a speculative algorithm"
             )
         return mamba_groups(
-            args, 0, mamba_model(server_args),
+            args, 0, mamba_model(server_args, self.attn_tp_size),
             tp_size=self.attn_tp_size, tp_rank=self.attn_tp_rank,
             device=pool_device(server_args, args),
         )  # fmt: skip
