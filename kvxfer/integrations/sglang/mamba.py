@@ -62,9 +62,8 @@ class ConvPart:
 
     def held(self, tp_size: int) -> int:
         """Channels of this run one rank holds."""
-        return sum(max(1, rows // tp_size) for rows in self.segments or (self.rows,)) * (
-            self.channels
-        )
+        rows = self.segments or (self.rows,)
+        return sum(max(1, size // tp_size) for size in rows) * self.channels
 
 
 @dataclass(frozen=True)
