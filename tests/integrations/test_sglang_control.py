@@ -66,3 +66,30 @@ def test_a_refused_registration_is_answered_where_it_asked_and_unsigned():
     assert (
         control.refused_registration(control.frames_of(MESSAGES[2], "guess"), "x") is None
     )  # no Register
+
+
+STATUS = [control.STATUS_TAG, b"77", b"4", b"3", b"the prefill failed"]
+
+
+@pytest.mark.parametrize("secret", ["s3cret", None])
+def test_a_signed_status_reads_back_under_its_secret_only(secret):
+    """SGLang's status message (a prefill's failure of a request) carries a proof frame."""
+    frames = control.signed_status(STATUS, secret)
+    assert frames[:-1] == STATUS and control.verified_status(frames, secret) == STATUS
+    with pytest.raises(control.ControlError, match="secrets differ"):
+        control.verified_status(frames, "guess")
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        STATUS,  # unsigned, as SGLang's own backends send it
+        [*STATUS[:4], b"another reason", control.signed_status(STATUS, "s3cret")[-1]],
+        [control.signed_status(STATUS, "s3cret")[-1]],
+        [],
+    ],
+    ids=["unsigned", "altered", "proof-alone", "empty"],
+)
+def test_an_unsigned_altered_or_empty_status_is_refused(frames):
+    with pytest.raises(control.ControlError, match="proof does not hold"):
+        control.verified_status(frames, "s3cret")

@@ -18,6 +18,12 @@ empty key without one, as on the KV session) over its tag, its sender's role and
 - `Published` (prefill rank -> the decode ranks): the request's token count and its aux row
   (the first token, its logprobs, the draft's hidden states).
 
+SGLang's own status message (a prefill rank failed a request: to its decode ranks, with the
+reason) travels under the tag `STATUS_TAG` with a proof frame appended over all its frames
+(`signed_status`), and a decode rank drops one whose proof does not hold (`verified_status`).
+SGLang's ABORT notices (decode -> prefill) stay unsigned: SGLang's receiver sends them itself;
+a forged one can fail a request on the prefill, and read or write no KV.
+
 A prefill rank answers only a `Register` whose proof holds, and sends `Published` only to the
 decode ranks whose `Reading` held; a decode rank believes only a `Registered` and a `Published`
 whose proofs hold. So a decode engine without the secret learns no side channel and no aux row,
@@ -148,6 +154,36 @@ def message_of(frames: list[bytes], secret: str | None) -> Message:
             "or the message was altered): set the same secret in both engines' KVXFER_CONFIG"
         )
     return message
+
+
+STATUS_TAG = b"KVXFER_STATUS"  # SGLang's status message, as kvxfer's manager tags it
+
+
+def _status_proof(parts: list[bytes], secret: str | None) -> str:
+    return auth.proof(secret or "", ROLE_PREFILL, STATUS_TAG, *parts)
+
+
+def signed_status(parts: list[bytes], secret: str | None) -> list[bytes]:
+    """SGLang's status message frames (`parts`, its tag first), a proof over them appended."""
+    return [*parts, _status_proof(parts, secret).encode()]
+
+
+def verified_status(frames: list[bytes], secret: str | None) -> list[bytes]:
+    """A signed status message's frames without their proof.
+
+    Raises:
+        ControlError: no proof, or one that does not hold (the engines' secrets differ, the
+            message was altered or forged).
+    """
+    *parts, proof = frames or [b""]
+    if not parts or not auth.proof_matches(
+        _status_proof(parts, secret), proof.decode("ascii", errors="replace")
+    ):
+        raise ControlError(
+            "a status message whose proof does not hold (the engines' kvxfer secrets differ, "
+            "or it was altered): set the same secret in both engines' KVXFER_CONFIG"
+        )
+    return parts
 
 
 def refused_registration(frames: list[bytes], reason: str) -> tuple[str, list[bytes]] | None:

@@ -53,10 +53,6 @@ class KvxferKVManager(PrefillSide, DecodeSide):
     # The pages of a failed or aborted load are held until its fetch ended (no late byte lands
     # in a page SGLang gave to another request): `is_abort_release_safe`.
     supports_deferred_decode_kv_release = True
-    # SGLang's status messages (a prefill's failure, to its decode ranks) carry their reason,
-    # under a tag of their own beside kvxfer's frames.
-    kv_status_msg_tag = b"KVXFER_STATUS"
-    kv_status_msg_carries_reason = True
 
     def __init__(
         self,
