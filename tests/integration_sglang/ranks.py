@@ -19,7 +19,9 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -66,6 +68,16 @@ class RankConfig:
     # `window_pages` there (one a page of the request, as SGLang's allocator maps them).
     window: int = 0
     window_pages: list[int] = field(default_factory=list)
+    # A hybrid linear-attention model (SGLang's `HybridLinearKVPool`: full-attention layers in a
+    # KV pool, the others' conv and temporal state in a `MambaPool`): "gdn" (Qwen3-Next's gated
+    # delta net) or "mamba2" (NemotronH's), its config in `model_dir`; the request's state at
+    # `mamba_slot` of this engine's pool (never 0, SGLang's dummy slot), its index handed to
+    # the backend as a one-element array, or with `mamba_slot_0d` on the decode as SGLang's
+    # `_mamba_payload` makes it (a 0-d array: its `req_pool_idx` is an int; on the prefill
+    # SGLang's own `CommonKVSender.send` takes `len()` of it before a backend sees it).
+    mamba: str = ""
+    mamba_slot: int = 0
+    mamba_slot_0d: bool = False
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -140,6 +152,98 @@ def sent_window_pages(cfg: RankConfig) -> list[int]:
     return cfg.window_pages[start : -(-cfg.num_tokens // cfg.page_size)]
 
 
+@dataclass(frozen=True)
+class MambaGeometry:
+    """A hybrid model's linear-attention state, whole (no TP), read from its config.json by
+    the model's own rule, not SGLang's: the conv state's channel sub-blocks (GDN `[q | k | v]`,
+    Mamba2 `[x | B | C]`) as `(rows, channels a row)` (a channel a row, but B and C: a group
+    of N channels a row), each split evenly over TP, or replicated where it has fewer rows
+    than ranks; its window (`kernel - 1`); the temporal state's heads, split evenly over TP,
+    and each head's `(rows, cols)`; and which layers keep state and which full-attention KV."""
+
+    segments: tuple[tuple[int, int], ...]
+    window: int
+    heads: int
+    head_shape: tuple[int, int]
+    state_layers: tuple[int, ...]
+    full_layers: tuple[int, ...]
+
+
+def mamba_geometry(cfg: RankConfig) -> MambaGeometry:
+    """The geometry of `cfg.model_dir`'s model: Qwen3-Next's gated delta net ("gdn": conv
+    `[q | k | v]`, temporal `(value heads, value dim, key dim)`, every `full_attention_interval`-th
+    layer full attention) or NemotronH's Mamba2 ("mamba2": conv `[x | B | C]` of `(heads x
+    head dim, groups x N, groups x N)`, temporal `(heads, head dim, N)`; "M" layers keep state,
+    "*" layers are attention)."""
+    import json
+
+    hf = json.loads((Path(cfg.model_dir) / "config.json").read_text())
+    layers = range(hf["num_hidden_layers"])
+    if cfg.mamba == "gdn":
+        key = hf["linear_num_key_heads"] * hf["linear_key_head_dim"]
+        value = hf["linear_num_value_heads"] * hf["linear_value_head_dim"]
+        full = tuple(i for i in layers if (i + 1) % hf["full_attention_interval"] == 0)
+        return MambaGeometry(
+            ((key, 1), (key, 1), (value, 1)), hf["linear_conv_kernel_dim"] - 1,
+            hf["linear_num_value_heads"],
+            (hf["linear_value_head_dim"], hf["linear_key_head_dim"]),
+            tuple(i for i in layers if i not in full), full,
+        )  # fmt: skip
+    assert cfg.mamba == "mamba2", cfg.mamba
+    groups = (hf["n_groups"], hf["ssm_state_size"])
+    pattern = hf["hybrid_override_pattern"]
+    return MambaGeometry(
+        ((hf["mamba_num_heads"] * hf["mamba_head_dim"], 1), groups, groups), hf["conv_kernel"] - 1,
+        hf["mamba_num_heads"], (hf["mamba_head_dim"], hf["ssm_state_size"]),
+        tuple(i for i in layers if pattern[i] == "M"),
+        tuple(i for i in layers if pattern[i] == "*"),
+    )  # fmt: skip
+
+
+def global_mamba(cfg: RankConfig) -> tuple[Any, Any]:
+    """The request's linear-attention state at the end of its prefill, every channel and head
+    (what a TP 1 engine holds), from the seed: conv `[state layers, channels, window]` in bf16,
+    temporal `[state layers, heads, rows, cols]` in fp32."""
+    import torch
+
+    geo = mamba_geometry(cfg)
+    g = torch.Generator().manual_seed(cfg.seed + 11)
+    layers = len(geo.state_layers)
+    channels = sum(rows * width for rows, width in geo.segments)
+    conv = torch.randn((layers, channels, geo.window), generator=g)
+    temporal = torch.randn((layers, geo.heads, *geo.head_shape), generator=g)
+    return conv.to(torch.bfloat16), temporal
+
+
+def mamba_of_rank(cfg: RankConfig, conv: Any, temporal: Any) -> tuple[Any, Any]:
+    """A TP rank's part of the whole state (`global_mamba`): of every conv sub-block its
+    `rank`-th even slice of rows (or, of fewer rows than ranks, row `rank // (tp / rows)`:
+    a Mamba2 mixer of one group gives every rank B and C whole), the slices back to back (as
+    the mixers' column-parallel conv holds them), and its `rank`-th even slice of the
+    temporal heads."""
+    import torch
+
+    geo = mamba_geometry(cfg)
+    size, rank = attn_tp(cfg)
+    channels, start = [], 0
+    for rows, width in geo.segments:
+        held = max(1, rows // size)
+        first = rank * held if rows >= size else rank // (size // rows)
+        channels.append(torch.arange(start + first * width, start + (first + held) * width))
+        start += rows * width
+    heads = geo.heads // size
+    return conv[:, torch.cat(channels)], temporal[:, rank * heads : (rank + 1) * heads]
+
+
+def mamba_index(cfg: RankConfig) -> list[np.ndarray]:
+    """The request's "mamba" state indices, as a scheduler hands them to the backend: its slot
+    (as an array of one, or on a decode as SGLang's `_mamba_payload` makes it: 0-d; a prefill's
+    0-d slot fails in SGLang's own sender, `_record_transfer_indices`, before the backend)."""
+    slot = np.asarray(cfg.mamba_slot, dtype=np.int32)
+    zero_d = cfg.mamba_slot_0d and cfg.role == "decode"
+    return [slot if zero_d else slot.reshape(1)]
+
+
 def run_rank(cfg: RankConfig, conn: Any) -> None:
     """The process's body: report `("ok", result)` or `("error", traceback)` on `conn`."""
     try:
@@ -162,7 +266,7 @@ def kv_scales(layer: int) -> tuple[float, float]:
     return 0.5 * (layer + 1), 0.25 * (layer + 2)
 
 
-def _attention(cfg: RankConfig, layers: range) -> Any:
+def _attention(cfg: RankConfig, layers: Sequence[int]) -> Any:
     """The stage's attention layers as SGLang's model builds them (`RadixAttention`), with the
     scales SGLang's KV cache method loads from a checkpoint (`BaseKVCacheMethod`) where the
     pool is fp8, and none otherwise (SGLang then divides by nothing)."""
@@ -213,6 +317,70 @@ def _pool(cfg: RankConfig, layers: int, start: int) -> Any:
         head_num=heads_of(cfg).stop - heads_of(cfg).start, head_dim=cfg.head_dim,
         layer_num=layers, device="cpu", enable_memory_saver=False, start_layer=start,
     )  # fmt: skip
+
+
+MAMBA_SLOTS = 6  # a MambaPool's requests (slots 1..6; slot 0 is SGLang's dummy)
+
+
+def _hybrid_pool(cfg: RankConfig, args: Any, layers: range) -> Any:
+    """SGLang's pool of a hybrid linear-attention model's stage, as its model runner builds it:
+    a `HybridLinearKVPool` (the full-attention layers' KV) over a `MambaPool` of the state
+    layers, whose shapes and dtypes are SGLang's own at this rank's attention TP
+    (`mamba2_cache_params`, from SGLang's `ModelConfig`)."""
+    import torch
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
+
+    params = mambaish_config(ModelConfig.from_server_args(args)).mamba2_cache_params
+    mamba = MambaPool(
+        size=MAMBA_SLOTS, spec_state_size=MAMBA_SLOTS, cache_params=params,
+        mamba_layer_ids=[i for i in params.layers if i in layers], device="cpu",
+    )  # fmt: skip
+    return HybridLinearKVPool(
+        size=cfg.pool_tokens, dtype=torch.bfloat16, page_size=cfg.page_size,
+        head_num=heads_of(cfg).stop - heads_of(cfg).start, head_dim=cfg.head_dim,
+        full_attention_layer_ids=[i for i in mamba_geometry(cfg).full_layers if i in layers],
+        device="cpu", mamba_pool=mamba,
+    )  # fmt: skip
+
+
+def _state_tensors(pool: Any) -> list[Any]:
+    """A `MambaPool`'s conv and temporal tensors, `[state layers, slots, ...]` each."""
+    return [*pool.mamba_pool.mamba_cache.conv, pool.mamba_pool.mamba_cache.temporal]
+
+
+def _write_state(cfg: RankConfig, pool: Any) -> None:
+    """The prefill's end state of the request (its part of `global_mamba`) into its slot, and
+    other values into every other slot (another request's state, or the dummy's)."""
+    import torch
+
+    conv, temporal = _state_tensors(pool)
+    g = torch.Generator().manual_seed(cfg.seed + 13)
+    conv.copy_(torch.randn(conv.shape, generator=g).to(conv.dtype))
+    temporal.copy_(torch.randn(temporal.shape, generator=g).to(temporal.dtype))
+    want_conv, want_temporal = mamba_of_rank(cfg, *global_mamba(cfg))
+    shapes = (conv[:, cfg.mamba_slot].shape, temporal[:, cfg.mamba_slot].shape)
+    assert shapes == (want_conv.shape, want_temporal.shape), f"SGLang's state {shapes}"
+    conv[:, cfg.mamba_slot] = want_conv
+    temporal[:, cfg.mamba_slot] = want_temporal
+
+
+def _held_state(cfg: RankConfig, pool: Any) -> dict[str, Any]:
+    """What a decode's `MambaPool` holds at the request's slot (conv as int16 bits, temporal as
+    int32 bits), and whether every other slot of both tensors keeps its poison."""
+    import torch
+
+    conv, temporal = _state_tensors(pool)
+    others = [i for i in range(conv.shape[1]) if i != cfg.mamba_slot]
+    untouched = all(
+        bool((t[:, others].view(torch.uint8) == POISON_BYTE).all()) for t in (conv, temporal)
+    )
+    return {
+        "conv": conv[:, cfg.mamba_slot].view(torch.int16).numpy().copy(),
+        "temporal": temporal[:, cfg.mamba_slot].view(torch.int32).numpy().copy(),
+        "untouched": untouched,
+    }
 
 
 # Speculative decoding as SGLang's server arguments take it (one draft token a step: pages of
@@ -333,6 +501,18 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         skip_tokenizer_init=True,
         device="cpu",
         **({**_EAGLE, "speculative_draft_model_path": cfg.draft_dir} if cfg.draft_dir else {}),
+        # What SGLang needs of a hybrid linear-attention model on CPU (its "extra_buffer" radix
+        # cache strategy and the overlap scheduler are CUDA's; "no_buffer" takes pages of one
+        # token unless the radix cache is off, as a decode's always is).
+        **(
+            {
+                "mamba_radix_cache_strategy": "no_buffer",
+                "disable_overlap_schedule": True,
+                "disable_radix_cache": True,
+            }
+            if cfg.mamba
+            else {}
+        ),
     )
     world_rank = cfg.pp_rank * cfg.tp_size + cfg.tp_rank
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, gpu_id=0))
@@ -354,8 +534,10 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
 
     layers = cfg.layers // cfg.pp_size
     start = cfg.pp_rank * layers
-    pool = _pool(cfg, layers, start)
-    attention = _attention(cfg, range(start, start + layers))
+    stage = range(start, start + layers)
+    pool = _hybrid_pool(cfg, args, stage) if cfg.mamba else _pool(cfg, layers, start)
+    kv_layers = [i for i in mamba_geometry(cfg).full_layers if i in stage] if cfg.mamba else stage
+    attention = _attention(cfg, kv_layers)
     # What kvxfer's plugin hook records as SGLang's ModelRunner loads the model (this process
     # has no model runner): the layers' fp8 scales.
     record_model_scales(attention)
@@ -363,7 +545,7 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
     meta = MetadataBuffers(8, 16, torch.float32, 0)
     buffers = _buffers(pool)
     if not prefill:
-        for b in buffers:
+        for b in [*buffers, *(_state_tensors(pool) if cfg.mamba else ())]:
             b.view(torch.uint8).fill_(POISON_BYTE)
 
     kv_args = KVArgs()
@@ -395,6 +577,8 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
     kv_args.ib_device = None
     kv_args.gpu_id = 0
     setup_state_kv_args(kv_args, pool, None, cfg.layers)
+    if cfg.mamba:  # SGLang's one "mamba" state: conv and temporal of every state layer
+        assert [t.value for t in kv_args.state_types] == ["mamba"], kv_args.state_types
 
     backend = TransferBackend("kvxfer")
     mode = DisaggregationMode.PREFILL if prefill else DisaggregationMode.DECODE
@@ -452,6 +636,9 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
             if cfg.window and last == num_pages:  # the last chunk's state indices
                 window = [np.asarray(sent_window_pages(cfg), dtype=np.int32)]
                 _free_before_window(pool, cfg)
+            if cfg.mamba and last == num_pages:  # the state, once the prefill's forward ends
+                _write_state(cfg, pool)
+                window = mamba_index(cfg)
             sender.send(pages, window, num_kv_tokens=tokens.stop - tokens.start)
         final = wait_for({KVPoll.Success, KVPoll.Failed}, sender)
         reason = None
@@ -460,7 +647,7 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
                 sender.failure_exception()
             except Exception as exc:
                 reason = str(exc)
-        held = _held(pool, cfg, slots, layers)
+        held = _held(pool, cfg, slots, kv_layers)
         return {
             "states": states, "held": held, "reason": reason, "tp_rank": cfg.tp_rank,
             "pp_rank": cfg.pp_rank, "layers": slice(start, start + layers),
@@ -481,6 +668,7 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         time.sleep(0.01)
     pages = np.asarray(cfg.pages, dtype=np.int32)
     window = [np.asarray(sent_window_pages(cfg), dtype=np.int32)] if cfg.window else None
+    window = mamba_index(cfg) if cfg.mamba else window
     receiver.send_metadata(pages, cfg.aux_index, window, decode_prefix_len=0)
     if cfg.abort_after_metadata:
         receiver.abort()
@@ -499,7 +687,8 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
     converting = cfg.kv_dtype != cfg.peer_kv_dtype
     return {
         "states": states,
-        "held": _held(pool, cfg, slots, layers),
+        "held": _held(pool, cfg, slots, kv_layers),
+        "state": _held_state(cfg, pool) if cfg.mamba else None,
         "converted": _converted(cfg, kv, slots, range(start, start + layers))
         if converting
         else None,
@@ -584,23 +773,23 @@ def _prefill_dp_rank(manager: Any, addr: str, room: int) -> int:
     return int(ranks[str(room)])
 
 
-def _held(pool: Any, cfg: RankConfig, slots: Any, layers: int) -> np.ndarray:
+def _held(pool: Any, cfg: RankConfig, slots: Any, layers: int | Sequence[int]) -> np.ndarray:
     """What the pool holds at the request's slots: `[layers, 2, tokens, heads, dim]` (MLA:
     `[layers, tokens, dim]`), read through SGLang's own buffer getters, as int16 bits (a
-    numpy copy: a tensor would cross the pipe as shared memory that dies with this process)."""
+    numpy copy: a tensor would cross the pipe as shared memory that dies with this process).
+    `layers`: the stage's count, or the model's layer ids that keep KV (a hybrid model's)."""
     import torch
 
-    start = cfg.pp_rank * layers
+    if isinstance(layers, int):
+        layers = range(cfg.pp_rank * layers, (cfg.pp_rank + 1) * layers)
     if cfg.mla:
-        held = torch.stack([pool.get_key_buffer(start + i)[slots, 0] for i in range(layers)])
+        held = torch.stack([pool.get_key_buffer(i)[slots, 0] for i in layers])
     else:
-        at = [window_slots(cfg) if i in window_layers(cfg) else slots for i in range(layers)]
+        at = [window_slots(cfg) if i in window_layers(cfg) else slots for i in layers]
         held = torch.stack(
             [
-                torch.stack(
-                    [pool.get_key_buffer(start + i)[at[i]], pool.get_value_buffer(start + i)[at[i]]]
-                )
-                for i in range(layers)
+                torch.stack([pool.get_key_buffer(i)[at[n]], pool.get_value_buffer(i)[at[n]]])
+                for n, i in enumerate(layers)
             ]
         )
     return held.view(torch.int16).numpy().copy()
@@ -616,6 +805,8 @@ def _buffers(pool: Any) -> list[Any]:
     window pool's)."""
     if hasattr(pool, "swa_kv_pool"):
         return [*_buffers(pool.full_kv_pool), *_buffers(pool.swa_kv_pool)]
+    if hasattr(pool, "mamba_pool"):  # a hybrid linear-attention pool's KV
+        return _buffers(pool.full_kv_pool)
     return pool.kv_buffer if hasattr(pool, "kv_buffer") else [*pool.k_buffer, *pool.v_buffer]
 
 

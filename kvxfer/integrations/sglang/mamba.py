@@ -97,7 +97,9 @@ def mamba_model(server_args: Any, tp_size: int) -> MambaModel:
             "kvxfer's SGLang backend has verified (it moves gated delta nets, Mamba1 and "
             "Mamba2 mixers); serve it with another transfer backend"
         )
-    groups = getattr(config, "mamba_n_groups", None) or getattr(config, "n_groups", None)
+    # The attribute SGLang's configs size the pool from: NemotronH's `n_groups` (its
+    # `mamba_n_groups` is a constructor default), Falcon-H1's and Granite's `mamba_n_groups`.
+    groups = getattr(config, "n_groups", None) or getattr(config, "mamba_n_groups", None)
     return MambaModel(conv_parts(shape, groups, tp_size), int(shape.num_heads))
 
 

@@ -102,6 +102,7 @@ class KvxferKVManager(PrefillSide, DecodeSide):
         sends one page list for both), then the hybrid state's (a window pool's, or a Mamba
         state's groups)."""
         target, draft = pool_entries(args)
+        self._check_hybrid(state_kinds(args), drafts=draft.start != draft.stop)
         target_model = model_of(server_args, args, mla)
         groups = []
         for entries, is_draft in ((target, False), (draft, True)):
@@ -129,22 +130,28 @@ class KvxferKVManager(PrefillSide, DecodeSide):
         if state_kinds(args) == [SWA]:
             groups.append(self._window_group(server_args, args, mla, target_model))
         if state_kinds(args) == [MAMBA]:
-            groups += self._mamba_groups(server_args, args, drafts=len(groups) > 1)
+            groups += self._mamba_groups(server_args, args)
         return groups
 
-    def _mamba_groups(self, server_args: Any, args: KVArgs, drafts: bool) -> list[CacheGroup]:
-        """The target model's Mamba state (SGLang's one "mamba" state) as state groups
-        (`kvxfer.integrations.sglang.mamba`): a request's table is its slot."""
-        if self.pp_size > 1:
+    def _check_hybrid(self, kinds: list[str], drafts: bool) -> None:
+        """Refuse, before any pool is read, the hybrid models kvxfer's SGLang backend does not
+        move: hybrid state with prefill pipeline stages (a stage's state layers are not mapped
+        to the model's), and a Mamba model with a draft (its draft's own state)."""
+        if kinds and self.pp_size > 1:
             raise ValueError(
-                "kvxfer's SGLang backend: a Mamba model with prefill pipeline parallelism is "
-                "not supported; serve the prefill with --pp-size 1"
+                f"kvxfer's SGLang backend: a hybrid model ({', '.join(kinds)} state) with "
+                "prefill pipeline parallelism is not supported; serve the prefill with "
+                "--pp-size 1"
             )
-        if drafts:
+        if MAMBA in kinds and drafts:
             raise ValueError(
                 "kvxfer's SGLang backend: speculative decoding with a Mamba model (its draft's "
                 "KV and state) is not supported; serve it without a speculative algorithm"
             )
+
+    def _mamba_groups(self, server_args: Any, args: KVArgs) -> list[CacheGroup]:
+        """The target model's Mamba state (SGLang's one "mamba" state) as state groups
+        (`kvxfer.integrations.sglang.mamba`): a request's table is its slot."""
         return mamba_groups(
             args, 0, mamba_model(server_args, self.attn_tp_size),
             tp_size=self.attn_tp_size, tp_rank=self.attn_tp_rank,
@@ -157,11 +164,6 @@ class KvxferKVManager(PrefillSide, DecodeSide):
         """The window layers' pool (`SWAKVPool`'s, SGLang's one "swa" state) as a
         sliding-window group of the `target` model's heads: its pages are the request's window
         pages (its state indices), and its window the one SGLang's model runner resolved."""
-        if self.pp_size > 1:
-            raise ValueError(
-                "kvxfer's SGLang backend: a sliding-window model with prefill pipeline "
-                "parallelism is not supported; serve the prefill with --pp-size 1"
-            )
         ptrs, lens, item_lens = (
             args.state_data_ptrs[0], args.state_data_lens[0], args.state_item_lens[0]
         )  # fmt: skip

@@ -125,7 +125,8 @@ def group_tables(
     tables = []
     for group in groups:
         if group.state:
-            tables.append(np.asarray(indices[:1], dtype=np.int64))
+            # SGLang hands a slot as a 0-d array (`_mamba_payload` of an int pool index)
+            tables.append(np.asarray(indices, dtype=np.int64).reshape(-1)[:1])
         elif group.sliding_window is not None:
             pages = window_table(indices, num_tokens, group.spec.block_size)
             tables.append(np.asarray(pages))

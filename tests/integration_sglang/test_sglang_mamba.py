@@ -1,0 +1,251 @@
+"""SGLang's Mamba / linear-attention state (its `MambaPool` beside the full-attention layers'
+KV in a `HybridLinearKVPool`) through kvxfer's SGLang backend, between engines of other TP
+sizes, bit for bit.
+
+Each rank is a process as in test_sglang_transfer.py (`ranks.py`), its pool SGLang's own: the
+state's shapes and dtypes are SGLang's at the rank's TP (`mamba2_cache_params`), and SGLang's
+`setup_state_kv_args` registers it as one "mamba" state. The prefill writes its part of a
+seeded whole-model state into the request's slot (every other slot holds other values), and
+sends the slot with its last chunk; the decode poisons its pool and receives into another slot.
+What a decode rank must hold is its part of that whole state by the model's own sharding rule
+(`ranks.mamba_of_rank`: the r-th even slice of each conv sub-block, back to back, and the r-th
+slice of the heads), independent of kvxfer and of SGLang's transfer helpers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+import pytest
+import test_sglang_transfer
+import torch
+from ranks import (
+    RankConfig,
+    attn_tp,
+    global_kv,
+    global_mamba,
+    heads_of,
+    mamba_geometry,
+    mamba_of_rank,
+    run_rank,
+)
+from test_sglang_transfer import RANK_HANG_S, _rank_context, _run_pair
+
+from kvxfer.addresses import free_port
+
+KV_HEADS = 4  # the full-attention layers' (of 16 each): TP 4 still shards them
+_COMMON = {
+    "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 8,
+    "num_key_value_heads": KV_HEADS, "head_dim": 16, "num_hidden_layers": 4, "vocab_size": 256,
+    "max_position_embeddings": 1024, "torch_dtype": "bfloat16", "bos_token_id": 1,
+    "eos_token_id": 2,
+}  # fmt: skip
+# Qwen3-Next (layers 0, 2 a gated delta net, 1, 3 full attention): conv [q | k | v] of
+# 32 | 32 | 128 channels (sub-blocks of other sizes, so a split of the whole range shows),
+# temporal 8 value heads of (16, 8).
+GDN = {
+    **_COMMON, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+    "full_attention_interval": 2, "linear_num_key_heads": 4, "linear_key_head_dim": 8,
+    "linear_num_value_heads": 8, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1,
+}  # fmt: skip
+# NemotronH (layers 0, 2 Mamba2, 1, 3 attention): conv [x | B | C] of 128 | 32 | 32 channels,
+# temporal 8 heads of (16, 8); n_groups 4, which TP 1, 2 and 4 divide.
+MAMBA2 = {
+    **_COMMON, "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+    "hybrid_override_pattern": "M*M*", "mamba_num_heads": 8, "mamba_head_dim": 16,
+    "n_groups": 4, "ssm_state_size": 8, "conv_kernel": 4, "expand": 1,
+}  # fmt: skip
+
+
+def _model_dir(factory: pytest.TempPathFactory, name: str, config: dict) -> str:
+    path = factory.mktemp(name)
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+bootstrap_port = test_sglang_transfer.bootstrap_port  # the fixture: the backend's server
+
+
+@pytest.fixture(scope="module")
+def gdn_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _model_dir(tmp_path_factory, "gdn", GDN)
+
+
+@pytest.fixture(scope="module")
+def mamba2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _model_dir(tmp_path_factory, "mamba2", MAMBA2)
+
+
+@pytest.fixture(scope="module")
+def mamba2_g1_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """n_groups 1: at TP 2 SGLang gives every rank all of B and C."""
+    return _model_dir(tmp_path_factory, "mamba2-g1", {**MAMBA2, "n_groups": 1})
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An EAGLE draft (a one-layer Llama) for the hybrid target."""
+    llama = {**_COMMON, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    return _model_dir(tmp_path_factory, "draft", {**llama, "num_hidden_layers": 1})
+
+
+def _mamba_fields(kind: str, slots: tuple[int, int], tps: tuple[int, int], **extra: Any) -> dict:
+    """RankConfig fields of every rank of a hybrid pair (through `_run_pair`'s per-rank
+    fields): the model kind, and each side's slot of the request."""
+    return {
+        (role, rank): {"mamba": kind, "mamba_slot": slot, **extra}
+        for role, slot, tp in zip(("prefill", "decode"), slots, tps, strict=True)
+        for rank in range(tp)
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "prefill", "decode", "slots", "as_sglang"),
+    [
+        ("gdn", (1, 16), (2, 32), (3, 5), False),
+        ("gdn", (2, 32), (1, 16), (4, 4), True),
+        ("gdn", (2, 16), (4, 16), (2, 6), False),
+        ("mamba2", (1, 16), (2, 16), (1, 6), False),
+        ("mamba2", (2, 64), (1, 16), (6, 2), False),
+        ("mamba2_g1", (1, 16), (2, 32), (2, 3), False),
+        ("mamba2_g1", (2, 16), (1, 16), (5, 1), False),
+    ],
+    ids=[
+        "gdn-tp1-tp2-page16-page32",
+        "gdn-tp2-tp1-page32-page16-decode-0d-slot",
+        "gdn-tp2-tp4",
+        "mamba2-tp1-tp2",
+        "mamba2-tp2-tp1-page64-page16",
+        "mamba2-one-group-tp1-tp2",
+        "mamba2-one-group-tp2-tp1",
+    ],
+)
+def test_a_hybrid_models_state_moves_bit_exact_beside_its_kv(
+    request, bootstrap_port, kind, prefill, decode, slots, as_sglang
+):
+    """Each decode rank's slot holds its part of the request's state (conv: its slice of every
+    sub-block, q | k | v or x | B | C, back to back, B and C whole where the model has one
+    group and the decode several ranks; temporal: its heads), bit for bit, read
+    from the prefill's slot (not another: they hold other values), with the prefill and decode
+    slots apart where `slots` differ; every other slot of the decode's state (slot 0, SGLang's
+    dummy, too) keeps its poison; the full-attention layers' KV moves as ever. `as_sglang`: the
+    decode's slot handed over as SGLang's `_mamba_payload` makes it (a 0-d array)."""
+    model_dir = request.getfixturevalue(f"{kind}_dir")
+    room = 7000 + 100 * prefill[0] + 10 * decode[0] + slots[0]
+    fields = _mamba_fields(
+        kind.removesuffix("_g1"), slots, (prefill[0], decode[0]), mamba_slot_0d=as_sglang
+    )
+    prefills, decodes, cfgs = _run_pair(
+        model_dir, bootstrap_port, room, prefill, decode, faults=fields, kv_heads=KV_HEADS
+    )
+    full = list(mamba_geometry(cfgs[0]).full_layers)
+    want_kv = global_kv(cfgs[0]).view(torch.int16)[full]
+    held = torch.cat([torch.from_numpy(p["held"]) for p in prefills], 3)
+    assert torch.equal(held, want_kv), "the prefill pools hold other KV than SGLang was given"
+    conv, temporal = global_mamba(cfgs[0])
+    for result, cfg in zip(decodes, cfgs, strict=True):
+        rank = f"decode rank {cfg.tp_rank} of TP {cfg.tp_size}"
+        got = torch.from_numpy(result["held"])
+        assert torch.equal(got, want_kv[:, :, :, heads_of(cfg)]), f"{rank}: full-attention KV"
+        assert result["untouched"], f"{rank} wrote KV outside the request's pages"
+        assert result["aux"] == (1000 + room % 1000, room)
+        want_conv, want_temporal = mamba_of_rank(cfg, conv, temporal)
+        state = result["state"]
+        got_conv = torch.from_numpy(state["conv"])
+        assert torch.equal(got_conv, want_conv.view(torch.int16)), (
+            f"{rank}: conv differs at channels "
+            f"{(got_conv != want_conv.view(torch.int16)).any(-1).any(0).nonzero().flatten()}"
+        )
+        got_temporal = torch.from_numpy(state["temporal"])
+        assert torch.equal(got_temporal, want_temporal.view(torch.int32)), (
+            f"{rank}: temporal differs at heads "
+            f"{(got_temporal != want_temporal.view(torch.int32)).flatten(2).any(-1).any(0)}"
+        )
+        assert state["untouched"], f"{rank} wrote another slot of its Mamba state"
+
+
+def test_the_oracle_is_sglangs_own_slicing_of_a_gated_delta_net(gdn_dir):
+    """The test's sharding rule agrees with SGLang's own for a gated delta net, which names its
+    sub-blocks (`compute_mamba_state_slice_blocks`, scatter from TP 1 to each rank of TP 2 and
+    TP 4): the oracle is not kvxfer's rule restated."""
+    from sglang.srt.disaggregation.utils import compute_mamba_state_slice_blocks
+
+    whole = RankConfig("decode", 1, 0, 16, gdn_dir, 0, 0, 1, [1], 0, mamba="gdn")
+    conv, temporal = global_mamba(whole)
+    segments = [rows for rows, _ in mamba_geometry(whole).segments]
+    channels = conv.shape[1]
+    for tp in (2, 4):
+        for rank in range(tp):
+            cfg = RankConfig("decode", tp, rank, 16, gdn_dir, 0, 0, 1, [1], 0, mamba="gdn")
+            blocks = compute_mamba_state_slice_blocks(
+                src_dim=channels, dst_dim=channels // tp, src_attn_tp_size=1,
+                dst_attn_tp_size=tp, dst_tp_rank_in_group=rank, local_tp_rank_in_group=0,
+                conv_shard_groups=segments,
+            )  # fmt: skip
+            # (source start, destination start, length), destinations back to back
+            assert [b[1] for b in blocks] == [sum(segments[:i]) // tp for i in range(3)]
+            sglangs = torch.cat([conv[:, start : start + n] for start, _, n in blocks], 1)
+            ours, _ = mamba_of_rank(cfg, conv, temporal)
+            assert attn_tp(cfg) == (tp, rank)
+            assert torch.equal(sglangs.view(torch.int16), ours.view(torch.int16)), (tp, rank)
+
+
+def _refusals(configs: list[RankConfig]) -> list[str]:
+    """Run the ranks, each until its manager is built (or refused): the errors they report."""
+    ctx = _rank_context()
+    pipes, procs, errors = [], [], []
+    for cfg in configs:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=run_rank, args=(cfg, child), daemon=True)
+        proc.start()
+        child.close()
+        pipes.append(parent)
+        procs.append(proc)
+    try:
+        for pipe in pipes:
+            assert pipe.poll(RANK_HANG_S), "a rank did not answer"
+            status, value = pipe.recv()
+            errors.append(value if status == "error" else "")
+    finally:
+        for pipe, proc in zip(pipes, procs, strict=True):
+            with contextlib.suppress(OSError):
+                pipe.send("bye")
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+    return errors
+
+
+def _prefill(model_dir: str, kind: str, tp: int, rank: int = 0, **fields: Any) -> RankConfig:
+    return RankConfig(
+        "prefill", tp, rank, 16, model_dir, free_port(), 8000, 32, [1, 2], 0, mamba=kind,
+        mamba_slot=1, kv_heads=KV_HEADS, **fields,
+    )  # fmt: skip
+
+
+def _assert_refused(errors: list[str], *words: str) -> None:
+    for error in errors:
+        reason = error.strip().splitlines()[-1] if error else "(built)"
+        assert reason.startswith("ValueError") and all(w in reason for w in words), error
+
+
+def test_a_mamba_prefill_with_pipeline_stages_is_refused(mamba2_dir):
+    """Prefill TP 1 x PP 2 (each stage its layers' state): refused at either stage, naming
+    pipeline parallelism."""
+    port = free_port()
+    stages = [
+        _prefill(mamba2_dir, "mamba2", 1, pp_size=2, pp_rank=s, dist_port=port) for s in (0, 1)
+    ]
+    _assert_refused(_refusals(stages), "pipeline parallelism")
+
+
+def test_speculative_decoding_with_a_mamba_model_is_refused(gdn_dir, draft_dir):
+    """EAGLE with a hybrid target (its draft's pool registered beside the target's): refused
+    naming speculative decoding."""
+    _assert_refused(
+        _refusals([_prefill(gdn_dir, "gdn", 1, draft_dir=draft_dir)]), "speculative decoding"
+    )
