@@ -18,8 +18,8 @@ heads of 128, bf16, K and V), medians over `--repeats` rounds after one warm-up,
   source buffer; `kvxfer_read_over_mooncake` is its ratio to `mooncake_read_ms`;
 - `kvxfer_driven_read_ms`: the same read through a driven `MooncakeTransport`, as a consumer
   runs its transport: `read` then `drive` on one thread until it settles, sleeping between
-  polls with the fine timer slack a consumer's loop sets (`kvxfer.transport.completion`); timed
-  on that thread from `read` to settled. `kvxfer_driven_read_over_mooncake` is its ratio.
+  polls as a consumer's loop does (`kvxfer.transport.completion`); timed on that thread from
+  `read` to settled. `kvxfer_driven_read_over_mooncake` is its ratio.
 
 Every read is checked against the source's pattern (outside the timed region); the script
 exits with 1 if one differs or fails. It never asserts a speed. `benchmarks/latency.py` runs
@@ -99,7 +99,6 @@ def reader_main(source: dict[str, Any], sizes: list[int], repeats: int, conn: An
     from kvxfer.plan import Segments
     from kvxfer.transport import Peer
     from kvxfer.transport.base import Region
-    from kvxfer.transport.completion import fine_timer_slack
     from kvxfer.transport.mooncake import MooncakeTransport
 
     engine, _ = _engine()
@@ -142,7 +141,6 @@ def reader_main(source: dict[str, Any], sizes: list[int], repeats: int, conn: An
     driven_ms: queue.SimpleQueue[float | BaseException] = queue.SimpleQueue()
 
     def drive_reads() -> None:  # a consumer's loop, reduced to one read at a time
-        fine_timer_slack()
         while (segments := asked.get()) is not None:
             try:
                 began = time.perf_counter()

@@ -35,11 +35,6 @@ the copies need on a small machine: in `kvxfer bench` on the project's 2-core ma
 consumers' loops went from 13-16 to 7-13 ms of CPU per 100.7 MB run
 (benchmarks/history/2026-12-03.md, measured with benchmarks/studies/thread_cpu.py).
 
-Timer slack: Linux ends a thread's sleep up to its timer slack late, 50 us by default, a
-quarter of a young read's poll wait: a 0.2 ms wait took 0.27 ms (measured on the project's
-2-core machine). Every thread that waits for a poll (the pump's, a consumer's loop) calls
-`fine_timer_slack` first, so its waits end within 1 us of when they are due.
-
 Caps: more than about 2,048 descriptors in flight make an engine fail every later transfer
 (module docstring of `kvxfer.transport.mooncake`), so at most `TOTAL_IN_FLIGHT` are in flight
 per engine and at most `PEER_IN_FLIGHT` per peer: a frozen peer holds a quarter of the engine's
@@ -48,9 +43,7 @@ capacity at most, and the others keep moving.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import sys
 import threading
 import time
 from collections import deque
@@ -72,8 +65,6 @@ POLL_SECONDS = 0.0002
 POLL_FRACTION = 0.125  # of the time since the last submit: the wait between polls after that
 MAX_POLL_SECONDS = 0.002  # the longest wait between polls while anything is in flight
 IDLE_SECONDS = 0.05  # nothing in flight: wake at least this often to notice close()
-TIMER_SLACK_NS = 1000  # a polling thread's timer slack (module docstring)
-_PR_SET_TIMERSLACK = 29  # from <linux/prctl.h>
 
 
 @dataclass
@@ -93,24 +84,6 @@ class _Op:
     @property
     def all_submitted(self) -> bool:
         return self.next_index >= len(self.lengths)
-
-
-def fine_timer_slack() -> bool:
-    """Make the calling thread's sleeps end within `TIMER_SLACK_NS` of when they are due (Linux:
-    `prctl(PR_SET_TIMERSLACK)`, which holds for this thread alone); for a thread that polls
-    reads at sub-millisecond intervals (module docstring).
-
-    Returns:
-        Whether the slack was set: False off Linux or where the call fails, and the thread
-        then sleeps with the system's slack (slower polls, nothing else changes).
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return False
-    return bool(prctl(_PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0) == 0)
 
 
 def poll_interval(since_submit: float) -> float:
@@ -215,7 +188,6 @@ class CompletionPump:
     # ---- the thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        fine_timer_slack()
         while True:
             with self._cond:
                 if self._stopped:

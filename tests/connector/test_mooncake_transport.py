@@ -20,7 +20,6 @@ from kvxfer.transport import Peer, TransferError
 from kvxfer.transport.completion import (
     MAX_POLL_SECONDS,
     POLL_SECONDS,
-    TIMER_SLACK_NS,
     TOTAL_IN_FLIGHT,
     poll_interval,
 )
@@ -131,23 +130,6 @@ def test_a_young_read_is_polled_every_0_2_ms_an_old_one_less_often(since_submit,
     """An eighth of the time since the last submit, between 0.2 and 2 ms: a small read is found
     at once, a long one is not polled a hundred times."""
     assert poll_interval(since_submit) == pytest.approx(wait)
-
-
-def timer_slack_ns(thread: threading.Thread) -> int:
-    """A live thread's timer slack, as Linux reports it."""
-    path = f"/proc/{thread.native_id}/timerslack_ns"
-    if not os.path.exists(path):
-        pytest.skip(f"needs Linux's per-thread timer slack ({path})")
-    with open(path) as f:
-        return int(f.read())
-
-
-def test_the_pumps_thread_sleeps_with_a_fine_timer_slack(pair):
-    """Its waits for a young read's poll (0.2 ms) end on time, not up to 50 us late (`pair`
-    started two transports, and their pumps)."""
-    pump = next(t for t in threading.enumerate() if t.name == "kvxfer-mooncake")
-    assert timer_slack_ns(pump) == TIMER_SLACK_NS
-    assert timer_slack_ns(threading.current_thread()) != TIMER_SLACK_NS  # the caller's is kept
 
 
 def test_segment_outside_the_peer_region_is_refused_before_any_write(pair):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +28,6 @@ from kvxfer.connector.sidechannel import SideChannelServer
 from kvxfer.reference import random_global_kv, write_rank_cells
 from kvxfer.testing import make_scenario, side_specs
 from kvxfer.testing.scenario import ScenarioEngines
-from kvxfer.transport.completion import TIMER_SLACK_NS
 
 A_MINUTE = 60.0
 WAIT_S = 20.0  # far below a tick: a result within it came from an event
@@ -293,31 +291,3 @@ def test_a_busy_side_channel_ticks_once_per_period_whatever_its_messages() -> No
         client.close(linger=0)
         context.term()
         server.close()
-
-
-def test_a_consumer_loop_sleeps_with_a_fine_timer_slack() -> None:
-    """The loop sleeps until a read's poll is due (0.2 ms for a young read): with Linux's default
-    timer slack that sleep ended up to 50 us late; the loop's thread sets its own to 1 us."""
-    slack: list[int] = []
-    done = threading.Event()
-
-    def read_own_slack() -> None:
-        path = f"/proc/{threading.get_native_id()}/timerslack_ns"
-        if os.path.exists(path):
-            with open(path) as f:
-                slack.append(int(f.read()))
-        done.set()
-
-    loop = EventLoop("test-loop", "test", lambda: [], lambda sock: None, lambda: None)
-    loop.start()
-    try:
-        loop.post(read_own_slack)
-        assert done.wait(WAIT_S)
-    finally:
-        loop.stop()
-        loop.wake()
-        loop.join()
-        loop.close()
-    if not slack:
-        pytest.skip("needs Linux's per-thread timer slack (/proc/TID/timerslack_ns)")
-    assert slack == [TIMER_SLACK_NS]

@@ -27,7 +27,6 @@ from collections.abc import Callable
 import zmq
 
 from kvxfer.connector.turns import TurnClock
-from kvxfer.transport.completion import fine_timer_slack
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +136,6 @@ class EventLoop:
         os.close(wake_w)
 
     def _run(self) -> None:
-        fine_timer_slack()  # the sleep before a read's poll is due ends on time
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         registered: set[zmq.Socket] = set()
