@@ -8,12 +8,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+from sglang.srt.configs.mamba_utils import (
+    KimiLinearCacheParams,
+    KimiLinearStateShape,
+    Mamba2CacheParams,
+    Mamba2StateDType,
+    Mamba2StateShape,
+)
 from sglang.srt.disaggregation.base.conn import KVArgs, StateType
 from sglang.srt.disaggregation.utils import setup_state_kv_args
 from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
 
-from kvxfer.integrations.sglang.mamba import ConvPart, MambaModel, conv_parts, mamba_groups
+from kvxfer import reshard
+from kvxfer.integrations.sglang.mamba import (
+    ConvPart,
+    MambaModel,
+    conv_parts,
+    kda_conv_parts,
+    mamba_groups,
+)
+from kvxfer.testing import POISON
 
 # A tiny gated delta net's conv (q, k, v) and a tiny Mamba2 mixer: 4 heads of 16, N 16, K 4.
 QKV = [32, 32, 64]
@@ -29,10 +43,11 @@ def _shape(tp: int, n_groups: int = 2, shard_groups: list[int] | None = None) ->
     )  # fmt: skip
 
 
-def _pool_args(shape: Mamba2StateShape) -> tuple[MambaPool, KVArgs]:
+def _pool_args(shape: Mamba2StateShape | KimiLinearStateShape) -> tuple[MambaPool, KVArgs]:
     """SGLang's pools of a rank and the `KVArgs` its scheduler fills from them."""
     dtype = Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32)
-    params = Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS, dtype=dtype)
+    kind = KimiLinearCacheParams if isinstance(shape, KimiLinearStateShape) else Mamba2CacheParams
+    params = kind(shape=shape, layers=MAMBA_LAYERS, dtype=dtype)
     mamba = MambaPool(
         size=SLOTS, spec_state_size=4, cache_params=params, mamba_layer_ids=MAMBA_LAYERS,
         device="cpu",
@@ -104,13 +119,13 @@ def test_every_group_views_its_rank_slice_of_sglangs_pool(tp, shard_groups, n_gr
                                want.view(torch.int32))  # fmt: skip
 
 
-def test_a_channels_last_conv_or_a_state_held_whole_is_refused():
+def test_a_pool_sliced_unlike_its_model_or_a_state_held_whole_is_refused():
     shape = _shape(2, shard_groups=QKV)
     model = MambaModel(conv_parts(shape, None, 2), HEADS)
     _, args = _pool_args(shape)
     count = len(args.state_data_ptrs[0])
-    args.state_slice_outer_counts = [[3] * count]  # Kimi's KDA: K - 1 rows of channels
-    with pytest.raises(ValueError, match="channels-last conv state"):
+    args.state_slice_outer_counts = [[3] * count]  # channels last, as KDA's: not this model's
+    with pytest.raises(ValueError, match=r"state_slice_outer_counts \[3\]\) are not the model"):
         mamba_groups(args, 0, model, tp_size=2, tp_rank=0, device="cpu")
     args.state_slice_outer_counts = [[1] * count]
     args.state_dim_per_tensor = [[0] * count]
@@ -124,3 +139,81 @@ def test_a_pool_of_another_tp_than_the_model_says_is_refused_naming_both():
     model = MambaModel(conv_parts(shape, None, 2), HEADS)
     with pytest.raises(ValueError, match=r"the conv state: \[64\] rows.*expected 32 rows"):
         mamba_groups(args, 0, model, tp_size=4, tp_rank=0, device="cpu")
+
+
+# A tiny KDA (Kimi-Linear): q of 4 heads of 16, k and v of 2 heads of 8, channels last.
+KDA_HEADS, KDA_DIM, KDA_K_HEADS, KDA_K_DIM = 4, 16, 2, 8
+KDA_BLOCKS = [KDA_HEADS * KDA_DIM, KDA_K_HEADS * KDA_K_DIM, KDA_K_HEADS * KDA_K_DIM]
+
+
+def _kda_shape(tp: int) -> KimiLinearStateShape:
+    return KimiLinearStateShape.create(
+        tp_world_size=tp, num_heads=KDA_HEADS, head_dim=KDA_DIM, num_k_heads=KDA_K_HEADS,
+        head_k_dim=KDA_K_DIM, conv_kernel_size=KERNEL,
+    )  # fmt: skip
+
+
+def _kda_rank(conv: torch.Tensor, temporal: torch.Tensor, tp: int, rank: int):
+    """A rank's part of a whole KDA state (conv `[layers, K - 1, channels]`, channels last):
+    every window row's r-th slice of each sub-block, back to back; its heads of temporal."""
+    starts = [sum(KDA_BLOCKS[:i]) for i in range(len(KDA_BLOCKS))]
+    index = torch.cat(
+        [
+            torch.arange(s + rank * n // tp, s + (rank + 1) * n // tp)
+            for s, n in zip(starts, KDA_BLOCKS, strict=True)
+        ]
+    )
+    heads = KDA_HEADS // tp
+    return conv[:, :, index], temporal[:, rank * heads : (rank + 1) * heads]
+
+
+def test_a_kda_conv_is_a_run_of_its_sub_blocks_per_window_row():
+    run = ConvPart(sum(KDA_BLOCKS), 1, tuple(KDA_BLOCKS))
+    assert kda_conv_parts(_kda_shape(2)) == (run,) * (KERNEL - 1)
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 2), (2, 1), (2, 2)])
+def test_a_kda_slot_reshards_bit_exact_between_sglangs_own_pools(src_tp, dst_tp):
+    """Kimi's channels-last conv and its temporal state, from slot 3 of every source rank's
+    `MambaPool` into slot 5 of every destination rank's (`kvxfer.reshard`, group by group):
+    each destination holds its part of the whole state, every other slot its poison."""
+    gen = torch.Generator().manual_seed(src_tp * 10 + dst_tp)
+    layers, rows = len(MAMBA_LAYERS), KERNEL - 1
+    conv = torch.randint(-(2**15), 2**15, (layers, rows, sum(KDA_BLOCKS)), generator=gen)
+    temporal = torch.randint(-(2**31), 2**31, (layers, KDA_HEADS, KDA_DIM, KDA_DIM), generator=gen)
+    conv, temporal = conv.to(torch.int16), temporal.to(torch.int32)
+
+    def side(tp: int, src: bool):
+        ranks = []
+        for rank in range(tp):
+            shape = _kda_shape(tp)
+            mamba, args = _pool_args(shape)
+            pool_conv, pool_temporal = mamba.mamba_cache.conv[0], mamba.mamba_cache.temporal
+            if src:
+                want_conv, want_temporal = _kda_rank(conv, temporal, tp, rank)
+                pool_conv.view(torch.int16)[:, 3] = want_conv
+                pool_temporal.view(torch.int32)[:, 3] = want_temporal
+            else:
+                pool_conv.view(torch.uint8).fill_(POISON)
+                pool_temporal.view(torch.uint8).fill_(POISON)
+            model = MambaModel(kda_conv_parts(shape), KDA_HEADS, channels_last=True)
+            groups = mamba_groups(args, 0, model, tp_size=tp, tp_rank=rank, device="cpu")
+            ranks.append((mamba, args, groups))  # the args keep the pools' memory alive
+        return ranks
+
+    sources, destinations = side(src_tp, True), side(dst_tp, False)
+    for g in range(len(sources[0][2])):
+        reshard(
+            [(gs[g].spec, gs[g].caches, [3]) for _, _, gs in sources],
+            [(gs[g].spec, gs[g].caches, [5]) for _, _, gs in destinations],
+            1,
+            backend="torch",
+        )
+    for rank, (mamba, _, _) in enumerate(destinations):
+        want_conv, want_temporal = _kda_rank(conv, temporal, dst_tp, rank)
+        got_conv, got_temporal = mamba.mamba_cache.conv[0], mamba.mamba_cache.temporal
+        assert torch.equal(got_conv.view(torch.int16)[:, 5], want_conv), f"rank {rank}: conv"
+        assert torch.equal(got_temporal.view(torch.int32)[:, 5], want_temporal), f"rank {rank}"
+        for tensor in (got_conv, got_temporal):
+            others = torch.cat([tensor[:, :5], tensor[:, 6:]], 1).view(torch.uint8)
+            assert bool((others == POISON).all()), f"rank {rank} wrote another slot"

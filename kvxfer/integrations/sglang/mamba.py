@@ -14,15 +14,16 @@ a gated delta net (Qwen3-Next) holds the r-th even slice of each of its conv's q
 (SGLang's `conv_shard_groups`), a Mamba2 mixer (NemotronH, Falcon-H1, Granite) the r-th slice
 of x and its share of B's and C's groups (`n_groups` rows of `N` channels each: with one group
 and several ranks, each holds B and C whole), a Mamba1 mixer its slice of x; the temporal state
-is heads, split evenly. Each run is a `StateComponent`, in a `StateLayout` per tensor (conv and
-temporal are apart in memory), so kvxfer moves a slot between any two TP sizes bit for bit.
-(SGLang's own backends slice one contiguous range where no `conv_shard_groups` are given, and
-need one TP size to divide the other.)
+is heads, split evenly. Kimi's KDA keeps its conv channels last, `[K - 1, channels]` a slot
+(SGLang's `state_slice_outer_counts` the `K - 1` rows): a run of its q, k and v per window row.
+Each run is a `StateComponent`, in a `StateLayout` per tensor (conv and temporal are apart in
+memory), so kvxfer moves a slot between any two TP sizes bit for bit. (SGLang's own backends
+slice one contiguous range where no `conv_shard_groups` are given, and need one TP size to
+divide the other.)
 
 Refused, naming the setting: a Mamba2 model of several groups fewer than its ranks (SGLang's
-own mixer refuses it too), a channels-last conv
-(Kimi's KDA: `state_slice_outer_counts` > 1), another state shape (lightning attention), a state
-registered whole on every rank (`state_dim_per_tensor` 0), and SGLang's CPU pools on an AMX
+own mixer refuses it too), another state shape (lightning attention), a state registered whole
+on every rank (`state_dim_per_tensor` 0), and SGLang's CPU pools on an AMX
 machine (their conv layout is transposed in place, behind the same metadata).
 """
 
@@ -73,10 +74,19 @@ class MambaModel:
     Attributes:
         conv: the conv state's channel runs, in a rank's order.
         heads: the temporal state's rows.
+        channels_last: the conv keeps its channels last, `[K - 1, channels]` a slot (Kimi's
+            KDA): `conv` then has a run per window row.
     """
 
     conv: tuple[ConvPart, ...]
     heads: int
+    channels_last: bool = False
+
+    @property
+    def conv_outer_count(self) -> int:
+        """Rows of a conv slot before the axis SGLang slices (`state_slice_outer_counts`):
+        a channels-last conv's window rows, else 1."""
+        return len(self.conv) if self.channels_last else 1
 
 
 def mamba_model(server_args: Any, tp_size: int) -> MambaModel:
@@ -91,6 +101,8 @@ def mamba_model(server_args: Any, tp_size: int) -> MambaModel:
 
     config = mambaish_config(ModelConfig.from_server_args(server_args))
     shape = getattr(getattr(config, "mamba2_cache_params", None), "shape", None)
+    if shape is not None and getattr(shape, "conv_slice_axis", 0) == 1:  # KDA: `[K - 1, ch]`
+        return MambaModel(kda_conv_parts(shape), int(shape.num_heads), channels_last=True)
     if shape is None or not hasattr(shape, "intermediate_size"):
         raise ValueError(
             f"this model's linear-attention state ({type(shape).__name__}) is not a layout "
@@ -101,6 +113,22 @@ def mamba_model(server_args: Any, tp_size: int) -> MambaModel:
     # `mamba_n_groups` is a constructor default), Falcon-H1's and Granite's `mamba_n_groups`.
     groups = getattr(config, "n_groups", None) or getattr(config, "mamba_n_groups", None)
     return MambaModel(conv_parts(shape, groups, tp_size), int(shape.num_heads))
+
+
+def kda_conv_parts(shape: Any) -> tuple[ConvPart, ...]:
+    """The conv's channel runs of SGLang's `KimiLinearStateShape`: channels last, so a run per
+    window row (`K - 1`), each its q, k and v channels (`conv_shard_groups`), sliced apart.
+
+    Raises:
+        ValueError: more than one conv tensor, or no sub-blocks named.
+    """
+    if len(shape.conv) != 1 or not shape.conv_shard_groups:
+        raise ValueError(
+            f"a KDA state of {len(shape.conv)} conv tensors and sub-blocks "
+            f"{shape.conv_shard_groups}: not a layout kvxfer's SGLang backend has verified"
+        )
+    segments = tuple(int(g) for g in shape.conv_shard_groups)
+    return (ConvPart(sum(segments), 1, segments),) * (int(shape.conv_kernel) - 1)
 
 
 def conv_parts(shape: Any, n_groups: int | None, tp_size: int) -> tuple[ConvPart, ...]:
@@ -165,12 +193,6 @@ def mamba_groups(
     ptrs, lens = kv_args.state_data_ptrs[index], kv_args.state_data_lens[index]
     items, rows = kv_args.state_item_lens[index], kv_args.state_dim_per_tensor[index]
     outer = list(kv_args.state_slice_outer_counts[index] or [])
-    if any(count != 1 for count in outer):
-        raise ValueError(
-            "a channels-last conv state (state_slice_outer_counts "
-            f"{sorted(set(outer))}, Kimi's KDA) is not a layout kvxfer's SGLang backend has "
-            "verified; serve it with another transfer backend"
-        )
     count = len(ptrs)
     if count % 2 or not (len(lens) == len(items) == len(rows) == count):
         raise ValueError(
@@ -178,14 +200,20 @@ def mamba_groups(
             f"{len(rows)} dims; expected a conv and a temporal buffer of every layer"
         )
     layers = count // 2
+    if outer and outer != [model.conv_outer_count] * layers + [1] * layers:
+        raise ValueError(
+            f"the state's rows before its sliced axis (state_slice_outer_counts "
+            f"{sorted(set(outer))}) are not the model's ({model.conv_outer_count} a conv, 1 a "
+            "temporal state): not a layout kvxfer's SGLang backend has verified"
+        )
     groups: list[CacheGroup] = []
-    for name, entries, parts in (
-        ("conv", slice(0, layers), model.conv),
-        ("temporal", slice(layers, count), (ConvPart(model.heads),)),
+    for name, entries, parts, outer_rows in (
+        ("conv", slice(0, layers), model.conv, model.conv_outer_count),
+        ("temporal", slice(layers, count), (ConvPart(model.heads),), 1),
     ):
         local = sum(part.held(tp_size) for part in parts)
-        page = _one_size(name, items[entries], rows[entries], local)
-        row = page // local  # bytes of one channel (conv) or head (temporal)
+        page = _one_size(name, items[entries], rows[entries], local // outer_rows)
+        row = page // local  # bytes of one channel (a window row's, if channels last) or head
         components = tuple(
             StateComponent(part.rows, (part.channels * row,), torch.uint8, part.segments)
             for part in parts
