@@ -1,5 +1,6 @@
 """What both sides of kvxfer's SGLang manager share: one rank's settings, identity, cache
-groups and lock, set by `KvxferKVManager` before either side starts."""
+groups and lock, set by `KvxferKVManager` before either side starts, and SGLang's status
+message, which the prefill side signs and the decode side checks."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ log = logging.getLogger(__name__)
 
 
 class Rank(CommonKVManager):
-    """One SGLang rank's manager state that the prefill and decode sides both read.
+    """One SGLang rank's manager state that the prefill and decode sides both read, and its
+    signed status messages.
 
     Attributes:
         settings: kvxfer's settings (`KVXFER_CONFIG`).
