@@ -70,7 +70,8 @@ class RankConfig:
     window_pages: list[int] = field(default_factory=list)
     # A hybrid linear-attention model (SGLang's `HybridLinearKVPool`: full-attention layers in a
     # KV pool, the others' conv and temporal state in a `MambaPool`): "gdn" (Qwen3-Next's gated
-    # delta net) or "mamba2" (NemotronH's), its config in `model_dir`; the request's state at
+    # delta net), "mamba2" (NemotronH's) or "kda" (Kimi-Linear's, its conv channels last and its
+    # full-attention layers MLA: with `mla`), its config in `model_dir`; the request's state at
     # `mamba_slot` of this engine's pool (never 0, SGLang's dummy slot), its index handed to
     # the backend as a one-element array, or with `mamba_slot_0d` on the decode as SGLang's
     # `_mamba_payload` makes it (a 0-d array: its `req_pool_idx` is an int; on the prefill
@@ -159,7 +160,9 @@ class MambaGeometry:
     Mamba2 `[x | B | C]`) as `(rows, channels a row)` (a channel a row, but B and C: a group
     of N channels a row), each split evenly over TP, or replicated where it has fewer rows
     than ranks; its window (`kernel - 1`); the temporal state's heads, split evenly over TP,
-    and each head's `(rows, cols)`; and which layers keep state and which full-attention KV."""
+    and each head's `(rows, cols)`; which layers keep state and which full-attention KV; and
+    whether the conv keeps its channels last (Kimi's KDA: `[window, channels]`, each window row
+    the sub-blocks' channels, else `[channels, window]`)."""
 
     segments: tuple[tuple[int, int], ...]
     window: int
@@ -167,6 +170,7 @@ class MambaGeometry:
     head_shape: tuple[int, int]
     state_layers: tuple[int, ...]
     full_layers: tuple[int, ...]
+    channels_last: bool = False
 
 
 def mamba_geometry(cfg: RankConfig) -> MambaGeometry:
@@ -174,11 +178,22 @@ def mamba_geometry(cfg: RankConfig) -> MambaGeometry:
     `[q | k | v]`, temporal `(value heads, value dim, key dim)`, every `full_attention_interval`-th
     layer full attention) or NemotronH's Mamba2 ("mamba2": conv `[x | B | C]` of `(heads x
     head dim, groups x N, groups x N)`, temporal `(heads, head dim, N)`; "M" layers keep state,
-    "*" layers are attention)."""
+    "*" layers are attention) or Kimi-Linear's KDA ("kda": conv `[q | k | v]` of `heads x head
+    dim` channels each (its q, k and v heads alike), channels last; temporal `(heads, head dim,
+    head dim)`; the `kda_layers`, counted from 1, keep state, the others are MLA attention)."""
     import json
 
     hf = json.loads((Path(cfg.model_dir) / "config.json").read_text())
     layers = range(hf["num_hidden_layers"])
+    if cfg.mamba == "kda":
+        linear = hf["linear_attn_config"]
+        width = linear["num_heads"] * linear["head_dim"]
+        state = tuple(i - 1 for i in linear["kda_layers"])
+        return MambaGeometry(
+            ((width, 1),) * 3, linear["short_conv_kernel_size"] - 1, linear["num_heads"],
+            (linear["head_dim"], linear["head_dim"]), state,
+            tuple(i for i in layers if i not in state), channels_last=True,
+        )  # fmt: skip
     if cfg.mamba == "gdn":
         key = hf["linear_num_key_heads"] * hf["linear_key_head_dim"]
         value = hf["linear_num_value_heads"] * hf["linear_value_head_dim"]
@@ -202,15 +217,17 @@ def mamba_geometry(cfg: RankConfig) -> MambaGeometry:
 
 def global_mamba(cfg: RankConfig) -> tuple[Any, Any]:
     """The request's linear-attention state at the end of its prefill, every channel and head
-    (what a TP 1 engine holds), from the seed: conv `[state layers, channels, window]` in bf16,
-    temporal `[state layers, heads, rows, cols]` in fp32."""
+    (what a TP 1 engine holds), from the seed: conv `[state layers, channels, window]` (channels
+    last: `[state layers, window, channels]`) in bf16, temporal `[state layers, heads, rows,
+    cols]` in fp32."""
     import torch
 
     geo = mamba_geometry(cfg)
     g = torch.Generator().manual_seed(cfg.seed + 11)
     layers = len(geo.state_layers)
     channels = sum(rows * width for rows, width in geo.segments)
-    conv = torch.randn((layers, channels, geo.window), generator=g)
+    shape = (geo.window, channels) if geo.channels_last else (channels, geo.window)
+    conv = torch.randn((layers, *shape), generator=g)
     temporal = torch.randn((layers, geo.heads, *geo.head_shape), generator=g)
     return conv.to(torch.bfloat16), temporal
 
@@ -219,8 +236,8 @@ def mamba_of_rank(cfg: RankConfig, conv: Any, temporal: Any) -> tuple[Any, Any]:
     """A TP rank's part of the whole state (`global_mamba`): of every conv sub-block its
     `rank`-th even slice of rows (or, of fewer rows than ranks, row `rank // (tp / rows)`:
     a Mamba2 mixer of one group gives every rank B and C whole), the slices back to back (as
-    the mixers' column-parallel conv holds them), and its `rank`-th even slice of the
-    temporal heads."""
+    the mixers' column-parallel conv holds them; channels last: in every window row), and its
+    `rank`-th even slice of the temporal heads."""
     import torch
 
     geo = mamba_geometry(cfg)
@@ -232,7 +249,13 @@ def mamba_of_rank(cfg: RankConfig, conv: Any, temporal: Any) -> tuple[Any, Any]:
         channels.append(torch.arange(start + first * width, start + (first + held) * width))
         start += rows * width
     heads = geo.heads // size
-    return conv[:, torch.cat(channels)], temporal[:, rank * heads : (rank + 1) * heads]
+    held = conv.index_select(conv_channel_axis(geo), torch.cat(channels))
+    return held, temporal[:, rank * heads : (rank + 1) * heads]
+
+
+def conv_channel_axis(geo: MambaGeometry) -> int:
+    """The channels' axis of a conv state `[state layers, ...]` (`global_mamba`'s, a slot's)."""
+    return 2 if geo.channels_last else 1
 
 
 def mamba_index(cfg: RankConfig) -> list[np.ndarray]:
@@ -341,7 +364,8 @@ def _hybrid_pool(cfg: RankConfig, args: Any, layers: range) -> Any:
         size=cfg.pool_tokens, dtype=torch.bfloat16, page_size=cfg.page_size,
         head_num=heads_of(cfg).stop - heads_of(cfg).start, head_dim=cfg.head_dim,
         full_attention_layer_ids=[i for i in mamba_geometry(cfg).full_layers if i in layers],
-        device="cpu", mamba_pool=mamba,
+        device="cpu", mamba_pool=mamba, use_mla=cfg.mla,
+        **({"kv_lora_rank": cfg.head_dim - 8, "qk_rope_head_dim": 8} if cfg.mla else {}),
     )  # fmt: skip
 
 

@@ -9,7 +9,9 @@ seeded whole-model state into the request's slot (every other slot holds other v
 sends the slot with its last chunk; the decode poisons its pool and receives into another slot.
 What a decode rank must hold is its part of that whole state by the model's own sharding rule
 (`ranks.mamba_of_rank`: the r-th even slice of each conv sub-block, back to back, and the r-th
-slice of the heads), independent of kvxfer and of SGLang's transfer helpers.
+slice of the heads), independent of kvxfer and of SGLang's transfer helpers. Kimi-Linear's KDA
+keeps its conv channels last (`[K - 1, channels]` a slot: the rank's q | k | v slices in every
+window row) and its full-attention layers are MLA.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from ranks import (
     RankConfig,
     attn_tp,
+    conv_channel_axis,
     global_kv,
     global_mamba,
     heads_of,
@@ -59,6 +62,22 @@ MAMBA2 = {
     "hybrid_override_pattern": "M*M*", "mamba_num_heads": 8, "mamba_head_dim": 16,
     "n_groups": 4, "ssm_state_size": 8, "conv_kernel": 4, "expand": 1,
 }  # fmt: skip
+# Kimi-Linear (layers 0, 2 KDA, `kda_layers` counted from 1; 1, 3 MLA attention, a latent of
+# 8 + 8 rope: `ranks`' MLA pool): conv channels last, 3 window rows of [q | k | v] of 48
+# channels each (SGLang's KDA takes its k heads and head dim from its q's, so the sub-blocks are
+# alike: a split of the whole range still shows, as q | half of k at TP 2), temporal 4 heads
+# of (12, 12); TP 1, 2 and 4 divide the heads.
+KDA = {
+    **_COMMON, "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
+    "num_key_value_heads": 8, "pad_token_id": 0, "q_lora_rank": None, "kv_lora_rank": 8,
+    "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16, "num_experts": 4,
+    "num_experts_per_token": 2, "moe_intermediate_size": 64, "num_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "linear_attn_config": {
+        "kda_layers": [1, 3], "full_attn_layers": [2, 4], "num_heads": 4, "head_dim": 12,
+        "short_conv_kernel_size": 4,
+    },
+}  # fmt: skip
 
 
 def _model_dir(factory: pytest.TempPathFactory, name: str, config: dict) -> str:
@@ -84,6 +103,11 @@ def mamba2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def mamba2_g1_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """n_groups 1: at TP 2 SGLang gives every rank all of B and C."""
     return _model_dir(tmp_path_factory, "mamba2-g1", {**MAMBA2, "n_groups": 1})
+
+
+@pytest.fixture(scope="module")
+def kda_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _model_dir(tmp_path_factory, "kda", KDA)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +137,10 @@ def _mamba_fields(kind: str, slots: tuple[int, int], tps: tuple[int, int], **ext
         ("mamba2", (2, 64), (1, 16), (6, 2), False),
         ("mamba2_g1", (1, 16), (2, 32), (2, 3), False),
         ("mamba2_g1", (2, 16), (1, 16), (5, 1), False),
+        ("kda", (1, 16), (2, 32), (4, 2), False),
+        ("kda", (2, 16), (1, 16), (3, 6), True),
+        ("kda", (2, 32), (4, 16), (5, 5), False),
+        ("kda", (4, 16), (1, 64), (1, 3), False),
     ],
     ids=[
         "gdn-tp1-tp2-page16-page32",
@@ -122,6 +150,10 @@ def _mamba_fields(kind: str, slots: tuple[int, int], tps: tuple[int, int], **ext
         "mamba2-tp2-tp1-page64-page16",
         "mamba2-one-group-tp1-tp2",
         "mamba2-one-group-tp2-tp1",
+        "kda-tp1-tp2-page16-page32",
+        "kda-tp2-tp1-decode-0d-slot",
+        "kda-tp2-tp4-page32-page16",
+        "kda-tp4-tp1-page16-page64",
     ],
 )
 def test_a_hybrid_models_state_moves_bit_exact_beside_its_kv(
@@ -129,36 +161,47 @@ def test_a_hybrid_models_state_moves_bit_exact_beside_its_kv(
 ):
     """Each decode rank's slot holds its part of the request's state (conv: its slice of every
     sub-block, q | k | v or x | B | C, back to back, B and C whole where the model has one
-    group and the decode several ranks; temporal: its heads), bit for bit, read
+    group and the decode several ranks, in every window row where the conv keeps its channels
+    last; temporal: its heads), bit for bit, read
     from the prefill's slot (not another: they hold other values), with the prefill and decode
     slots apart where `slots` differ; every other slot of the decode's state (slot 0, SGLang's
-    dummy, too) keeps its poison; the full-attention layers' KV moves as ever. `as_sglang`: the
+    dummy, too) keeps its poison; the full-attention layers' KV (KDA's: MLA, the whole latent
+    on every rank) moves as ever. `as_sglang`: the
     decode's slot handed over as SGLang's `_mamba_payload` makes it (a 0-d array)."""
     model_dir = request.getfixturevalue(f"{kind}_dir")
     room = 7000 + 100 * prefill[0] + 10 * decode[0] + slots[0]
     fields = _mamba_fields(
         kind.removesuffix("_g1"), slots, (prefill[0], decode[0]), mamba_slot_0d=as_sglang
     )
+    mla = kind == "kda"
     prefills, decodes, cfgs = _run_pair(
-        model_dir, bootstrap_port, room, prefill, decode, faults=fields, kv_heads=KV_HEADS
+        model_dir, bootstrap_port, room, prefill, decode, mla=mla, faults=fields, kv_heads=KV_HEADS
     )
-    full = list(mamba_geometry(cfgs[0]).full_layers)
-    want_kv = global_kv(cfgs[0]).view(torch.int16)[full]
-    held = torch.cat([torch.from_numpy(p["held"]) for p in prefills], 3)
+    geo = mamba_geometry(cfgs[0])
+    want_kv = global_kv(cfgs[0]).view(torch.int16)[list(geo.full_layers)]
+    if mla:  # every rank holds the whole latent
+        helds = [torch.from_numpy(p["held"]) for p in prefills]
+        assert all(torch.equal(h, helds[0]) for h in helds), "the prefill ranks' latents differ"
+        held = helds[0]
+    else:
+        held = torch.cat([torch.from_numpy(p["held"]) for p in prefills], 3)
     assert torch.equal(held, want_kv), "the prefill pools hold other KV than SGLang was given"
     conv, temporal = global_mamba(cfgs[0])
+    channel = conv_channel_axis(geo)
     for result, cfg in zip(decodes, cfgs, strict=True):
         rank = f"decode rank {cfg.tp_rank} of TP {cfg.tp_size}"
         got = torch.from_numpy(result["held"])
-        assert torch.equal(got, want_kv[:, :, :, heads_of(cfg)]), f"{rank}: full-attention KV"
+        want = want_kv if mla else want_kv[:, :, :, heads_of(cfg)]
+        assert torch.equal(got, want), f"{rank}: full-attention KV"
         assert result["untouched"], f"{rank} wrote KV outside the request's pages"
         assert result["aux"] == (1000 + room % 1000, room)
         want_conv, want_temporal = mamba_of_rank(cfg, conv, temporal)
         state = result["state"]
         got_conv = torch.from_numpy(state["conv"])
-        assert torch.equal(got_conv, want_conv.view(torch.int16)), (
-            f"{rank}: conv differs at channels "
-            f"{(got_conv != want_conv.view(torch.int16)).any(-1).any(0).nonzero().flatten()}"
+        assert got_conv.shape == want_conv.shape, f"{rank}: conv of {got_conv.shape}"
+        differs = (got_conv != want_conv.view(torch.int16)).movedim(channel, -1)
+        assert not differs.any(), (
+            f"{rank}: conv differs at channels {differs.flatten(0, -2).any(0).nonzero().flatten()}"
         )
         got_temporal = torch.from_numpy(state["temporal"])
         assert torch.equal(got_temporal, want_temporal.view(torch.int32)), (
@@ -192,6 +235,52 @@ def test_the_oracle_is_sglangs_own_slicing_of_a_gated_delta_net(gdn_dir):
             ours, _ = mamba_of_rank(cfg, conv, temporal)
             assert attn_tp(cfg) == (tp, rank)
             assert torch.equal(sglangs.view(torch.int16), ours.view(torch.int16)), (tp, rank)
+
+
+def test_the_oracle_is_sglangs_own_slicing_of_a_channels_last_kda_conv(kda_dir):
+    """The test's sharding rule agrees with SGLang's own for Kimi's KDA conv, `[K - 1,
+    channels]` a slot (`compute_mamba_state_slice_byte_blocks` with the window rows as its
+    `outer_count` and q | k | v as its sub-blocks): scatter from TP 1 to each rank of TP 2 and
+    TP 4, and aggregation from every rank of TP 2 and TP 4 into TP 1, byte for byte."""
+    from sglang.srt.disaggregation.utils import compute_mamba_state_slice_byte_blocks
+
+    def kda(tp: int, rank: int) -> RankConfig:
+        return RankConfig("decode", tp, rank, 16, kda_dir, 0, 0, 1, [1], 0, mla=True, mamba="kda")
+
+    geo = mamba_geometry(kda(1, 0))
+    assert geo.channels_last and geo.window == 3
+    conv, temporal = global_mamba(kda(1, 0))
+    groups = [rows for rows, _ in geo.segments]
+    channels = conv.shape[2]
+
+    def items(state: Any) -> Any:  # a slot's bytes, per state layer
+        return state.contiguous().view(torch.uint8).flatten(1)
+
+    def moved(source: Any, into: Any, **fields: Any) -> None:
+        blocks = compute_mamba_state_slice_byte_blocks(
+            src_item_len=source.shape[1], dst_item_len=into.shape[1], outer_count=geo.window,
+            conv_shard_groups=groups, **fields,
+        )  # fmt: skip
+        assert len(blocks) == 3 * geo.window, blocks  # a q, k and v block a window row
+        for src, dst, n in blocks:
+            into[:, dst : dst + n] = source[:, src : src + n]
+
+    whole = items(conv)
+    for tp in (2, 4):
+        parts = [items(mamba_of_rank(kda(tp, rank), conv, temporal)[0]) for rank in range(tp)]
+        gathered = torch.zeros_like(whole)
+        for rank, part in enumerate(parts):
+            scattered = torch.zeros_like(part)
+            moved(
+                whole, scattered, src_dim=channels, dst_dim=channels // tp, src_attn_tp_size=1,
+                dst_attn_tp_size=tp, dst_tp_rank_in_group=rank, local_tp_rank_in_group=0,
+            )  # fmt: skip
+            assert torch.equal(scattered, part), f"scatter 1 -> {tp}: rank {rank}"
+            moved(
+                part, gathered, src_dim=channels // tp, dst_dim=channels, src_attn_tp_size=tp,
+                dst_attn_tp_size=1, dst_tp_rank_in_group=0, local_tp_rank_in_group=rank,
+            )  # fmt: skip
+        assert torch.equal(gathered, whole), f"aggregation {tp} -> 1"
 
 
 def _refusals(configs: list[RankConfig]) -> list[str]:
