@@ -19,7 +19,7 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -347,9 +347,9 @@ MAMBA_SLOTS = 6  # a MambaPool's requests (slots 1..6; slot 0 is SGLang's dummy)
 
 def _hybrid_pool(cfg: RankConfig, args: Any, layers: range) -> Any:
     """SGLang's pool of a hybrid linear-attention model's stage, as its model runner builds it:
-    a `HybridLinearKVPool` (the full-attention layers' KV) over a `MambaPool` of the state
-    layers, whose shapes and dtypes are SGLang's own at this rank's attention TP
-    (`mamba2_cache_params`, from SGLang's `ModelConfig`)."""
+    a `HybridLinearKVPool` (the full-attention layers' KV, in the rank's `kv_dtype`) over a
+    `MambaPool` of the state layers, whose shapes and dtypes are SGLang's own at this rank's
+    attention TP (`mamba2_cache_params`, from SGLang's `ModelConfig`)."""
     import torch
     from sglang.srt.configs.hybrid_arch import mambaish_config
     from sglang.srt.configs.model_config import ModelConfig
@@ -361,7 +361,8 @@ def _hybrid_pool(cfg: RankConfig, args: Any, layers: range) -> Any:
         mamba_layer_ids=[i for i in params.layers if i in layers], device="cpu",
     )  # fmt: skip
     return HybridLinearKVPool(
-        size=cfg.pool_tokens, dtype=torch.bfloat16, page_size=cfg.page_size,
+        size=cfg.pool_tokens, dtype=getattr(torch, _POOL_DTYPES[cfg.kv_dtype]),
+        page_size=cfg.page_size,
         head_num=heads_of(cfg).stop - heads_of(cfg).start, head_dim=cfg.head_dim,
         full_attention_layer_ids=[i for i in mamba_geometry(cfg).full_layers if i in layers],
         device="cpu", mamba_pool=mamba, use_mla=cfg.mla,
@@ -464,21 +465,25 @@ def _write(cfg: RankConfig, pool: Any, attention: Any, kv: Any, slots: Any, toke
         pool.set_kv_buffer(layer, loc, k, v, layer.k_scale, layer.v_scale)
 
 
-def _converted(cfg: RankConfig, kv: Any, slots: Any, layers: range) -> np.ndarray:
+def _converted(
+    cfg: RankConfig, kv: Any, slots: Any, layers: Sequence[int], new_pool: Callable[..., Any]
+) -> np.ndarray:
     """What a decode rank fed KV of another dtype must hold (as `_held` reads it): into fp8, its
     own SGLang write of the request's KV; out of fp8, the prefill's SGLang write of it times
-    the prefill's scale, rounded to the decode's dtype (kvxfer's dequantization)."""
+    the prefill's scale, rounded to the decode's dtype (kvxfer's dequantization). `layers`: the
+    model's layer ids the pool keeps (a hybrid model's full-attention layers), each with its
+    own scales; `new_pool`: a fresh pool of the rank's kind for a `RankConfig` (its dtype)."""
     import dataclasses
 
     import torch
 
     tokens = slice(0, cfg.num_tokens)
     if cfg.kv_dtype != "auto":
-        pool = _pool(cfg, len(layers), layers.start)
+        pool = new_pool(cfg)
         _write(cfg, pool, _attention(cfg, layers), kv, slots, tokens)
-        return _held(pool, cfg, slots, len(layers))
+        return _held(pool, cfg, slots, layers)
     fp8 = dataclasses.replace(cfg, kv_dtype=cfg.peer_kv_dtype)
-    pool = _pool(fp8, len(layers), layers.start)
+    pool = new_pool(fp8)
     _write(fp8, pool, _attention(fp8, layers), kv, slots, tokens)
     planes = []
     for layer in layers:
@@ -500,6 +505,7 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         KVClassType,
         MetadataBuffers,
         TransferBackend,
+        build_kv_layer_ids,
         get_kv_class,
         setup_state_kv_args,
     )
@@ -559,7 +565,11 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
     layers = cfg.layers // cfg.pp_size
     start = cfg.pp_rank * layers
     stage = range(start, start + layers)
-    pool = _hybrid_pool(cfg, args, stage) if cfg.mamba else _pool(cfg, layers, start)
+
+    def new_pool(c: RankConfig) -> Any:  # the rank's pool (or the oracle's, in `c.kv_dtype`)
+        return _hybrid_pool(c, args, stage) if c.mamba else _pool(c, layers, start)
+
+    pool = new_pool(cfg)
     kv_layers = [i for i in mamba_geometry(cfg).full_layers if i in stage] if cfg.mamba else stage
     attention = _attention(cfg, kv_layers)
     # What kvxfer's plugin hook records as SGLang's ModelRunner loads the model (this process
@@ -589,7 +599,12 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         buffers = [*buffers, *draft_pool.k_buffer, *draft_pool.v_buffer]
         for b in buffers:
             b.view(torch.uint8).fill_(POISON_BYTE)
-    kv_args.kv_layer_ids = []
+    # As prefill.py and decode.py fill them: a hybrid pool's global layer ids of its K and V
+    # buffers (its full-attention layers'), none for the other pools.
+    kv_args.kv_layer_ids = build_kv_layer_ids(
+        token_to_kv_pool=pool, draft_token_to_kv_pool=draft_pool,
+        num_draft_entries=kv_args.num_draft_entries, num_hidden_layers=cfg.layers,
+    )  # fmt: skip
     if prefill and not cfg.mla:  # the decode scheduler leaves them unset (decode.py)
         kv_args.kv_head_num = pool.head_num
         kv_args.total_kv_head_num = cfg.kv_heads
@@ -713,9 +728,7 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         "states": states,
         "held": _held(pool, cfg, slots, kv_layers),
         "state": _held_state(cfg, pool) if cfg.mamba else None,
-        "converted": _converted(cfg, kv, slots, range(start, start + layers))
-        if converting
-        else None,
+        "converted": _converted(cfg, kv, slots, kv_layers, new_pool) if converting else None,
         "draft_held": _draft_held(draft_pool, cfg, slots),
         "untouched": _untouched(pool, buffers, cfg, slots),
         "aux": (int(meta.output_ids[cfg.aux_index, 0]), int(meta.bootstrap_room[cfg.aux_index, 0])),

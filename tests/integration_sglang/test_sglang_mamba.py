@@ -186,8 +186,6 @@ def test_a_hybrid_models_state_moves_bit_exact_beside_its_kv(
     else:
         held = torch.cat([torch.from_numpy(p["held"]) for p in prefills], 3)
     assert torch.equal(held, want_kv), "the prefill pools hold other KV than SGLang was given"
-    conv, temporal = global_mamba(cfgs[0])
-    channel = conv_channel_axis(geo)
     for result, cfg in zip(decodes, cfgs, strict=True):
         rank = f"decode rank {cfg.tp_rank} of TP {cfg.tp_size}"
         got = torch.from_numpy(result["held"])
@@ -195,20 +193,68 @@ def test_a_hybrid_models_state_moves_bit_exact_beside_its_kv(
         assert torch.equal(got, want), f"{rank}: full-attention KV"
         assert result["untouched"], f"{rank} wrote KV outside the request's pages"
         assert result["aux"] == (1000 + room % 1000, room)
-        want_conv, want_temporal = mamba_of_rank(cfg, conv, temporal)
-        state = result["state"]
-        got_conv = torch.from_numpy(state["conv"])
-        assert got_conv.shape == want_conv.shape, f"{rank}: conv of {got_conv.shape}"
-        differs = (got_conv != want_conv.view(torch.int16)).movedim(channel, -1)
-        assert not differs.any(), (
-            f"{rank}: conv differs at channels {differs.flatten(0, -2).any(0).nonzero().flatten()}"
+        _assert_state_moved(result, cfg)
+
+
+def _assert_state_moved(result: dict, cfg: RankConfig) -> None:
+    """The decode rank's Mamba slot holds its part of the request's state (`mamba_of_rank` of
+    `global_mamba`), bit for bit, and every other slot its poison."""
+    rank = f"decode rank {cfg.tp_rank} of TP {cfg.tp_size}"
+    conv, temporal = global_mamba(cfg)
+    want_conv, want_temporal = mamba_of_rank(cfg, conv, temporal)
+    state = result["state"]
+    got_conv = torch.from_numpy(state["conv"])
+    assert got_conv.shape == want_conv.shape, f"{rank}: conv of {got_conv.shape}"
+    differs = (got_conv != want_conv.view(torch.int16)).movedim(
+        conv_channel_axis(mamba_geometry(cfg)), -1
+    )
+    assert not differs.any(), (
+        f"{rank}: conv differs at channels {differs.flatten(0, -2).any(0).nonzero().flatten()}"
+    )
+    got_temporal = torch.from_numpy(state["temporal"])
+    assert torch.equal(got_temporal, want_temporal.view(torch.int32)), (
+        f"{rank}: temporal differs at heads "
+        f"{(got_temporal != want_temporal.view(torch.int32)).flatten(2).any(-1).any(0)}"
+    )
+    assert state["untouched"], f"{rank} wrote another slot of its Mamba state"
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "kv_dtypes", "slots"),
+    [
+        ((1, 16), (2, 32), ("auto", "fp8_e4m3"), (2, 5)),
+        ((2, 16), (1, 16), ("fp8_e4m3", "auto"), (6, 1)),
+    ],
+    ids=["bf16-tp1-page16-e4m3-tp2-page32", "e4m3-tp2-bf16-tp1"],
+)
+def test_a_hybrid_models_kv_changes_dtype_by_its_full_layers_scales(
+    gdn_dir, bootstrap_port, prefill, decode, kv_dtypes, slots
+):
+    """A gated delta net's full-attention layers (1 and 3 of 4: SGLang's `HybridLinearKVPool`
+    keeps them as its layers 0 and 1) between a bf16 and an fp8 engine: into fp8, the decode
+    holds what SGLang's own fp8 write makes of the request's KV; out of fp8, the prefill's fp8
+    KV times its scales; each layer by the scales of its model layer (`ranks.kv_scales`, other
+    for every layer: those of layers 0 and 1 would show), as SGLang's `kv_layer_ids` name them.
+    The Mamba state moves as bytes, as in another dtype's absence; every other byte and slot
+    keeps its poison."""
+    room = 7600 + 10 * prefill[0] + decode[0]
+    fields = _mamba_fields("gdn", slots, (prefill[0], decode[0]))
+    _, decodes, cfgs = _run_pair(
+        gdn_dir, bootstrap_port, room, prefill, decode, faults=fields, kv_heads=KV_HEADS,
+        kv_dtypes=kv_dtypes,
+    )  # fmt: skip
+    assert mamba_geometry(cfgs[0]).full_layers == (1, 3)
+    for result, cfg in zip(decodes, cfgs, strict=True):
+        rank = f"decode rank {cfg.tp_rank} of TP {cfg.tp_size}"
+        got, want = torch.from_numpy(result["held"]), torch.from_numpy(result["converted"])
+        assert got.shape == want.shape, f"{rank}: KV of {got.shape}"
+        assert torch.equal(got, want), (
+            f"{rank}: {int((got != want).sum())} of {want.numel()} differ, in layers "
+            f"{(got != want).flatten(1).any(1).nonzero().flatten().tolist()} of the pool's"
         )
-        got_temporal = torch.from_numpy(state["temporal"])
-        assert torch.equal(got_temporal, want_temporal.view(torch.int32)), (
-            f"{rank}: temporal differs at heads "
-            f"{(got_temporal != want_temporal.view(torch.int32)).flatten(2).any(-1).any(0)}"
-        )
-        assert state["untouched"], f"{rank} wrote another slot of its Mamba state"
+        assert result["untouched"], f"{rank} wrote KV outside the request's pages"
+        assert result["aux"] == (1000 + room % 1000, room)
+        _assert_state_moved(result, cfg)
 
 
 def test_the_oracle_is_sglangs_own_slicing_of_a_gated_delta_net(gdn_dir):

@@ -20,6 +20,7 @@ window (`sliding_window_of`).
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 _LOCK = threading.Lock()
@@ -96,7 +97,7 @@ def sliding_window_of(draft: bool = False) -> int:
 
 
 def scales_of(
-    layers: range | int, draft: bool = False
+    layers: Sequence[int] | int, draft: bool = False
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """The recorded K and V scales of `layers` (global layer ids) of the target model, in
     order; of the `draft` model, its first `layers` attention layers (an int: a draft pool's

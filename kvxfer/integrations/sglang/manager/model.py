@@ -52,8 +52,9 @@ def state_kinds(kv_args: KVArgs) -> list[str]:
 
 def check_state_kinds(kv_args: KVArgs) -> None:
     """Refuse the hybrid state kvxfer's SGLang backend does not move: everything but one
-    sliding-window pool (`SWAKVPool`'s window layers) or one Mamba state (`MambaPool`'s, of
-    the target model), beside full attention in bf16, fp16 or fp32.
+    sliding-window pool (`SWAKVPool`'s window layers) beside full attention in bf16, fp16 or
+    fp32, or one Mamba state (`MambaPool`'s, of the target model) beside full attention of
+    any KV dtype (its pool's layer ids say whose scales: `pool_layer_ids`).
 
     Raises:
         ValueError: naming the kinds and the fix.
@@ -66,11 +67,10 @@ def check_state_kinds(kv_args: KVArgs) -> None:
             "state, not the other kinds (nor a draft model's window pool or Mamba state): "
             "serve it with another transfer backend"
         )
-    if kinds and kv_args.kv_cache_dtype_str.startswith("fp8"):
+    if kinds == [SWA] and kv_args.kv_cache_dtype_str.startswith("fp8"):
         raise ValueError(
             f"an fp8 hybrid model ({kinds[0]}): kvxfer's SGLang backend has not verified the "
-            "scales of its full-attention layers beside that state; serve it with "
-            "--kv-cache-dtype auto"
+            "scales of its window layers; serve it with --kv-cache-dtype auto"
         )
 
 
@@ -95,8 +95,7 @@ def model_of(server_args: Any, kv_args: KVArgs, is_mla: bool, draft: bool = Fals
     pool_layers = (entries.stop - entries.start) // (1 if is_mla else 2)
     # An fp8 pool's spec carries its layers' scales (what a converting transfer divides or
     # multiplies by): a pipeline stage's layers (MHA: a K and a V buffer each), or the draft's.
-    start = getattr(kv_args, "prefill_start_layer", 0) or 0
-    layers: range | int = pool_layers if draft else range(start, start + pool_layers)
+    layers: Sequence[int] | int = pool_layers if draft else pool_layer_ids(kv_args, pool_layers)
     k_scales, v_scales = scales_of(layers, draft) if dtype in FP8_DTYPES else ((), ())
     total_layers = pool_layers if draft else config.num_hidden_layers
     if is_mla:
@@ -106,6 +105,17 @@ def model_of(server_args: Any, kv_args: KVArgs, is_mla: bool, draft: bool = Fals
         return SGLangModel(1, head_dim, total_layers, dtype, mla=True, k_scales=k_scales)
     heads = config.get_total_num_kv_heads()
     return SGLangModel(heads, config.head_dim, total_layers, dtype, False, k_scales, v_scales)
+
+
+def pool_layer_ids(kv_args: KVArgs, pool_layers: int) -> Sequence[int]:
+    """The target pool's layers, as global layer ids, in order: SGLang's `kv_layer_ids` of its
+    K buffers where it gives them (a hybrid model's pool holds its full-attention layers
+    alone), else the pipeline stage's layers from `prefill_start_layer` on."""
+    ids = list(getattr(kv_args, "kv_layer_ids", None) or [])
+    if ids:
+        return ids[:pool_layers]
+    start = getattr(kv_args, "prefill_start_layer", 0) or 0
+    return range(start, start + pool_layers)
 
 
 def pool_device(server_args: Any, kv_args: KVArgs) -> str:
