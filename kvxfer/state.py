@@ -73,12 +73,20 @@ class StateLayout:
         page_bytes: bytes from one block (page) of a layer to the next (vLLM: the padded page
             size shared with the attention layers).
         tp_size, tp_rank: this rank's tensor-parallel place.
+        pp_size, pp_rank, layer_start, total_layers: its pipeline stage, as
+            `KVCacheSpec`'s, counted in recurrent layers: the stage holds the model's recurrent
+            layers `[layer_start, layer_start + len(pages))` of `total_layers` (0 without
+            pipeline parallelism).
     """
 
     components: tuple[StateComponent, ...]
     page_bytes: int
     tp_size: int
     tp_rank: int
+    pp_size: int = 1
+    pp_rank: int = 0
+    layer_start: int = 0
+    total_layers: int = 0
 
     def __post_init__(self) -> None:
         for index, component in enumerate(self.components):
@@ -139,6 +147,10 @@ class StateLayout:
                 layout="NHD",
                 kv_placement="kv_inner",
                 block_stride=self.page_bytes,
+                pp_size=self.pp_size,
+                pp_rank=self.pp_rank,
+                layer_start=self.layer_start,
+                total_layers=self.total_layers,
             )
             for _, rows, row_bytes in self.slices()
         ]

@@ -385,6 +385,12 @@ def _write_state(cfg: RankConfig, pool: Any) -> None:
     conv.copy_(torch.randn(conv.shape, generator=g).to(conv.dtype))
     temporal.copy_(torch.randn(temporal.shape, generator=g).to(temporal.dtype))
     want_conv, want_temporal = mamba_of_rank(cfg, *global_mamba(cfg))
+    # A pipeline stage's pool keeps its own state layers: their rows of the whole state.
+    stage = range(
+        cfg.pp_rank * cfg.layers // cfg.pp_size, (cfg.pp_rank + 1) * cfg.layers // cfg.pp_size
+    )
+    held = [i for i, layer in enumerate(mamba_geometry(cfg).state_layers) if layer in stage]
+    want_conv, want_temporal = want_conv[held], want_temporal[held]
     shapes = (conv[:, cfg.mamba_slot].shape, temporal[:, cfg.mamba_slot].shape)
     assert shapes == (want_conv.shape, want_temporal.shape), f"SGLang's state {shapes}"
     conv[:, cfg.mamba_slot] = want_conv

@@ -368,14 +368,25 @@ def _assert_refused(errors: list[str], *words: str) -> None:
         assert reason.startswith("ValueError") and all(w in reason for w in words), error
 
 
-def test_a_mamba_prefill_with_pipeline_stages_is_refused(mamba2_dir):
-    """Prefill TP 1 x PP 2 (each stage its layers' state): refused at either stage, naming
-    pipeline parallelism."""
-    port = free_port()
-    stages = [
-        _prefill(mamba2_dir, "mamba2", 1, pp_size=2, pp_rank=s, dist_port=port) for s in (0, 1)
-    ]
-    _assert_refused(_refusals(stages), "pipeline parallelism")
+def test_a_mamba_prefill_with_pipeline_stages_sends_each_stages_state(gdn_dir, bootstrap_port):
+    """Prefill TP 1 x PP 2 (stage 0: layers 0-1, its state layer 0 and full layer 1; stage 1:
+    layers 2-3; SGLang's PP group on gloo) -> decode TP 2: each decode rank reads each state
+    layer and each KV layer from the stage that holds it, placed by SGLang's layer ids among
+    the model's state and full-attention layers, bit for bit."""
+    room = 7950
+    fields = _mamba_fields("gdn", (2, 5), (1, 2))
+    prefills, decodes, cfgs = _run_pair(
+        gdn_dir, bootstrap_port, room, (1, 16), (2, 32), pp_size=2, faults=fields,
+        kv_heads=KV_HEADS,
+    )  # fmt: skip
+    assert sorted(p["pp_rank"] for p in prefills) == [0, 1]
+    want_kv = global_kv(cfgs[0]).view(torch.int16)[list(mamba_geometry(cfgs[0]).full_layers)]
+    for result, cfg in zip(decodes, cfgs, strict=True):
+        rank = f"decode rank {cfg.tp_rank} of TP {cfg.tp_size}"
+        got = torch.from_numpy(result["held"])
+        assert torch.equal(got, want_kv[:, :, :, heads_of(cfg)]), f"{rank}: full-attention KV"
+        assert result["untouched"], f"{rank} wrote KV outside the request's pages"
+        _assert_state_moved(result, cfg)
 
 
 def test_speculative_decoding_with_a_mamba_model_is_refused(gdn_dir, draft_dir):

@@ -76,11 +76,14 @@ class MambaModel:
         heads: the temporal state's rows.
         channels_last: the conv keeps its channels last, `[K - 1, channels]` a slot (Kimi's
             KDA): `conv` then has a run per window row.
+        layers: the model's recurrent layers, global ids in order (a pipeline stage holds a
+            run of them).
     """
 
     conv: tuple[ConvPart, ...]
     heads: int
     channels_last: bool = False
+    layers: tuple[int, ...] = ()
 
     @property
     def conv_outer_count(self) -> int:
@@ -100,9 +103,11 @@ def mamba_model(server_args: Any, tp_size: int) -> MambaModel:
     from sglang.srt.configs.model_config import ModelConfig
 
     config = mambaish_config(ModelConfig.from_server_args(server_args))
-    shape = getattr(getattr(config, "mamba2_cache_params", None), "shape", None)
+    params = getattr(config, "mamba2_cache_params", None)
+    shape = getattr(params, "shape", None)
+    layers = tuple(int(i) for i in getattr(params, "layers", ()))
     if shape is not None and getattr(shape, "conv_slice_axis", 0) == 1:  # KDA: `[K - 1, ch]`
-        return MambaModel(kda_conv_parts(shape), int(shape.num_heads), channels_last=True)
+        return MambaModel(kda_conv_parts(shape), int(shape.num_heads), True, layers)
     if shape is None or not hasattr(shape, "intermediate_size"):
         raise ValueError(
             f"this model's linear-attention state ({type(shape).__name__}) is not a layout "
@@ -112,7 +117,7 @@ def mamba_model(server_args: Any, tp_size: int) -> MambaModel:
     # The attribute SGLang's configs size the pool from: NemotronH's `n_groups` (its
     # `mamba_n_groups` is a constructor default), Falcon-H1's and Granite's `mamba_n_groups`.
     groups = getattr(config, "n_groups", None) or getattr(config, "mamba_n_groups", None)
-    return MambaModel(conv_parts(shape, groups, tp_size), int(shape.num_heads))
+    return MambaModel(conv_parts(shape, groups, tp_size), int(shape.num_heads), False, layers)
 
 
 def kda_conv_parts(shape: Any) -> tuple[ConvPart, ...]:
@@ -179,10 +184,14 @@ def mamba_groups(
     *,
     tp_size: int,
     tp_rank: int,
+    pp_size: int = 1,
+    pp_rank: int = 0,
     device: torch.device | str,
 ) -> list[CacheGroup]:
     """One rank's Mamba state, SGLang's state `index` of `kv_args`, as state groups: the conv's
-    sub-projections, then the temporal state (module docstring).
+    sub-projections, then the temporal state (module docstring). On a pipeline stage
+    (`pp_size` > 1) its layers are the run of the model's recurrent layers SGLang's
+    `state_layer_ids` name.
 
     Raises:
         ValueError: buffers that do not fit `model` at this TP, or a layout kvxfer has not
@@ -206,6 +215,7 @@ def mamba_groups(
             f"{sorted(set(outer))}) are not the model's ({model.conv_outer_count} a conv, 1 a "
             "temporal state): not a layout kvxfer's SGLang backend has verified"
         )
+    stage = _stage(model, list(kv_args.state_layer_ids[index] or [])[:layers], pp_size, pp_rank)
     groups: list[CacheGroup] = []
     for name, entries, parts, outer_rows in (
         ("conv", slice(0, layers), model.conv, model.conv_outer_count),
@@ -218,13 +228,34 @@ def mamba_groups(
             StateComponent(part.rows, (part.channels * row,), torch.uint8, part.segments)
             for part in parts
         )
-        layout = StateLayout(components, page, tp_size, tp_rank)
+        layout = StateLayout(components, page, tp_size, tp_rank, *stage)
         pages = [
             _slots(name, ptr, nbytes, page, device)
             for ptr, nbytes in zip(ptrs[entries], lens[entries], strict=True)
         ]
         groups += layout.groups(pages)
     return groups
+
+
+def _stage(
+    model: MambaModel, stage_layers: list[int], pp_size: int, pp_rank: int
+) -> tuple[int, int, int, int]:
+    """A pipeline stage's place among the model's recurrent layers, as `StateLayout` takes it:
+    `(pp_size, pp_rank, layer_start, total_layers)`; no place without pipeline parallelism.
+
+    Raises:
+        ValueError: the stage's layers are not a run of the model's recurrent layers.
+    """
+    if pp_size == 1:
+        return 1, 0, 0, 0
+    ids = list(model.layers)
+    start = ids.index(stage_layers[0]) if stage_layers and stage_layers[0] in ids else -1
+    if start < 0 or ids[start : start + len(stage_layers)] != stage_layers:
+        raise ValueError(
+            f"pipeline stage {pp_rank}: its Mamba layers {stage_layers} (state_layer_ids) are "
+            f"not a run of the model's {ids}; not a layout kvxfer's SGLang backend has verified"
+        )
+    return pp_size, pp_rank, start, len(ids)
 
 
 def _one_size(name: str, items: Sequence[int], rows: Sequence[int], local: int) -> int:

@@ -46,12 +46,14 @@ class SGLangModel:
     Attributes:
         total_kv_heads: KV heads of the whole model (1 for MLA).
         head_dim: elements per head (MLA: `kv_lora_rank + qk_rope_head_dim`).
-        total_layers: attention layers of the whole model.
+        total_layers: attention layers of the whole model (a hybrid model's of the pool's
+            kind: its full-attention layers).
         dtype: the KV cache's dtype, a `KVCacheSpec.dtype` name.
         mla: the model keeps an MLA latent cache.
         k_scales: an fp8 pool's K scale per layer of its pipeline stage
             (`kvxfer.integrations.sglang.loaded`); empty for other dtypes.
         v_scales: the same for V (empty for MLA, whose latent uses `k_scales`).
+        layer_start: the pool's first layer among those `total_layers` (a pipeline stage's).
     """
 
     total_kv_heads: int
@@ -61,6 +63,7 @@ class SGLangModel:
     mla: bool = False
     k_scales: tuple[float, ...] = ()
     v_scales: tuple[float, ...] = ()
+    layer_start: int = 0
 
 
 def kv_dtype_name(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:

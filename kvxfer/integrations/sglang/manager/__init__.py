@@ -123,7 +123,7 @@ class KvxferKVManager(PrefillSide, DecodeSide):
                 tp_rank=self.attn_tp_rank,
                 pp_size=1 if is_draft else self.pp_size,
                 pp_rank=0 if is_draft else self.pp_rank,
-                layer_start=0 if is_draft else getattr(args, "prefill_start_layer", 0) or 0,
+                layer_start=0 if is_draft else target_model.layer_start,
                 device=pool_device(server_args, args),
             )
             groups.append(CacheGroup(spec, caches))
@@ -135,9 +135,9 @@ class KvxferKVManager(PrefillSide, DecodeSide):
 
     def _check_hybrid(self, kinds: list[str], drafts: bool) -> None:
         """Refuse, before any pool is read, the hybrid models kvxfer's SGLang backend does not
-        move: hybrid state with prefill pipeline stages (a stage's state layers are not mapped
-        to the model's), and a Mamba model with a draft (its draft's own state)."""
-        if kinds and self.pp_size > 1:
+        move: a sliding-window pool with prefill pipeline stages (a stage's window layers are
+        not mapped to the model's), and a Mamba model with a draft (its draft's own state)."""
+        if SWA in kinds and self.pp_size > 1:
             raise ValueError(
                 f"kvxfer's SGLang backend: a hybrid model ({', '.join(kinds)} state) with "
                 "prefill pipeline parallelism is not supported; serve the prefill with "
@@ -155,7 +155,7 @@ class KvxferKVManager(PrefillSide, DecodeSide):
         return mamba_groups(
             args, 0, mamba_model(server_args, self.attn_tp_size),
             tp_size=self.attn_tp_size, tp_rank=self.attn_tp_rank,
-            device=pool_device(server_args, args),
+            pp_size=self.pp_size, pp_rank=self.pp_rank, device=pool_device(server_args, args),
         )  # fmt: skip
 
     def _window_group(

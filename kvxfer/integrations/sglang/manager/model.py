@@ -95,16 +95,31 @@ def model_of(server_args: Any, kv_args: KVArgs, is_mla: bool, draft: bool = Fals
     pool_layers = (entries.stop - entries.start) // (1 if is_mla else 2)
     # An fp8 pool's spec carries its layers' scales (what a converting transfer divides or
     # multiplies by): a pipeline stage's layers (MHA: a K and a V buffer each), or the draft's.
-    layers: Sequence[int] | int = pool_layers if draft else pool_layer_ids(kv_args, pool_layers)
+    ids = pool_layer_ids(kv_args, pool_layers)
+    layers: Sequence[int] | int = pool_layers if draft else ids
     k_scales, v_scales = scales_of(layers, draft) if dtype in FP8_DTYPES else ((), ())
-    total_layers = pool_layers if draft else config.num_hidden_layers
+    start, total = (0, pool_layers) if draft else _pool_place(config, kv_args, ids)
     if is_mla:
         # The latent width (kv_lora_rank + qk_rope_head_dim) is the pool's row.
         row = kv_args.kv_item_lens[entries.start] // kv_args.page_size
         head_dim = row // DTYPE_ITEMSIZE[dtype]
-        return SGLangModel(1, head_dim, total_layers, dtype, mla=True, k_scales=k_scales)
+        return SGLangModel(1, head_dim, total, dtype, True, k_scales, layer_start=start)
     heads = config.get_total_num_kv_heads()
-    return SGLangModel(heads, config.head_dim, total_layers, dtype, False, k_scales, v_scales)
+    return SGLangModel(heads, config.head_dim, total, dtype, False, k_scales, v_scales, start)
+
+
+def _pool_place(config: Any, kv_args: KVArgs, layers: Sequence[int]) -> tuple[int, int]:
+    """The target pool's first layer among the model's layers of its kind, and their count (a
+    pipeline stage's place): a Mamba model's pool keeps the full-attention layers alone
+    (SGLang's `full_attention_layer_ids`; where its config names none, the model's layers, a
+    place only a pipeline stage would misread); any other pool every layer."""
+    if state_kinds(kv_args) == [MAMBA]:
+        from sglang.srt.configs.hybrid_arch import mambaish_config
+
+        full = list(getattr(mambaish_config(config), "full_attention_layer_ids", None) or [])
+        if layers and layers[0] in full:
+            return full.index(layers[0]), len(full)
+    return getattr(kv_args, "prefill_start_layer", 0) or 0, config.num_hidden_layers
 
 
 def pool_layer_ids(kv_args: KVArgs, pool_layers: int) -> Sequence[int]:
