@@ -17,7 +17,9 @@ and several ranks, each holds B and C whole), a Mamba1 mixer its slice of x; the
 is heads, split evenly. Kimi's KDA keeps its conv channels last, `[K - 1, channels]` a slot
 (SGLang's `state_slice_outer_counts` the `K - 1` rows): a run of its q, k and v per window row.
 Each run is a `StateComponent`, in a `StateLayout` per tensor (conv and temporal are apart in
-memory), so kvxfer moves a slot between any two TP sizes bit for bit. (SGLang's own backends
+memory), so kvxfer moves a slot between any two TP sizes bit for bit. A prefill pipeline stage
+holds a run of the model's state layers (`state_layer_ids` among `mamba2_cache_params.layers`),
+its layouts' stage. (SGLang's own backends
 slice one contiguous range where no `conv_shard_groups` are given, and need one TP size to
 divide the other.)
 
