@@ -117,9 +117,7 @@ class StateLayout:
     def rank_bytes(self) -> int:
         """Bytes of this rank's states in a page."""
         return sum(
-            _rows_held(size, self.tp_size) * c.row_bytes
-            for c in self.components
-            for size in c.parts
+            rows_held(size, self.tp_size) * c.row_bytes for c in self.components for size in c.parts
         )
 
     def slices(self) -> list[tuple[int, int, int]]:
@@ -129,7 +127,7 @@ class StateLayout:
         for component in self.components:
             for size in component.parts:
                 result.append((offset, size, component.row_bytes))
-                offset += _rows_held(size, self.tp_size) * component.row_bytes
+                offset += rows_held(size, self.tp_size) * component.row_bytes
         return result
 
     def specs(self, num_layers: int, num_blocks: int) -> list[KVCacheSpec]:
@@ -187,7 +185,7 @@ class StateLayout:
         return groups
 
 
-def _rows_held(rows: int, tp_size: int) -> int:
+def rows_held(rows: int, tp_size: int) -> int:
     """Rows of a sub-projection one rank holds: its share, or one replicated row."""
     return max(1, rows // tp_size)
 

@@ -6,6 +6,7 @@ verified refused with their reason."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from sglang.srt.configs.mamba_utils import (
@@ -217,3 +218,37 @@ def test_a_kda_slot_reshards_bit_exact_between_sglangs_own_pools(src_tp, dst_tp)
         for tensor in (got_conv, got_temporal):
             others = torch.cat([tensor[:, :5], tensor[:, 6:]], 1).view(torch.uint8)
             assert bool((others == POISON).all()), f"rank {rank} wrote another slot"
+
+
+def test_a_state_without_a_conv_or_without_a_temporal_state_is_refused():
+    """Lightning attention's `Mamba2StateShape` has no conv (kernel 1, no channels); LFM2's short
+    convolutions register a conv alone (SGLang skips an empty temporal state), so its buffers
+    are not a conv and a temporal state of every layer."""
+    lightning = Mamba2StateShape.create(
+        tp_world_size=2, intermediate_size=0, n_groups=0, num_heads=HEADS, head_dim=HEAD_DIM,
+        state_size=STATE, conv_kernel=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="without a conv"):
+        conv_parts(lightning, None, 2)
+    shape = _shape(2, shard_groups=QKV)
+    _, args = _pool_args(shape)
+    args.state_layer_ids = [[0, 2, 4, 6]]  # four layers' convs, no temporal state
+    with pytest.raises(ValueError, match="conv-only state"):
+        mamba_groups(args, 0, MambaModel(conv_parts(shape, None, 2), HEADS), tp_size=2,
+                     tp_rank=0, device="cpu")  # fmt: skip
+
+
+def test_a_request_of_other_than_one_mamba_slot_is_refused():
+    from kvxfer.integrations.sglang.manager.model import group_tables
+
+    shape = _shape(1, shard_groups=QKV)
+    _, args = _pool_args(shape)
+    groups = mamba_groups(args, 0, MambaModel(conv_parts(shape, None, 1), HEADS), tp_size=1,
+                          tp_rank=0, device="cpu")  # fmt: skip
+    kv_pages = np.arange(3)
+    for slot in (np.asarray(4), np.asarray([4])):  # SGLang's 0-d form, and one of one
+        tables = group_tables(groups, kv_pages, [slot], 40)
+        assert all(t.tolist() == [4] for t in tables)
+    for slots in ([], [3, 4]):
+        with pytest.raises(ValueError, match="expected one slot"):
+            group_tables(groups, kv_pages, [np.asarray(slots)], 40)

@@ -24,9 +24,10 @@ slice one contiguous range where no `conv_shard_groups` are given, and need one 
 divide the other.)
 
 Refused, naming the setting: a Mamba2 model of several groups fewer than its ranks (SGLang's
-own mixer refuses it too), another state shape (lightning attention), a state registered whole
-on every rank (`state_dim_per_tensor` 0), and SGLang's CPU pools on an AMX
-machine (their conv layout is transposed in place, behind the same metadata).
+own mixer refuses it too), a state without a conv (lightning attention) or without a temporal
+state (LFM2's short convolutions), another state shape, a state registered whole on every
+rank (`state_dim_per_tensor` 0), and SGLang's CPU pools on an AMX machine (their conv layout
+is transposed in place, behind the same metadata).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 
 from kvxfer.connector.groups import CacheGroup
 from kvxfer.integrations.sglang.pools import tensor_at
-from kvxfer.state import StateComponent, StateLayout
+from kvxfer.state import StateComponent, StateLayout, rows_held
 
 if TYPE_CHECKING:
     from sglang.srt.disaggregation.base.conn import KVArgs
@@ -66,7 +67,7 @@ class ConvPart:
     def held(self, tp_size: int) -> int:
         """Channels of this run one rank holds."""
         rows = self.segments or (self.rows,)
-        return sum(max(1, size // tp_size) for size in rows) * self.channels
+        return sum(rows_held(size, tp_size) for size in rows) * self.channels
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def mamba_model(server_args: Any, tp_size: int) -> MambaModel:
         raise ValueError(
             f"this model's linear-attention state ({type(shape).__name__}) is not a layout "
             "kvxfer's SGLang backend has verified (it moves gated delta nets, Mamba1 and "
-            "Mamba2 mixers); serve it with another transfer backend"
+            "Mamba2 mixers and KDA); serve it with another transfer backend"
         )
     # The attribute SGLang's configs size the pool from: NemotronH's `n_groups` (its
     # `mamba_n_groups` is a constructor default), Falcon-H1's and Granite's `mamba_n_groups`.
@@ -153,6 +154,11 @@ def conv_parts(shape: Any, n_groups: int | None, tp_size: int) -> tuple[ConvPart
         raise ValueError(
             f"this model keeps {len(shape.conv)} conv states a layer; kvxfer's SGLang backend "
             "moves one"
+        )
+    if int(shape.conv_kernel) <= 1 or int(shape.conv_dim) <= 0:
+        raise ValueError(
+            "a linear-attention state without a conv (lightning attention's): not a layout "
+            "kvxfer's SGLang backend has verified; serve it with another transfer backend"
         )
     inner, local = int(shape.intermediate_size), int(shape.conv[0][0])
     if shape.conv_shard_groups:  # a gated delta net's q, k, v
@@ -211,13 +217,21 @@ def mamba_groups(
             f"{len(rows)} dims; expected a conv and a temporal buffer of every layer"
         )
     layers = count // 2
+    layer_ids = list(kv_args.state_layer_ids[index] or [])
+    if layer_ids and layer_ids[:layers] != layer_ids[layers:]:
+        raise ValueError(
+            f"KVArgs: Mamba state buffers of layers {layer_ids}, not a conv and a temporal "
+            "buffer of every layer (a conv-only state, as LFM2's short convolutions keep, is "
+            "not a layout kvxfer's SGLang backend has verified); serve it with another "
+            "transfer backend"
+        )
     if outer and outer != [model.conv_outer_count] * layers + [1] * layers:
         raise ValueError(
             f"the state's rows before its sliced axis (state_slice_outer_counts "
             f"{sorted(set(outer))}) are not the model's ({model.conv_outer_count} a conv, 1 a "
             "temporal state): not a layout kvxfer's SGLang backend has verified"
         )
-    stage = _stage(model, list(kv_args.state_layer_ids[index] or [])[:layers], pp_size, pp_rank)
+    stage = _stage(model, layer_ids[:layers], pp_size, pp_rank)
     groups: list[CacheGroup] = []
     for name, entries, parts, outer_rows in (
         ("conv", slice(0, layers), model.conv, model.conv_outer_count),

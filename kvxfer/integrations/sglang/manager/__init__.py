@@ -102,7 +102,9 @@ class KvxferKVManager(PrefillSide, DecodeSide):
         sends one page list for both), then the hybrid state's (a window pool's, or a Mamba
         state's groups)."""
         target, draft = pool_entries(args)
-        self._check_hybrid(state_kinds(args), drafts=draft.start != draft.stop)
+        self._check_hybrid(
+            state_kinds(args), drafts=draft.start != draft.stop, kv=target.start != target.stop
+        )
         target_model = model_of(server_args, args, mla)
         groups = []
         for entries, is_draft in ((target, False), (draft, True)):
@@ -133,15 +135,24 @@ class KvxferKVManager(PrefillSide, DecodeSide):
             groups += self._mamba_groups(server_args, args)
         return groups
 
-    def _check_hybrid(self, kinds: list[str], drafts: bool) -> None:
+    def _check_hybrid(self, kinds: list[str], drafts: bool, kv: bool) -> None:
         """Refuse, before any pool is read, the hybrid models kvxfer's SGLang backend does not
         move: a sliding-window pool with prefill pipeline stages (a stage's window layers are
-        not mapped to the model's), and a Mamba model with a draft (its draft's own state)."""
+        not mapped to the model's), a Mamba model with a draft (its draft's own state), and a
+        rank with state but no KV layers (a Mamba model without attention, or a pipeline stage
+        of none)."""
         if SWA in kinds and self.pp_size > 1:
             raise ValueError(
                 f"kvxfer's SGLang backend: a hybrid model ({', '.join(kinds)} state) with "
                 "prefill pipeline parallelism is not supported; serve the prefill with "
                 "--pp-size 1"
+            )
+        if kinds and not kv:
+            raise ValueError(
+                "kvxfer's SGLang backend: this rank keeps no attention layers, only "
+                f"{', '.join(kinds)} state (a model without attention, such as Falcon-Mamba, or "
+                "a pipeline stage of none); kvxfer moves the state beside a KV pool: serve it "
+                "with another transfer backend, or with stages that each hold attention layers"
             )
         if MAMBA in kinds and drafts:
             raise ValueError(

@@ -111,14 +111,23 @@ def model_of(server_args: Any, kv_args: KVArgs, is_mla: bool, draft: bool = Fals
 def _pool_place(config: Any, kv_args: KVArgs, layers: Sequence[int]) -> tuple[int, int]:
     """The target pool's first layer among the model's layers of its kind, and their count (a
     pipeline stage's place): a Mamba model's pool keeps the full-attention layers alone
-    (SGLang's `full_attention_layer_ids`; where its config names none, the model's layers, a
-    place only a pipeline stage would misread); any other pool every layer."""
+    (SGLang's `full_attention_layer_ids`, where the pool's layer ids are found); any other pool
+    every layer.
+
+    Raises:
+        ValueError: a Mamba model's pool whose layers are not among its full-attention layers.
+    """
     if state_kinds(kv_args) == [MAMBA]:
         from sglang.srt.configs.hybrid_arch import mambaish_config
 
         full = list(getattr(mambaish_config(config), "full_attention_layer_ids", None) or [])
-        if layers and layers[0] in full:
-            return full.index(layers[0]), len(full)
+        if not (layers and layers[0] in full):
+            raise ValueError(
+                f"a Mamba model's KV pool of layers {list(layers)}, not among its "
+                f"full-attention layers {full}: not a layout kvxfer's SGLang backend has "
+                "verified (it moves the state beside a KV pool)"
+            )
+        return full.index(layers[0]), len(full)
     return getattr(kv_args, "prefill_start_layer", 0) or 0, config.num_hidden_layers
 
 
@@ -151,7 +160,10 @@ def group_tables(
     for group in groups:
         if group.state:
             # SGLang hands a slot as a 0-d array (`_mamba_payload` of an int pool index)
-            tables.append(np.asarray(indices, dtype=np.int64).reshape(-1)[:1])
+            slot = np.asarray(indices, dtype=np.int64).reshape(-1)
+            if slot.size != 1:
+                raise ValueError(f"Mamba state indices {slot.tolist()}: expected one slot")
+            tables.append(slot)
         elif group.sliding_window is not None:
             pages = window_table(indices, num_tokens, group.spec.block_size)
             tables.append(np.asarray(pages))
