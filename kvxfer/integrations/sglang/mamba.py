@@ -95,17 +95,16 @@ class MambaModel:
         return len(self.conv) if self.channels_last else 1
 
 
-def mamba_model(server_args: Any, tp_size: int) -> MambaModel:
-    """The served model's state rows, from SGLang's own cache parameters
+def mamba_model(model_config: Any, tp_size: int) -> MambaModel:
+    """The served model's state rows, from SGLang's own cache parameters of its `ModelConfig`
     (`mambaish_config(...).mamba2_cache_params`, as its scheduler sizes the pool).
 
     Raises:
         ValueError: a state shape kvxfer has not verified (module docstring).
     """
     from sglang.srt.configs.hybrid_arch import mambaish_config
-    from sglang.srt.configs.model_config import ModelConfig
 
-    config = mambaish_config(ModelConfig.from_server_args(server_args))
+    config = mambaish_config(model_config)
     params = getattr(config, "mamba2_cache_params", None)
     shape = getattr(params, "shape", None)
     layers = tuple(int(i) for i in getattr(params, "layers", ()))

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.disaggregation.base.conn import KVArgs
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
@@ -105,7 +106,8 @@ class KvxferKVManager(PrefillSide, DecodeSide):
         self._check_hybrid(
             state_kinds(args), drafts=draft.start != draft.stop, kv=target.start != target.stop
         )
-        target_model = model_of(server_args, args, mla)
+        config = ModelConfig.from_server_args(server_args)  # the target's, read once
+        target_model = model_of(server_args, args, mla, config=config)
         groups = []
         for entries, is_draft in ((target, False), (draft, True)):
             if is_draft and entries.start == entries.stop:
@@ -132,7 +134,7 @@ class KvxferKVManager(PrefillSide, DecodeSide):
         if state_kinds(args) == [SWA]:
             groups.append(self._window_group(server_args, args, mla, target_model))
         if state_kinds(args) == [MAMBA]:
-            groups += self._mamba_groups(server_args, args)
+            groups += self._mamba_groups(server_args, args, config)
         return groups
 
     def _check_hybrid(self, kinds: list[str], drafts: bool, kv: bool) -> None:
@@ -160,11 +162,11 @@ class KvxferKVManager(PrefillSide, DecodeSide):
                 "KV and state) is not supported; serve it without a speculative algorithm"
             )
 
-    def _mamba_groups(self, server_args: Any, args: KVArgs) -> list[CacheGroup]:
+    def _mamba_groups(self, server_args: Any, args: KVArgs, config: Any) -> list[CacheGroup]:
         """The target model's Mamba state (SGLang's one "mamba" state) as state groups
         (`kvxfer.integrations.sglang.mamba`): a request's table is its slot."""
         return mamba_groups(
-            args, 0, mamba_model(server_args, self.attn_tp_size),
+            args, 0, mamba_model(config, self.attn_tp_size),
             tp_size=self.attn_tp_size, tp_rank=self.attn_tp_rank,
             pp_size=self.pp_size, pp_rank=self.pp_rank, device=pool_device(server_args, args),
         )  # fmt: skip

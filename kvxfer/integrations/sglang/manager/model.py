@@ -74,9 +74,12 @@ def check_state_kinds(kv_args: KVArgs) -> None:
         )
 
 
-def model_of(server_args: Any, kv_args: KVArgs, is_mla: bool, draft: bool = False) -> SGLangModel:
-    """What a pool's pointers do not say, from SGLang's `ModelConfig`: the target model's pool,
-    or with `draft` the draft model's (its layers those of its pool, in order).
+def model_of(
+    server_args: Any, kv_args: KVArgs, is_mla: bool, draft: bool = False, config: Any = None
+) -> SGLangModel:
+    """What a pool's pointers do not say, from SGLang's `ModelConfig`: the target model's pool
+    (`config`, its `ModelConfig` if already read), or with `draft` the draft model's (its layers
+    those of its pool, in order).
 
     Raises:
         ValueError: hybrid state other than one sliding-window pool (`check_state_kinds`), or
@@ -89,7 +92,7 @@ def model_of(server_args: Any, kv_args: KVArgs, is_mla: bool, draft: bool = Fals
     if draft:  # an MTP model's draft is its own checkpoint's next-token layers
         path = server_args.speculative_draft_model_path or server_args.model_path
         config = ModelConfig.from_server_args(server_args, model_path=path, is_draft_model=True)
-    else:
+    elif config is None:
         config = ModelConfig.from_server_args(server_args)
     dtype = kv_dtype_name(kv_args.kv_cache_dtype_str, config.dtype)
     pool_layers = (entries.stop - entries.start) // (1 if is_mla else 2)
