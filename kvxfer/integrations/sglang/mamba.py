@@ -19,9 +19,8 @@ is heads, split evenly. Kimi's KDA keeps its conv channels last, `[K - 1, channe
 Each run is a `StateComponent`, in a `StateLayout` per tensor (conv and temporal are apart in
 memory), so kvxfer moves a slot between any two TP sizes bit for bit. A prefill pipeline stage
 holds a run of the model's state layers (`state_layer_ids` among `mamba2_cache_params.layers`),
-its layouts' stage. (SGLang's own backends
-slice one contiguous range where no `conv_shard_groups` are given, and need one TP size to
-divide the other.)
+its layouts' stage. (SGLang's own backends slice one contiguous range where no
+`conv_shard_groups` are given, and need one TP size to divide the other.)
 
 Refused, naming the setting: a Mamba2 model of several groups fewer than its ranks (SGLang's
 own mixer refuses it too), a state without a conv (lightning attention) or without a temporal
@@ -134,8 +133,14 @@ def kda_conv_parts(shape: Any) -> tuple[ConvPart, ...]:
             f"a KDA state of {len(shape.conv)} conv tensors and sub-blocks "
             f"{shape.conv_shard_groups}: not a layout kvxfer's SGLang backend has verified"
         )
+    return (_sub_blocks(shape),) * (int(shape.conv_kernel) - 1)
+
+
+def _sub_blocks(shape: Any) -> ConvPart:
+    """The run of the sub-blocks SGLang names (`conv_shard_groups`: q, k, v), each sliced
+    apart over the ranks."""
     segments = tuple(int(g) for g in shape.conv_shard_groups)
-    return (ConvPart(sum(segments), 1, segments),) * (int(shape.conv_kernel) - 1)
+    return ConvPart(sum(segments), 1, segments)
 
 
 def conv_parts(shape: Any, n_groups: int | None, tp_size: int) -> tuple[ConvPart, ...]:
@@ -161,8 +166,7 @@ def conv_parts(shape: Any, n_groups: int | None, tp_size: int) -> tuple[ConvPart
         )
     inner, local = int(shape.intermediate_size), int(shape.conv[0][0])
     if shape.conv_shard_groups:  # a gated delta net's q, k, v
-        segments = tuple(int(g) for g in shape.conv_shard_groups)
-        parts: tuple[ConvPart, ...] = (ConvPart(sum(segments), 1, segments),)
+        parts: tuple[ConvPart, ...] = (_sub_blocks(shape),)
     elif int(shape.conv_dim) == inner:  # Mamba1: the conv is x alone
         parts = (ConvPart(inner),)
     elif n_groups is None or (n_groups < tp_size and n_groups != 1):

@@ -103,9 +103,8 @@ class KvxferKVManager(PrefillSide, DecodeSide):
         sends one page list for both), then the hybrid state's (a window pool's, or a Mamba
         state's groups)."""
         target, draft = pool_entries(args)
-        self._check_hybrid(
-            state_kinds(args), drafts=draft.start != draft.stop, kv=target.start != target.stop
-        )
+        kinds = state_kinds(args)
+        self._check_hybrid(kinds, drafts=draft.start != draft.stop, kv=target.start != target.stop)
         config = ModelConfig.from_server_args(server_args)  # the target's, read once
         target_model = model_of(server_args, args, mla, config=config)
         groups = []
@@ -131,9 +130,9 @@ class KvxferKVManager(PrefillSide, DecodeSide):
                 device=pool_device(server_args, args),
             )
             groups.append(CacheGroup(spec, caches))
-        if state_kinds(args) == [SWA]:
+        if kinds == [SWA]:
             groups.append(self._window_group(server_args, args, mla, target_model))
-        if state_kinds(args) == [MAMBA]:
+        if kinds == [MAMBA]:
             groups += self._mamba_groups(server_args, args, config)
         return groups
 
