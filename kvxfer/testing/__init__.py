@@ -14,7 +14,8 @@ it imports neither pytest nor Hypothesis (the Hypothesis strategies are in
   in separate processes, every byte checked.
 - `kvxfer.testing.rig`: `Rig`, rank processes driven command by command, to be SIGSTOPped,
   SIGCONTed or SIGKILLed at a chosen point; `kvxfer.testing.checks`: what the fault suite
-  checks with them (progress, leaks, late bytes, hostile frames).
+  checks with them (progress, leaks, late bytes, hostile frames); `kvxfer.testing.links`:
+  `StallingLink`, a relay whose connections stop carrying bytes (a process run in bursts).
 - Real engines (`make test-e2e`, `benchmarks/pd_serve.py`, `benchmarks/pd_soak.py`, the GPU
   scripts): `kvxfer.testing.tiny_model` (a tiny model made on the spot),
   `kvxfer.testing.vllm_driver` (prompts, HTTP calls, comparison, process groups; standard
@@ -44,6 +45,7 @@ from kvxfer.testing.geometry import (
     request_blocks,
     side_specs,
 )
+from kvxfer.testing.links import StallingLink
 from kvxfer.testing.memory import (
     POISON,
     REPOISON,
@@ -89,6 +91,7 @@ __all__ = [
     "Request",
     "Rig",
     "Scenario",
+    "StallingLink",
     "bits",
     "block_diff",
     "by_block",

@@ -28,7 +28,13 @@ machine's, which it tells through a `SessionListener`. The rules:
 - the chunks asked again go to whichever process answers at the address: one restarted there
   serves what it publishes, and what it never publishes fails at the fetch's deadline (the
   loss may be seen after a fetch began, so its begin cannot tell which process it relied on);
-- a first handshake not finished in its `timeout` fails the session;
+- a first handshake not finished in its `timeout` fails the session (while its connection is
+  up, the caller's `held_timeout`);
+- a handshake whose connection libzmq drops for silence (the producer's libzmq greeted, then
+  its process was not run for `peer_timeout_s`, as a loaded machine runs one in bursts) starts
+  over on a new connection: the producer may yet answer the hello it read on the dropped one,
+  and that answer never arrives here. Its host held a connection within the last
+  `peer_timeout_s`, so the handshake is held, not late, meanwhile;
 - a live producer is also pinged every `heartbeat_s` by this loop: its answers keep the
   producer's side of the session fresh (it drops a consumer it has not heard from for its
   `session_timeout_s`), and say nothing about liveness here;
@@ -137,6 +143,8 @@ class ProducerSession:
     # process exists); a first handshake's deadline is the caller's.
     reconnect: bool = False
     connected: bool = False  # libzmq holds a connection to the producer's address now
+    connected_at: float = 0.0  # when libzmq last connected it
+    dropped_at: float = float("-inf")  # when a silent connection of its handshake dropped
     refused: bool = False  # its address refused a connection: nothing listened there then
 
     @property
@@ -246,6 +254,18 @@ class ProducerSessions:
         `timeout`), and a `reconnect` as long as its connection stays up. A reconnect later
         allows its handshake as long as the longest `timeout`."""
         self._handshake_timeout_s = max(self._handshake_timeout_s, timeout)
+        sock, monitor, client = self._dial(address)
+        now = time.monotonic()
+        deadline = now + timeout
+        session = ProducerSession(address, sock, monitor, client, deadline, expect)
+        held = float("inf") if reconnect else max(deadline, now + (held_timeout or 0.0))
+        session.held_deadline = held
+        session.reconnect = reconnect
+        self._start_handshake(session)
+        return session
+
+    def _dial(self, address: str) -> tuple[zmq.Socket, zmq.Socket, SessionClient]:
+        """A socket connecting to `address`, its monitor, and a new handshake's client."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(self._heartbeat_s * 1000)))
@@ -256,17 +276,29 @@ class ProducerSessions:
         monitor = sock.get_monitor_socket(_WATCHED_EVENTS)
         sock.connect(address)
         claim = encode(KVClaim(engine_id=self._engine_id, spec=self._spec))
-        client = SessionClient(KV_SERVICE, self._secret, self._engine_id, claim)
-        now = time.monotonic()
-        deadline = now + timeout
-        session = ProducerSession(address, sock, monitor, client, deadline, expect)
-        held = float("inf") if reconnect else max(deadline, now + (held_timeout or 0.0))
-        session.held_deadline = held
-        session.reconnect = reconnect
-        sock.send_multipart(client.hello())
-        self._open[sock] = session
-        self._monitors[monitor] = session
-        return session
+        return sock, monitor, SessionClient(KV_SERVICE, self._secret, self._engine_id, claim)
+
+    def _start_handshake(self, session: ProducerSession) -> None:
+        session.sock.send_multipart(session.client.hello())
+        self._open[session.sock] = session
+        self._monitors[session.monitor] = session
+
+    def _dropped_for_silence(self, session: ProducerSession) -> bool:
+        """Whether the handshake's connection that just dropped lived `peer_timeout_s`: libzmq
+        dropped it for unanswered heartbeats (a connection the producer's side closed sooner
+        is dialled again by libzmq itself, every 100 ms, within the handshake's deadline)."""
+        return time.monotonic() - session.connected_at >= self._peer_timeout_s
+
+    def _redial(self, session: ProducerSession) -> None:
+        """The connection of a session still shaking hands dropped (its producer answered no
+        heartbeat: frozen, or not run by a loaded machine, after its libzmq greeted): the
+        producer may have read the hello and answer it on that connection, never seen again
+        here, so the handshake starts over on a new socket, with the same deadlines."""
+        self._open.pop(session.sock, None)
+        self._close_sockets(session)
+        session.sock, session.monitor, session.client = self._dial(session.address)
+        session.connected, session.dropped_at = False, time.monotonic()
+        self._start_handshake(session)
 
     @staticmethod
     def settled(pending: list[ProducerSession]) -> bool:
@@ -339,13 +371,16 @@ class ProducerSessions:
             if session.state is SessionState.CONNECTING:
                 session.deadline += seconds
                 session.held_deadline += seconds
+                session.dropped_at += seconds
+                session.connected_at += seconds
 
-    @staticmethod
-    def _handshake_late(session: ProducerSession, now: float) -> bool:
+    def _handshake_late(self, session: ProducerSession, now: float) -> bool:
         """Past its deadline, or past its `held_deadline` while its producer's host holds its
-        connection (the process exists, and is not run yet)."""
-        limit = session.held_deadline if session.connected else session.deadline
-        return now > limit
+        connection (the process exists, and is not run yet) or held one within the last
+        `peer_timeout_s` (a dropped one is dialled again at once: a host that takes no
+        connection for that long is lost)."""
+        held = session.connected or now - session.dropped_at < self._peer_timeout_s
+        return now > (session.held_deadline if held else session.deadline)
 
     def _ping_due(self, session: ProducerSession, now: float) -> bool:
         return now - session.last_ping >= self._heartbeat_s
@@ -453,12 +488,13 @@ class ProducerSessions:
         """What libzmq did with the session's connection: connected; refused (`EVENT_CLOSED`:
         nothing listens at the address, the producer's process ended: dead); dropped (the
         producer closed it, or answered no heartbeat for `peer_timeout_s`: a live session is
-        lost, its unread chunks asked again on a new one, whose connection tells which)."""
+        lost, its unread chunks asked again on a new one, whose connection tells which; a
+        handshake dropped for silence starts over)."""
         for event in connection_events(session.monitor):
             if session.state is SessionState.DEAD:
                 return  # its monitor is closed
             if event == zmq.EVENT_CONNECTED:
-                session.connected = True
+                session.connected, session.connected_at = True, time.monotonic()
             elif event == zmq.EVENT_CLOSED:
                 session.refused = True
                 self.fail(
@@ -469,6 +505,10 @@ class ProducerSessions:
                 session.connected = False
                 if session.state is SessionState.LIVE:
                     self._lose(session)
+                    return
+                if self._dropped_for_silence(session):
+                    self._redial(session)
+                    return  # the old monitor is closed
 
     def _lose(self, session: ProducerSession) -> None:
         """The live session's connection dropped: the chunks the producer had not served yet
