@@ -58,6 +58,7 @@ class RankConfig:
     pool_tokens: int = 512
     seed: int = 0
     abort_after_metadata: bool = False  # decode: abort the request once its metadata is out
+    forged_aborts: bool = False  # decode: once its metadata is out, aborts without the secret
     killed_before_send: bool = False  # prefill: SIGKILL itself instead of sending the KV
     aborted_before_send: bool = False  # prefill: abort the request (SGLang's sender.abort)
     draft_dir: str = ""  # speculative decoding (EAGLE): the draft model, whose pool is moved too
@@ -717,6 +718,8 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
     receiver.send_metadata(pages, cfg.aux_index, window, decode_prefix_len=0)
     if cfg.abort_after_metadata:
         receiver.abort()
+    if cfg.forged_aborts:
+        _forge_aborts(receiver, cfg.room)
     final = wait_for({KVPoll.Success, KVPoll.Failed}, receiver)
     reason = None
     if final == KVPoll.Failed:
@@ -740,6 +743,21 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         "aux": (int(meta.output_ids[cfg.aux_index, 0]), int(meta.bootstrap_room[cfg.aux_index, 0])),
         "reason": reason,
     }
+
+
+def _forge_aborts(receiver: Any, room: int) -> None:
+    """What an engine without the secret can send the prefill ranks about a request that this
+    rank (with the secret) reads: SGLang's unsigned ABORT, and kvxfer's `Abandoned` under
+    another secret; after this rank's `Reading`, on the same socket (so in that order)."""
+    from sglang.srt.disaggregation.common.conn import AbortNotification
+
+    from kvxfer.integrations.sglang.control import Abandoned, frames_of
+
+    for info in receiver.bootstrap_infos:
+        sock, lock = receiver._connect_to_bootstrap_server(info)
+        with lock:
+            sock.send_multipart(AbortNotification(room=room).to_zmq())
+            sock.send_multipart(frames_of(Abandoned(room=room), "guess"))
 
 
 def _bootstrap_queue(cfg: RankConfig, args: Any, pool: Any, meta: Any, backend: Any) -> Any:

@@ -424,6 +424,18 @@ def test_a_decode_abort_frees_the_prefill_and_writes_nothing(model_dir, bootstra
         assert torch.equal(torch.from_numpy(result["held"]), poison)
 
 
+def test_an_abort_without_the_secret_cannot_end_a_request_being_read(model_dir, bootstrap_port):
+    """SGLang's unsigned ABORT and an `Abandoned` under another secret, for a request that the
+    decode ranks (with the secret) read: the prefill drops both, and the request moves."""
+    prefills, decodes, cfgs = _run_pair(
+        model_dir, bootstrap_port, 4005, (2, 16), (2, 16),
+        faults={("decode", r): {"forged_aborts": True} for r in range(2)},
+    )  # fmt: skip
+    assert all(p["states"][-1] == 4 for p in prefills), [p["states"] for p in prefills]
+    assert all(d["states"][-1] == 4 for d in decodes), [d["reason"] for d in decodes]
+    _assert_exact(prefills, decodes, cfgs)
+
+
 def test_a_decode_with_the_wrong_secret_is_refused_and_the_prefill_freed(model_dir, bootstrap_port):
     secret = {"env": {"KVXFER_CONFIG": '{"secret": "prefill-secret"}'}}
     wrong = {"env": {"KVXFER_CONFIG": '{"secret": "guess"}'}}
@@ -436,7 +448,8 @@ def test_a_decode_with_the_wrong_secret_is_refused_and_the_prefill_freed(model_d
     # Refused at its registration: it never learned a side channel or the request's aux row.
     assert "refused this decode engine's registration" in decode["reason"], decode["reason"]
     assert decode["aux"] == (0, 0) and decode["untouched"]
-    # SGLang's decode tells the prefill (ABORT), whose sender fails: SGLang frees its pages.
+    # SGLang's decode tells the prefill (`Abandoned`, under the wrong secret: honoured, as no
+    # decode rank proved that it reads the request), whose sender fails: SGLang frees its pages.
     assert prefills[0]["states"][-1] == 0, prefills[0]["states"]
     assert "aborted" in prefills[0]["reason"]
 

@@ -16,6 +16,7 @@ MESSAGES = [
         group="10.0.0.1:8998/dp0", rank=3, addresses=["a:1", "a:2"], nonce="ab" * 16
     ),
     control.Reading(room=77, ip="10.0.0.2", port=17001, readers=4, prefix=32),
+    control.Abandoned(room=77),
     control.Published(room=77, tokens=1000, aux=b"\x00\x01first token"),
 ]
 
@@ -38,7 +39,7 @@ def test_a_message_under_another_secret_is_refused_naming_the_secret(message):
 
 
 def test_an_altered_field_breaks_the_proof():
-    frames = control.frames_of(MESSAGES[3], "s3cret")
+    frames = control.frames_of(MESSAGES[4], "s3cret")
     forged = msgspec.structs.replace(
         control.message_of(frames, "s3cret"), aux=b"\x00\x02other token"
     )
@@ -66,6 +67,15 @@ def test_a_refused_registration_is_answered_where_it_asked_and_unsigned():
     assert (
         control.refused_registration(control.frames_of(MESSAGES[2], "guess"), "x") is None
     )  # no Register
+
+
+def test_an_unproven_abandon_names_its_room_and_nothing_else_does():
+    """The prefill honours an `Abandoned` whose proof fails only for a request no decode rank
+    proved it reads: it needs the room of one, and of nothing else."""
+    assert control.unproven_abandon(control.frames_of(control.Abandoned(room=9), "guess")) == 9
+    assert control.unproven_abandon(control.frames_of(MESSAGES[2], "guess")) is None  # Reading
+    assert control.unproven_abandon([control.TAGS[control.Abandoned], b"\xc1"]) is None
+    assert control.unproven_abandon([b"ABORT", b"9"]) is None
 
 
 STATUS = [control.STATUS_TAG, b"77", b"4", b"3", b"the prefill failed"]

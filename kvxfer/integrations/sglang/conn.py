@@ -20,15 +20,18 @@ bootstrap server), the KV over kvxfer's producers and consumers (one a cache gro
    confirmed its reads (the producer's release), and only then does SGLang free its pages.
 
 A failed fetch is `Failed` with its block ids, only after its last read ended; an aborted
-decode request tells the producers (`KVConsumer.abort`), which free the pages at once, and its
-pages are held (SGLang's deferred release) until its fetch ended.
+decode request tells the producers (`KVConsumer.abort`), which free the pages at once, and the
+prefill ranks (`Abandoned`, signed), and its pages are held (SGLang's deferred release) until
+its fetch ended.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
+import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.conn import (
     CommonKVBootstrapServer,
@@ -36,7 +39,10 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 
+from kvxfer.integrations.sglang.control import Abandoned, frames_of
 from kvxfer.integrations.sglang.manager import DecodeLoad, KvxferKVManager
+
+log = logging.getLogger(__name__)
 
 __all__ = ["KvxferKVBootstrapServer", "KvxferKVManager", "KvxferKVReceiver", "KvxferKVSender"]
 
@@ -149,6 +155,22 @@ class KvxferKVReceiver(CommonKVReceiver):
         if key is not None:
             self.kv_mgr.abort((key, self.bootstrap_room))
         super().abort()
+
+    def _send_abort_notification(self, *, force_arm: bool = False) -> None:
+        """SGLang's abort notice to every prefill rank of the request (its abort, a failure,
+        its waiting timeout), as kvxfer's signed `Abandoned`: only an engine with the secret
+        may end a request that a decode rank proved it reads. Best effort, as SGLang's: a rank
+        not reached frees the request at its own deadline. No ABORT_ACK generation is armed
+        (`force_arm` is SGLang's): kvxfer's pages are safe to release once the fetch ended
+        (`is_abort_release_safe`), which no prefill acknowledgement tells."""
+        frames = frames_of(Abandoned(room=self.bootstrap_room), self.kv_mgr.settings.secret)
+        for info in self.bootstrap_infos:
+            try:
+                sock, lock = self._connect_to_bootstrap_server(info)
+                with lock:
+                    sock.send_multipart(frames)
+            except zmq.ZMQError as exc:
+                log.debug("kvxfer: abort of request %s not sent: %s", self.bootstrap_room, exc)
 
     def clear(self) -> None:
         """Forget the request (after SGLang read its result)."""

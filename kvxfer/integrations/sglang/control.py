@@ -15,14 +15,20 @@ empty key without one, as on the KV session) over its tag, its sender's role and
   learns that it was refused and why, nothing else;
 - `Reading` (decode rank -> each prefill rank, SGLang's metadata): the request, where to
   answer, how many decode ranks read it, the decode's prefix;
+- `Abandoned` (decode rank -> each prefill rank, SGLang's ABORT notice): the decode gave the
+  request up (its abort, a failure, its waiting timeout);
 - `Published` (prefill rank -> the decode ranks): the request's token count and its aux row
   (the first token, its logprobs, the draft's hidden states).
 
 SGLang's own status message (a prefill rank failed a request: to its decode ranks, with the
 reason) travels under the tag `STATUS_TAG` with a proof frame appended over all its frames
 (`signed_status`), and a decode rank drops one whose proof does not hold (`verified_status`).
-SGLang's ABORT notices (decode -> prefill) stay unsigned: SGLang's receiver sends them itself;
-a forged one can fail a request on the prefill, and read or write no KV.
+A prefill rank ends a request on an `Abandoned` whose proof holds wherever the request stands.
+One whose proof does not hold, or SGLang's own unsigned ABORT, ends it only while no decode
+rank proved that it reads it (no `Reading` held): a request that a decode rank with the secret
+reads cannot be failed by an engine without it, and a decode engine refused for its secret
+still frees the prefill's request at once rather than at SGLang's bootstrap timeout. Nothing
+of the request was published then, so the unproven abort reads or writes no KV.
 
 A prefill rank answers only a `Register` whose proof holds, and sends `Published` only to the
 decode ranks whose `Reading` held; a decode rank believes only a `Registered` and a `Published`
@@ -81,6 +87,13 @@ class Reading(Control, tag="reading", frozen=True):
     prefix: int
 
 
+class Abandoned(Control, tag="abandoned", frozen=True):
+    """A decode rank gives request `room` up (SGLang's ABORT notice: its abort, a failure, its
+    waiting timeout): the prefill stops serving it and fails it."""
+
+    room: int
+
+
 class Published(Control, tag="published", frozen=True):
     """Request `room` is published: `tokens` tokens, and the aux row (may be empty)."""
 
@@ -89,13 +102,14 @@ class Published(Control, tag="published", frozen=True):
     aux: bytes
 
 
-Message = Register | Registered | Refused | Reading | Published
+Message = Register | Registered | Refused | Reading | Abandoned | Published
 
 TAGS: dict[type[Control], bytes] = {
     Register: b"KVXFER_REG",
     Registered: b"KVXFER_HELLO",
     Refused: b"KVXFER_REFUSED",
     Reading: b"KVXFER_META",
+    Abandoned: b"KVXFER_ABORT",
     Published: b"KVXFER_READY",
 }
 _TYPES = {tag: kind for kind, tag in TAGS.items()}
@@ -103,6 +117,7 @@ _SENDERS: dict[type[Control], str] = {
     Register: ROLE_DECODE,
     Registered: ROLE_PREFILL,
     Reading: ROLE_DECODE,
+    Abandoned: ROLE_DECODE,
     Published: ROLE_PREFILL,
 }
 _ENCODER = msgspec.msgpack.Encoder()
@@ -184,6 +199,18 @@ def verified_status(frames: list[bytes], secret: str | None) -> list[bytes]:
             "or it was altered): set the same secret in both engines' KVXFER_CONFIG"
         )
     return parts
+
+
+def unproven_abandon(frames: list[bytes]) -> int | None:
+    """The room an `Abandoned` whose proof did not hold names; None where `frames` are no
+    readable `Abandoned`. The prefill honours it only for a request no decode rank proved it
+    reads (the module docstring)."""
+    if len(frames) != 2 or frames[0] != TAGS[Abandoned]:
+        return None
+    try:
+        return msgspec.msgpack.decode(frames[1], type=Abandoned).room
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def refused_registration(frames: list[bytes], reason: str) -> tuple[str, list[bytes]] | None:

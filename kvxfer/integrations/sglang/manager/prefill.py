@@ -22,6 +22,7 @@ from sglang.srt.disaggregation.common.conn import (
 from kvxfer.connector import ReleaseReason
 from kvxfer.connector.groups import GroupedProducer
 from kvxfer.integrations.sglang.control import (
+    Abandoned,
     ControlError,
     Published,
     Reading,
@@ -31,6 +32,7 @@ from kvxfer.integrations.sglang.control import (
     is_control,
     message_of,
     refused_registration,
+    unproven_abandon,
 )
 from kvxfer.integrations.sglang.manager.model import group_tables
 from kvxfer.integrations.sglang.manager.rank import Rank
@@ -93,17 +95,14 @@ class PrefillSide(Rank):
 
     def _on_prefill_message(self, msg: list[bytes]) -> None:
         """A decode rank's control message (`kvxfer.integrations.sglang.control`: its
-        registration, answered with this rank's side channels, or its `Reading`), or SGLang's
-        ABORT notice."""
+        registration, answered with this rank's side channels, its `Reading` or its
+        `Abandoned`), or SGLang's own ABORT notice (unproven)."""
         if is_control(msg):
             self._on_prefill_control(msg)
         elif msg[0] == ABORT_TAG:
             notice = AbortNotification.from_zmq(msg)
             if notice is not None:
-                reason = "the decode engine aborted the request"
-                self.give_up(notice.room, reason)
-                self.record_failure(notice.room, reason)
-                self.update_status(notice.room, KVPoll.Failed)
+                self._abandon(notice.room, proven=False)
 
     def _on_prefill_control(self, frames: list[bytes]) -> None:
         secret = self.settings.secret
@@ -114,6 +113,9 @@ class PrefillSide(Rank):
             refusal = refused_registration(frames, str(exc))
             if refusal is not None:
                 self._send_multipart_locked(*refusal)
+            room = unproven_abandon(frames)
+            if room is not None:
+                self._abandon(room, proven=False)
             return
         if isinstance(message, Register):
             answer = Registered(
@@ -127,6 +129,23 @@ class PrefillSide(Rank):
             )
         elif isinstance(message, Reading):
             self._note_reader(message)
+        elif isinstance(message, Abandoned):
+            self._abandon(message.room, proven=True)
+
+    def _abandon(self, room: int, proven: bool) -> None:
+        """A decode engine gave the request up: fail it here, unless the notice is `proven`
+        false while a decode rank proved that it reads the request (control's docstring)."""
+        if not proven and self.transfer_infos.get(room):
+            log.warning(
+                "kvxfer: dropped an abort of request %s without a proof that holds: a decode "
+                "rank with the secret reads it (give both engines the same secret)",
+                room,
+            )
+            return
+        reason = "the decode engine aborted the request"
+        self.give_up(room, reason)
+        self.record_failure(room, reason)
+        self.update_status(room, KVPoll.Failed)
 
     def _note_reader(self, reading: Reading) -> None:
         """A decode rank will read the request: once every one of the decode engine's ranks
