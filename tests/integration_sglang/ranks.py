@@ -321,13 +321,14 @@ def _pool(cfg: RankConfig, layers: int, start: int) -> Any:
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     dtype = getattr(torch, _POOL_DTYPES[cfg.kv_dtype])
-    if cfg.window:
-        window = window_layers(cfg)
+    if cfg.window:  # the stage's layers of each kind, as SGLang's model runner cuts them
+        stage = range(start, start + layers)
+        window = [i for i in window_layers(cfg) if i in stage]
         return SWAKVPool(
             size=cfg.pool_tokens, size_swa=cfg.pool_tokens, page_size=cfg.page_size,
             dtype=dtype, head_num=heads_of(cfg).stop - heads_of(cfg).start,
             head_dim=cfg.head_dim, swa_attention_layer_ids=window,
-            full_attention_layer_ids=[i for i in range(layers) if i not in window],
+            full_attention_layer_ids=[i for i in stage if i not in window],
             device="cpu",
         )  # fmt: skip
     if cfg.mla:
@@ -495,8 +496,9 @@ def _converted(
     planes = []
     for layer in layers:
         k_scale, v_scale = kv_scales(layer)
-        k = pool.get_key_buffer(layer)[slots].float() * k_scale
-        v = pool.get_value_buffer(layer)[slots].float() * v_scale
+        at = window_slots(cfg) if layer in window_layers(cfg) else slots
+        k = pool.get_key_buffer(layer)[at].float() * k_scale
+        v = pool.get_value_buffer(layer)[at].float() * v_scale
         planes.append(torch.stack([k, v]).to(torch.bfloat16))
     return torch.stack(planes).view(torch.int16).numpy().copy()
 

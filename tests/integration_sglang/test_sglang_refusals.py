@@ -3,10 +3,12 @@ the way out, before anything is allocated or registered."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from sglang.srt.disaggregation.base.conn import KVArgs, StateType
 
-from kvxfer.integrations.sglang.manager.model import load_settings, model_of
+from kvxfer.integrations.sglang.manager.model import load_settings, model_of, window_split
 
 
 def _kv_args(**fields: object) -> KVArgs:
@@ -33,11 +35,34 @@ def test_hybrid_state_but_one_window_pool_or_mamba_state_is_refused_naming_its_k
         model_of(None, _kv_args(state_types=kinds), is_mla=False)
 
 
-def test_an_fp8_sliding_window_model_is_refused_naming_the_fix():
-    """(An fp8 Mamba model moves: its pool's layer ids name its layers' scales.)"""
-    args = _kv_args(state_types=[StateType.SWA], kv_cache_dtype_str="fp8_e4m3")
-    with pytest.raises(ValueError, match=r"fp8 hybrid model \(swa\).*window layers.*auto"):
-        model_of(None, args, is_mla=False)
+def _window_kv_args(full: int, window: int, start: int = 0) -> KVArgs:
+    """A sliding-window pool's `KVArgs`: `full` and `window` layers (K and V buffers each)."""
+    return _kv_args(
+        state_types=[StateType.SWA], kv_data_ptrs=[0] * 2 * full,
+        state_data_ptrs=[[0] * 2 * window], prefill_start_layer=start,
+    )  # fmt: skip
+
+
+def test_a_window_pool_is_placed_by_the_models_split_or_refused_naming_it():
+    """The layers of a sliding-window pool's two pools come from SGLang's split of the model's
+    layers, cut to the stage; a model without one, or pools the stage's split does not fill,
+    are refused before anything is read."""
+    config = SimpleNamespace(full_attention_layer_ids=[3, 7], swa_attention_layer_ids=[0, 1, 2,
+                             4, 5, 6])  # fmt: skip
+    split = window_split(config, _window_kv_args(1, 3, start=4), mla=False)
+    assert (split.stage_full, split.stage_window) == ([7], [4, 5, 6])
+    assert (
+        window_split(config, _window_kv_args(2, 6), mla=False).stage_window
+        == config.swa_attention_layer_ids
+    )
+    none = SimpleNamespace(full_attention_layer_ids=None, swa_attention_layer_ids=None)
+    with pytest.raises(ValueError, match=r"splits the model's layers as full \[\] and window"):
+        window_split(none, _window_kv_args(2, 2), mla=False)
+    with pytest.raises(ValueError, match="2 full and 2 window layers from layer 0"):
+        window_split(config, _window_kv_args(2, 2), mla=False)
+    only_full = SimpleNamespace(full_attention_layer_ids=[0, 1], swa_attention_layer_ids=[2, 3])
+    with pytest.raises(ValueError, match="keeps no window layer"):
+        window_split(only_full, _window_kv_args(2, 0), mla=False)
 
 
 def test_settings_come_from_kvxfer_config_and_bad_json_names_it(monkeypatch):
@@ -53,10 +78,9 @@ def test_settings_come_from_kvxfer_config_and_bad_json_names_it(monkeypatch):
     ("kinds", "pp_size", "drafts", "kv", "reason"),
     [
         (["mamba"], 1, False, False, "keeps no attention layers, only mamba state"),
-        (["swa"], 2, False, True, r"hybrid model \(swa state\) with prefill pipeline"),
         (["mamba"], 1, True, True, "speculative decoding with a Mamba model"),
     ],
-    ids=["state-without-kv", "window-with-pp", "mamba-with-draft"],
+    ids=["state-without-kv", "mamba-with-draft"],
 )
 def test_hybrid_ranks_the_backend_does_not_move_are_refused_before_any_pool(
     kinds, pp_size, drafts, kv, reason
@@ -71,3 +95,4 @@ def test_hybrid_ranks_the_backend_does_not_move_are_refused_before_any_pool(
     manager._check_hybrid(["mamba"], drafts=False, kv=True)  # a Mamba model beside its KV
     manager.pp_size = 2
     manager._check_hybrid(["mamba"], drafts=False, kv=True)  # on pipeline stages too
+    manager._check_hybrid(["swa"], drafts=False, kv=True)  # a window pool too

@@ -43,10 +43,12 @@ RANK_HANG_S = 600.0
 TOKENS = 100  # not a whole number of pages: the last page is partial on both sides
 
 
-def _model(path: Path, kv_heads: int, layers: int = 4) -> str:
+def _model(path: Path, kv_heads: int, layers: int = 4, windowed: bool = False) -> str:
     """A tiny Llama config with `kv_heads` KV heads of 16 and `layers` layers: what SGLang's
-    `ModelConfig` reads."""
-    config = {
+    `ModelConfig` reads. `windowed`: a sliding-window model, its odd layers window layers (a
+    custom model's opt-in: SGLang's `ModelConfig` then splits the layers as its `SWAKVPool`
+    keeps them, the harness's `window_layers`)."""
+    config: dict[str, object] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": 192,
@@ -62,6 +64,8 @@ def _model(path: Path, kv_heads: int, layers: int = 4) -> str:
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    if windowed:
+        config |= {"is_hybrid_swa": True, "hybrid_layer_pattern": [i % 2 for i in range(layers)]}
     (path / "config.json").write_text(json.dumps(config))
     return str(path)
 
@@ -70,6 +74,12 @@ def _model(path: Path, kv_heads: int, layers: int = 4) -> str:
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """12 KV heads: TP 2, 3, 4 and 6 all shard them."""
     return _model(tmp_path_factory.mktemp("model"), 12)
+
+
+@pytest.fixture(scope="module")
+def window_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`model_dir`'s model with sliding-window attention in its odd layers."""
+    return _model(tmp_path_factory.mktemp("window-model"), 12, windowed=True)
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +232,18 @@ def _run_pair(
     return prefills, decodes, [c for _, c in serving if c.role == "decode"]
 
 
+def _prefill_held(prefills: list[dict]) -> torch.Tensor:
+    """What the prefill pools hold (MHA): heads side by side within a stage, stages one after
+    another."""
+    stages = sorted({p["pp_rank"] for p in prefills})
+    return torch.cat(
+        [
+            torch.cat([torch.from_numpy(p["held"]) for p in prefills if p["pp_rank"] == s], 3)
+            for s in stages
+        ]
+    )
+
+
 def _assert_exact(prefills: list[dict], decodes: list[dict], decode_cfgs: list[RankConfig]):
     """Each decode rank holds its heads of every layer exactly as the prefill pools hold them,
     and nothing else changed."""
@@ -231,14 +253,8 @@ def _assert_exact(prefills: list[dict], decodes: list[dict], decode_cfgs: list[R
         stages = [torch.from_numpy(p["held"]) for p in prefills if p["tp_rank"] == 0]
         held = torch.cat(stages, dim=0)
         assert all(torch.equal(torch.from_numpy(p["held"]), held[p["layers"]]) for p in prefills)
-    else:  # heads side by side within a stage, stages one after another
-        stages = sorted({p["pp_rank"] for p in prefills})
-        held = torch.cat(
-            [
-                torch.cat([torch.from_numpy(p["held"]) for p in prefills if p["pp_rank"] == s], 3)
-                for s in stages
-            ]
-        )
+    else:
+        held = _prefill_held(prefills)
     assert torch.equal(held, want_all), "the prefill pools hold other KV than SGLang was given"
     for result, cfg in zip(decodes, decode_cfgs, strict=True):
         want = held if cfg.mla else held[:, :, :, heads_of(cfg)]
@@ -334,7 +350,7 @@ WINDOW = 40  # tokens: the window's start falls inside a page on both sides of e
     ("prefill", "decode"), [((1, 16), (2, 32)), ((2, 32), (3, 16))], ids=["tp1-tp2", "tp2-tp3"]
 )
 def test_a_sliding_window_models_window_moves_beside_its_full_layers(
-    model_dir, bootstrap_port, prefill, decode
+    window_model_dir, bootstrap_port, prefill, decode
 ):
     """SGLang's `SWAKVPool` (full layers, and window layers in a pool of their own, addressed by
     the window pages SGLang hands the backend as its "swa" state indices): the full layers move
@@ -343,12 +359,58 @@ def test_a_sliding_window_models_window_moves_beside_its_full_layers(
     here), and nothing else of the decode's window pool is written."""
     room = 1900 + 10 * prefill[0] + decode[0]
     prefills, decodes, cfgs = _run_pair(
-        model_dir, bootstrap_port, room, prefill, decode, window=WINDOW
+        window_model_dir, bootstrap_port, room, prefill, decode, window=WINDOW
     )
+    _assert_window_exact(prefills, decodes, cfgs)
+
+
+def test_a_sliding_window_prefill_with_pipeline_stages_sends_each_stages_layers(
+    window_model_dir, bootstrap_port
+):
+    """Prefill TP 1 x PP 2 -> decode TP 2: each stage keeps one full and one window layer
+    (SGLang's model runner cuts both kinds to the stage), placed among the model's layers of
+    their kind: the decode reads layers 0 and 1 from stage 0, layers 2 and 3 from stage 1."""
+    prefills, decodes, cfgs = _run_pair(
+        window_model_dir, bootstrap_port, 5101, (1, 16), (2, 32), pp_size=2, window=WINDOW
+    )
+    assert all(p["states"][-1] == 4 for p in prefills), [p["states"] for p in prefills]
+    assert sorted((p["pp_rank"], p["layers"].start) for p in prefills) == [(0, 0), (1, 2)]
+    _assert_window_exact(prefills, decodes, cfgs)
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "kv_dtypes"),
+    [((1, 16), (2, 32), ("auto", "fp8_e4m3")), ((2, 16), (1, 64), ("fp8_e4m3", "auto"))],
+    ids=["bf16-tp1-e4m3-tp2", "e4m3-tp2-bf16-tp1"],
+)
+def test_a_sliding_window_model_changes_dtype_with_each_layers_scales(
+    window_model_dir, bootstrap_port, prefill, decode, kv_dtypes
+):
+    """fp8 on one side of a sliding-window model: the full and the window layers convert with
+    their own layers' scales (each pool's layers by their global ids); the decode holds what
+    SGLang's own write makes (into fp8), or the prefill's fp8 times its scales (out of it), of
+    every full-layer token and the window layers' fetched tokens."""
+    room = 1950 + 10 * prefill[0] + decode[0]
+    _, decodes, cfgs = _run_pair(
+        window_model_dir, bootstrap_port, room, prefill, decode, kv_dtypes=kv_dtypes,
+        window=WINDOW,
+    )  # fmt: skip
+    full, window, tokens = [0, 2], window_layers(cfgs[0]), list(fetched_window(cfgs[0]))
+    for result, cfg in zip(decodes, cfgs, strict=True):
+        got, want = torch.from_numpy(result["held"]), torch.from_numpy(result["converted"])
+        assert torch.equal(got[full], want[full]), f"decode rank {cfg.tp_rank}: full layers"
+        window_got = got[window][:, :, tokens]
+        assert torch.equal(window_got, want[window][:, :, tokens]), f"rank {cfg.tp_rank}: window"
+        assert result["untouched"], f"decode rank {cfg.tp_rank} wrote outside the window"
+
+
+def _assert_window_exact(prefills: list[dict], decodes: list[dict], cfgs: list[RankConfig]):
+    """The prefill pools hold SGLang's writes of the full layers' tokens and of the window
+    layers' fetched tokens; each decode rank its heads of those, and nothing else written."""
     full, window = [0, 2], window_layers(cfgs[0])
     tokens = list(fetched_window(cfgs[0]))
     want_all = global_kv(cfgs[0]).view(torch.int16)
-    held = torch.cat([torch.from_numpy(p["held"]) for p in prefills], 3)
+    held = _prefill_held(prefills)
     assert torch.equal(held[full], want_all[full])
     assert torch.equal(held[window][:, :, tokens], want_all[window][:, :, tokens])
     for result, cfg in zip(decodes, cfgs, strict=True):

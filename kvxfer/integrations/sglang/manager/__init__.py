@@ -27,7 +27,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from kvxfer.connector.groups import CacheGroup
 from kvxfer.integrations.base import EngineAdapter
-from kvxfer.integrations.sglang.loaded import sliding_window_of
+from kvxfer.integrations.sglang.loaded import scales_of, sliding_window_of
 from kvxfer.integrations.sglang.mamba import MAMBA, mamba_groups, mamba_model
 from kvxfer.integrations.sglang.manager.decode import DecodeLoad, DecodeSide
 from kvxfer.integrations.sglang.manager.model import (
@@ -37,9 +37,11 @@ from kvxfer.integrations.sglang.manager.model import (
     pool_device,
     pool_entries,
     state_kinds,
+    window_split,
 )
 from kvxfer.integrations.sglang.manager.prefill import PrefillSide, Send
 from kvxfer.integrations.sglang.pools import SGLangModel, sglang_cache
+from kvxfer.spec import FP8_DTYPES
 
 __all__ = ["DecodeLoad", "KvxferKVManager", "Send", "load_settings", "model_of"]
 
@@ -131,23 +133,15 @@ class KvxferKVManager(PrefillSide, DecodeSide):
             )
             groups.append(CacheGroup(spec, caches))
         if kinds == [SWA]:
-            groups.append(self._window_group(server_args, args, mla, target_model))
+            groups.append(self._window_group(server_args, args, mla, target_model, config))
         if kinds == [MAMBA]:
             groups += self._mamba_groups(server_args, args, config)
         return groups
 
     def _check_hybrid(self, kinds: list[str], drafts: bool, kv: bool) -> None:
         """Refuse, before any pool is read, the hybrid models kvxfer's SGLang backend does not
-        move: a sliding-window pool with prefill pipeline stages (a stage's window layers are
-        not mapped to the model's), a Mamba model with a draft (its draft's own state), and a
-        rank with state but no KV layers (a Mamba model without attention, or a pipeline stage
-        of none)."""
-        if SWA in kinds and self.pp_size > 1:
-            raise ValueError(
-                f"kvxfer's SGLang backend: a hybrid model ({', '.join(kinds)} state) with "
-                "prefill pipeline parallelism is not supported; serve the prefill with "
-                "--pp-size 1"
-            )
+        move: a Mamba model with a draft (its draft's own state), and a rank with state but no
+        KV layers (a Mamba model without attention, or a pipeline stage of none)."""
         if kinds and not kv:
             raise ValueError(
                 "kvxfer's SGLang backend: this rank keeps no attention layers, only "
@@ -171,19 +165,26 @@ class KvxferKVManager(PrefillSide, DecodeSide):
         )  # fmt: skip
 
     def _window_group(
-        self, server_args: Any, args: KVArgs, mla: bool, target: SGLangModel
+        self, server_args: Any, args: KVArgs, mla: bool, target: SGLangModel, config: Any
     ) -> CacheGroup:
         """The window layers' pool (`SWAKVPool`'s, SGLang's one "swa" state) as a
-        sliding-window group of the `target` model's heads: its pages are the request's window
-        pages (its state indices), and its window the one SGLang's model runner resolved."""
+        sliding-window group of the `target` model's heads: its layers placed among the
+        model's window layers (`window_split`: a pipeline stage's), each with its own fp8
+        scales; its pages the request's window pages (its state indices); its window the one
+        SGLang's model runner resolved."""
         ptrs, lens, item_lens = (
             args.state_data_ptrs[0], args.state_data_lens[0], args.state_item_lens[0]
         )  # fmt: skip
-        layers = len(ptrs) if mla else len(ptrs) // 2
-        model = dataclasses.replace(target, total_layers=layers)
+        split = window_split(config, args, mla)
+        scales = scales_of(split.stage_window) if target.dtype in FP8_DTYPES else ((), ())
+        model = dataclasses.replace(
+            target, total_layers=len(split.window), k_scales=scales[0], v_scales=scales[1],
+            layer_start=split.window.index(split.stage_window[0]),
+        )  # fmt: skip
         spec, caches = sglang_cache(
             ptrs, lens, item_lens, args.page_size, model,
             tp_size=self.attn_tp_size, tp_rank=self.attn_tp_rank,
+            pp_size=self.pp_size, pp_rank=self.pp_rank, layer_start=model.layer_start,
             device=pool_device(server_args, args),
         )  # fmt: skip
         return CacheGroup(spec, caches, sliding_window=sliding_window_of())

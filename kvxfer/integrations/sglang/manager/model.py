@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -52,9 +53,9 @@ def state_kinds(kv_args: KVArgs) -> list[str]:
 
 def check_state_kinds(kv_args: KVArgs) -> None:
     """Refuse the hybrid state kvxfer's SGLang backend does not move: everything but one
-    sliding-window pool (`SWAKVPool`'s window layers) beside full attention in bf16, fp16 or
-    fp32, or one Mamba state (`MambaPool`'s, of the target model) beside full attention of
-    any KV dtype (its pool's layer ids say whose scales: `pool_layer_ids`).
+    sliding-window pool (`SWAKVPool`'s window layers) or one Mamba state (`MambaPool`'s, of
+    the target model) beside full attention, of any KV dtype (the layers' global ids say whose
+    scales: `pool_layer_ids`, `window_split`).
 
     Raises:
         ValueError: naming the kinds and the fix.
@@ -66,11 +67,6 @@ def check_state_kinds(kv_args: KVArgs) -> None:
             "SGLang backend moves full-attention KV with one sliding-window pool or one Mamba "
             "state, not the other kinds (nor a draft model's window pool or Mamba state): "
             "serve it with another transfer backend"
-        )
-    if kinds == [SWA] and kv_args.kv_cache_dtype_str.startswith("fp8"):
-        raise ValueError(
-            f"an fp8 hybrid model ({kinds[0]}): kvxfer's SGLang backend has not verified the "
-            "scales of its window layers; serve it with --kv-cache-dtype auto"
         )
 
 
@@ -98,7 +94,11 @@ def model_of(
     pool_layers = (entries.stop - entries.start) // (1 if is_mla else 2)
     # An fp8 pool's spec carries its layers' scales (what a converting transfer divides or
     # multiplies by): a pipeline stage's layers (MHA: a K and a V buffer each), or the draft's.
-    ids = pool_layer_ids(kv_args, pool_layers)
+    ids: Sequence[int]
+    if not draft and state_kinds(kv_args) == [SWA]:  # the full pool's layers
+        ids = window_split(config, kv_args, is_mla).stage_full
+    else:
+        ids = pool_layer_ids(kv_args, pool_layers)
     layers: Sequence[int] | int = pool_layers if draft else ids
     k_scales, v_scales = scales_of(layers, draft) if dtype in FP8_DTYPES else ((), ())
     start, total = (0, pool_layers) if draft else _pool_place(config, kv_args, ids)
@@ -114,8 +114,8 @@ def model_of(
 def _pool_place(config: Any, kv_args: KVArgs, layers: Sequence[int]) -> tuple[int, int]:
     """The target pool's first layer among the model's layers of its kind, and their count (a
     pipeline stage's place): a Mamba model's pool keeps the full-attention layers alone
-    (SGLang's `full_attention_layer_ids`, where the pool's layer ids are found); any other pool
-    every layer.
+    (SGLang's `full_attention_layer_ids`, where the pool's layer ids are found), and so does a
+    sliding-window model's (`window_split`); any other pool every layer.
 
     Raises:
         ValueError: a Mamba model's pool whose layers are not among its full-attention layers.
@@ -131,7 +131,61 @@ def _pool_place(config: Any, kv_args: KVArgs, layers: Sequence[int]) -> tuple[in
                 "verified (it moves the state beside a KV pool)"
             )
         return full.index(layers[0]), len(full)
+    if state_kinds(kv_args) == [SWA]:
+        full = config.full_attention_layer_ids
+        return full.index(layers[0]), len(full)
     return getattr(kv_args, "prefill_start_layer", 0) or 0, config.num_hidden_layers
+
+
+@dataclass(frozen=True)
+class WindowSplit:
+    """A sliding-window model's layers, as SGLang's `SWAKVPool` keeps them (global ids).
+
+    Attributes:
+        full, window: the model's full-attention and window layers (SGLang's `ModelConfig`:
+            `full_attention_layer_ids`, `swa_attention_layer_ids`).
+        stage_full, stage_window: those of this rank's pipeline stage, in the order of its
+            full pool's and its window pool's buffers.
+    """
+
+    full: list[int]
+    window: list[int]
+    stage_full: list[int]
+    stage_window: list[int]
+
+
+def window_split(config: Any, kv_args: KVArgs, mla: bool) -> WindowSplit:
+    """Which layers a sliding-window pool's two pools hold: SGLang's split of the model's
+    layers, cut to the pipeline stage as its model runner cuts it (the layers it owns, from
+    `prefill_start_layer`: as many as the two pools hold together).
+
+    Raises:
+        ValueError: SGLang's `ModelConfig` names no split (not a model SGLang keeps in a
+            `SWAKVPool`), or the stage's layers of each kind are not what its pools hold.
+    """
+    full = list(getattr(config, "full_attention_layer_ids", None) or [])
+    window = list(getattr(config, "swa_attention_layer_ids", None) or [])
+    per_layer = 1 if mla else 2
+    held_full = len(kv_args.kv_data_ptrs) // per_layer
+    held_window = len(kv_args.state_data_ptrs[0]) // per_layer
+    start = getattr(kv_args, "prefill_start_layer", 0) or 0
+    owned = range(start, start + held_full + held_window)
+    split = WindowSplit(
+        full, window, [i for i in full if i in owned], [i for i in window if i in owned]
+    )
+    if not window or len(split.stage_full) != held_full or len(split.stage_window) != held_window:
+        raise ValueError(
+            f"a sliding-window pool of {held_full} full and {held_window} window layers from "
+            f"layer {start}, but SGLang's model config splits the model's layers as full "
+            f"{full} and window {window}: not a layout kvxfer's SGLang backend has verified"
+        )
+    if not split.stage_window:
+        raise ValueError(
+            f"pipeline stage of layers {list(owned)} keeps no window layer: kvxfer's SGLang "
+            "backend moves a sliding-window pool with layers; serve the prefill with stages "
+            "that each hold window layers"
+        )
+    return split
 
 
 def pool_layer_ids(kv_args: KVArgs, pool_layers: int) -> Sequence[int]:
