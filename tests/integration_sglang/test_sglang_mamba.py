@@ -27,6 +27,7 @@ from ranks import (
     RankConfig,
     attn_tp,
     conv_channel_axis,
+    draft_config,
     global_kv,
     global_mamba,
     heads_of,
@@ -389,9 +390,33 @@ def test_a_mamba_prefill_with_pipeline_stages_sends_each_stages_state(gdn_dir, b
         _assert_state_moved(result, cfg)
 
 
-def test_speculative_decoding_with_a_mamba_model_is_refused(gdn_dir, draft_dir):
-    """EAGLE with a hybrid target (its draft's pool registered beside the target's): refused
-    naming speculative decoding."""
-    _assert_refused(
-        _refusals([_prefill(gdn_dir, "gdn", 1, draft_dir=draft_dir)]), "speculative decoding"
-    )
+@pytest.mark.parametrize(
+    ("prefill", "decode", "slots"),
+    [((1, 16), (2, 32), (3, 5)), ((2, 16), (1, 16), (2, 2))],
+    ids=["tp1-tp2", "tp2-tp1"],
+)
+def test_a_mamba_models_draft_kv_moves_beside_its_state(
+    gdn_dir, draft_dir, bootstrap_port, prefill, decode, slots
+):
+    """EAGLE with a hybrid target: SGLang registers the draft's pool after the target's
+    full-attention layers (their ids in a band above the target's, `build_kv_layer_ids`) and no
+    state of the draft's; the draft's KV rides on the target's pages, its heads resharded, beside
+    the target's KV and Mamba state, every one bit for bit."""
+    room = 7900 + 10 * prefill[0] + decode[0]
+    fields = _mamba_fields("gdn", slots, (prefill[0], decode[0]))
+    prefills, decodes, cfgs = _run_pair(
+        gdn_dir, bootstrap_port, room, prefill, decode, faults=fields, kv_heads=KV_HEADS,
+        draft_dir=draft_dir,
+    )  # fmt: skip
+    want_kv = global_kv(cfgs[0]).view(torch.int16)[list(mamba_geometry(cfgs[0]).full_layers)]
+    want_draft = global_kv(draft_config(cfgs[0])).view(torch.int16)
+    held = torch.cat([torch.from_numpy(p["draft_held"]) for p in prefills], 3)
+    assert torch.equal(held, want_draft), "the prefill draft pools hold other KV than written"
+    for result, cfg in zip(decodes, cfgs, strict=True):
+        rank = f"decode rank {cfg.tp_rank} of TP {cfg.tp_size}"
+        got = torch.from_numpy(result["held"])
+        assert torch.equal(got, want_kv[:, :, :, heads_of(cfg)]), f"{rank}: full-attention KV"
+        draft = torch.from_numpy(result["draft_held"])
+        assert torch.equal(draft, want_draft[:, :, :, heads_of(draft_config(cfg))]), rank
+        assert result["untouched"], f"{rank} wrote KV outside the request's pages"
+        _assert_state_moved(result, cfg)

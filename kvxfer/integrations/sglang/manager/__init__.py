@@ -106,7 +106,7 @@ class KvxferKVManager(PrefillSide, DecodeSide):
         state's groups)."""
         target, draft = pool_entries(args)
         kinds = state_kinds(args)
-        self._check_hybrid(kinds, drafts=draft.start != draft.stop, kv=target.start != target.stop)
+        self._check_hybrid(kinds, kv=target.start != target.stop)
         config = ModelConfig.from_server_args(server_args)  # the target's, read once
         target_model = model_of(server_args, args, mla, config=config)
         groups = []
@@ -138,21 +138,18 @@ class KvxferKVManager(PrefillSide, DecodeSide):
             groups += self._mamba_groups(server_args, args, config)
         return groups
 
-    def _check_hybrid(self, kinds: list[str], drafts: bool, kv: bool) -> None:
-        """Refuse, before any pool is read, the hybrid models kvxfer's SGLang backend does not
-        move: a Mamba model with a draft (its draft's own state), and a rank with state but no
-        KV layers (a Mamba model without attention, or a pipeline stage of none)."""
+    @staticmethod
+    def _check_hybrid(kinds: list[str], kv: bool) -> None:
+        """Refuse, before any pool is read, a rank with hybrid state but no KV layers (a Mamba
+        model without attention, or a pipeline stage of none): kvxfer moves state beside a
+        KV pool. (A draft beside a Mamba target moves as any draft: SGLang registers the
+        draft's KV after the target's and no state of the draft's, `setup_state_kv_args`.)"""
         if kinds and not kv:
             raise ValueError(
                 "kvxfer's SGLang backend: this rank keeps no attention layers, only "
                 f"{', '.join(kinds)} state (a model without attention, such as Falcon-Mamba, or "
                 "a pipeline stage of none); kvxfer moves the state beside a KV pool: serve it "
                 "with another transfer backend, or with stages that each hold attention layers"
-            )
-        if MAMBA in kinds and drafts:
-            raise ValueError(
-                "kvxfer's SGLang backend: speculative decoding with a Mamba model (its draft's "
-                "KV and state) is not supported; serve it without a speculative algorithm"
             )
 
     def _mamba_groups(self, server_args: Any, args: KVArgs, config: Any) -> list[CacheGroup]:
