@@ -478,9 +478,10 @@ def _converted(
 ) -> np.ndarray:
     """What a decode rank fed KV of another dtype must hold (as `_held` reads it): into fp8, its
     own SGLang write of the request's KV; out of fp8, the prefill's SGLang write of it times
-    the prefill's scale, rounded to the decode's dtype (kvxfer's dequantization). `layers`: the
-    model's layer ids the pool keeps (a hybrid model's full-attention layers), each with its
-    own scales; `new_pool`: a fresh pool of the rank's kind for a `RankConfig` (its dtype)."""
+    the prefill's scale, rounded to the decode's dtype (kvxfer's dequantization; MLA: the latent
+    cast, with no scale, as SGLang's MLA pool writes it). `layers`: the model's layer ids the
+    pool keeps (a hybrid model's full-attention layers), each with its own scales; `new_pool`:
+    a fresh pool of the rank's kind for a `RankConfig` (its dtype)."""
     import dataclasses
 
     import torch
@@ -495,6 +496,9 @@ def _converted(
     _write(fp8, pool, _attention(fp8, layers), kv, slots, tokens)
     planes = []
     for layer in layers:
+        if cfg.mla:  # SGLang's MLA pool keeps the latent cast to fp8, with no scale
+            planes.append(pool.get_key_buffer(layer)[slots, 0].to(torch.bfloat16))
+            continue
         k_scale, v_scale = kv_scales(layer)
         at = window_slots(cfg) if layer in window_layers(cfg) else slots
         k = pool.get_key_buffer(layer)[at].float() * k_scale

@@ -221,15 +221,22 @@ def _assert_state_moved(result: dict, cfg: RankConfig) -> None:
 
 
 @pytest.mark.parametrize(
-    ("prefill", "decode", "kv_dtypes", "slots"),
+    ("kind", "prefill", "decode", "kv_dtypes", "slots"),
     [
-        ((1, 16), (2, 32), ("auto", "fp8_e4m3"), (2, 5)),
-        ((2, 16), (1, 16), ("fp8_e4m3", "auto"), (6, 1)),
+        ("gdn", (1, 16), (2, 32), ("auto", "fp8_e4m3"), (2, 5)),
+        ("gdn", (2, 16), (1, 16), ("fp8_e4m3", "auto"), (6, 1)),
+        ("kda", (1, 16), (2, 32), ("auto", "fp8_e4m3"), (3, 4)),
+        ("kda", (2, 16), (1, 16), ("fp8_e4m3", "auto"), (5, 2)),
     ],
-    ids=["bf16-tp1-page16-e4m3-tp2-page32", "e4m3-tp2-bf16-tp1"],
+    ids=[
+        "bf16-tp1-page16-e4m3-tp2-page32",
+        "e4m3-tp2-bf16-tp1",
+        "kda-bf16-tp1-e4m3-tp2",
+        "kda-e4m3-tp2-bf16-tp1",
+    ],
 )
 def test_a_hybrid_models_kv_changes_dtype_by_its_full_layers_scales(
-    gdn_dir, bootstrap_port, prefill, decode, kv_dtypes, slots
+    request, bootstrap_port, kind, prefill, decode, kv_dtypes, slots
 ):
     """A gated delta net's full-attention layers (1 and 3 of 4: SGLang's `HybridLinearKVPool`
     keeps them as its layers 0 and 1) between a bf16 and an fp8 engine: into fp8, the decode
@@ -238,11 +245,11 @@ def test_a_hybrid_models_kv_changes_dtype_by_its_full_layers_scales(
     for every layer: those of layers 0 and 1 would show), as SGLang's `kv_layer_ids` name them.
     The Mamba state moves as bytes, as in another dtype's absence; every other byte and slot
     keeps its poison."""
-    room = 7600 + 10 * prefill[0] + decode[0]
-    fields = _mamba_fields("gdn", slots, (prefill[0], decode[0]))
+    room = 7600 + 10 * prefill[0] + decode[0] + slots[0]
+    fields = _mamba_fields(kind, slots, (prefill[0], decode[0]))
     _, decodes, cfgs = _run_pair(
-        gdn_dir, bootstrap_port, room, prefill, decode, faults=fields, kv_heads=KV_HEADS,
-        kv_dtypes=kv_dtypes,
+        request.getfixturevalue(f"{kind}_dir"), bootstrap_port, room, prefill, decode,
+        faults=fields, kv_heads=KV_HEADS, kv_dtypes=kv_dtypes, mla=kind == "kda",
     )  # fmt: skip
     assert mamba_geometry(cfgs[0]).full_layers == (1, 3)
     for result, cfg in zip(decodes, cfgs, strict=True):

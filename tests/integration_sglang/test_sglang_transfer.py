@@ -292,24 +292,30 @@ def test_a_request_moves_bit_exact(model_dir, bootstrap_port, prefill, decode):
 
 
 @pytest.mark.parametrize(
-    ("prefill", "decode", "kv_dtypes"),
+    ("prefill", "decode", "kv_dtypes", "mla"),
     [
-        ((1, 16), (2, 32), ("auto", "fp8_e4m3")),
-        ((2, 64), (3, 16), ("auto", "fp8_e5m2")),
-        ((2, 16), (1, 64), ("fp8_e4m3", "auto")),
+        ((1, 16), (2, 32), ("auto", "fp8_e4m3"), False),
+        ((2, 64), (3, 16), ("auto", "fp8_e5m2"), False),
+        ((2, 16), (1, 64), ("fp8_e4m3", "auto"), False),
+        ((1, 16), (2, 32), ("auto", "fp8_e4m3"), True),
+        ((2, 16), (1, 64), ("fp8_e4m3", "auto"), True),
     ],
-    ids=["bf16-tp1-e4m3-tp2", "bf16-page64-e5m2-tp3", "e4m3-tp2-bf16-tp1"],
-)
+    ids=[
+        "bf16-tp1-e4m3-tp2", "bf16-page64-e5m2-tp3", "e4m3-tp2-bf16-tp1", "mla-bf16-e4m3",
+        "mla-e4m3-bf16",
+    ],
+)  # fmt: skip
 def test_a_request_changes_dtype_as_the_decode_writes_it(
-    model_dir, bootstrap_port, prefill, decode, kv_dtypes
+    model_dir, bootstrap_port, prefill, decode, kv_dtypes, mla
 ):
     """A prefill and a decode of other `--kv-cache-dtype`s (SGLang's own transfer backends
     refuse them): into fp8, the decode holds what SGLang's own fp8 write (`set_kv_buffer` with
-    the layer's scales) makes of the prefill's KV; out of fp8, the prefill's fp8 KV times its
-    scales. Every other byte keeps its poison."""
-    room = 1700 + 10 * prefill[0] + decode[0]
+    the layer's scales; an MLA pool's casts the latent with none, whatever the layer's scale)
+    makes of the prefill's KV; out of fp8, the prefill's fp8 KV times its scales (MLA: cast).
+    Every other byte keeps its poison."""
+    room = 1700 + 10 * prefill[0] + decode[0] + 5 * mla
     _, decodes, cfgs = _run_pair(
-        model_dir, bootstrap_port, room, prefill, decode, kv_dtypes=kv_dtypes
+        model_dir, bootstrap_port, room, prefill, decode, kv_dtypes=kv_dtypes, mla=mla
     )
     for result, cfg in zip(decodes, cfgs, strict=True):
         got, want = torch.from_numpy(result["held"]), torch.from_numpy(result["converted"])

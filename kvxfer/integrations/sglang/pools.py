@@ -52,7 +52,8 @@ class SGLangModel:
         mla: the model keeps an MLA latent cache.
         k_scales: an fp8 pool's K scale per layer of its pipeline stage
             (`kvxfer.integrations.sglang.loaded`); empty for other dtypes.
-        v_scales: the same for V (empty for MLA, whose latent uses `k_scales`).
+        v_scales: the same for V (empty for MLA, whose latent uses `k_scales`: 1.0 every
+            layer, as SGLang's MLA pool casts the latent with no scale).
         layer_start: the pool's first layer among those `total_layers` (a pipeline stage's).
     """
 

@@ -100,7 +100,13 @@ def model_of(
     else:
         ids = pool_layer_ids(kv_args, pool_layers)
     layers: Sequence[int] | int = pool_layers if draft else ids
-    k_scales, v_scales = scales_of(layers, draft) if dtype in FP8_DTYPES else ((), ())
+    k_scales: tuple[float, ...] = ()
+    v_scales: tuple[float, ...] = ()
+    if dtype in FP8_DTYPES:
+        # SGLang's MLA pool casts the latent to fp8 with no scale (`MLATokenToKVPool.
+        # _write_mla_kv_buffer`, whatever the layer's k_scale); its MHA pools divide by each
+        # layer's scales.
+        k_scales, v_scales = ((1.0,) * pool_layers, ()) if is_mla else scales_of(layers, draft)
     start, total = (0, pool_layers) if draft else _pool_place(config, kv_args, ids)
     if is_mla:
         # The latent width (kv_lora_rank + qk_rope_head_dim) is the pool's row.
