@@ -31,8 +31,10 @@
 #   EAGLE --speculative-draft-model-path D --speculative-num-steps 3 --speculative-eagle-topk 1
 #   --speculative-num-draft-tokens 4" (the draft's pool moves with the target's)
 # The cases: the default model (full attention); DECODE_KV_DTYPE=fp8_e4m3 (dtypes); SPEC_ARGS
-# with an EAGLE draft; a sliding-window model, e.g. MODEL=unsloth/gemma-3-1b-it (window 512:
-# the longest prompt, about 1,000 tokens, crosses it; docs/sglang.md, "Sliding-window models");
+# with an EAGLE draft; a sliding-window model SGLang keeps in its SWAKVPool, e.g.
+# MODEL=openai/gpt-oss-20b (window 128 on every other layer: the prompts cross it; Gemma 2 and
+# 3 are not among SGLang 0.5.23's hybrid-SWA architectures: one pool, windows in attention;
+# docs/sglang.md, "Sliding-window models");
 # a Mamba hybrid, e.g. MODEL=tiiuae/Falcon-H1-0.5B-Instruct (Mamba2 mixers beside attention:
 # each request's conv and temporal state slot moves with its KV; docs/sglang.md, "Mamba and
 # linear attention").
