@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 _TURN_S = 0.01  # how often the relay looks again at its connections' stall times
+_SEND_TIMEOUT_S = 5.0  # a peer that takes no bytes for this long ends its pair, not the relay
 
 
 @dataclass(eq=False)
@@ -102,7 +103,13 @@ class StallingLink:
 
     def _accept(self) -> None:
         client, _ = self._listener.accept()
-        target = socket.create_connection(("127.0.0.1", self._target_port))
+        try:
+            target = socket.create_connection(("127.0.0.1", self._target_port))
+        except OSError:  # nothing listens at the target: the client sees its connection close
+            client.close()
+            return
+        for end in (client, target):
+            end.settimeout(_SEND_TIMEOUT_S)
         with self._lock:
             pair = _Pair(client, target)
             if self._stall_after is not None:

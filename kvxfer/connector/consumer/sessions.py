@@ -11,7 +11,8 @@ This module keeps the sessions alive; what their messages mean for chunks is the
 machine's, which it tells through a `SessionListener`. The rules:
 - a producer is dead when its host says so, never for its silence alone: its address refused
   a connection (nothing listens there: its process ended; libzmq's `EVENT_CLOSED` before a
-  connection), or a reconnect found no connection by its deadline (a lost host). Then the
+  connection), or a reconnect found no connection by its deadline nor for `peer_timeout_s`
+  after its last one dropped (a lost host). Then the
   chunks that relied on it fail at once with their blocks;
 - a live session whose connection dropped (the producer closed it, or its libzmq answered no
   heartbeat for `peer_timeout_s`) is lost, not dead: the chunks it had not served yet are asked
@@ -30,11 +31,12 @@ machine's, which it tells through a `SessionListener`. The rules:
   loss may be seen after a fetch began, so its begin cannot tell which process it relied on);
 - a first handshake not finished in its `timeout` fails the session (while its connection is
   up, the caller's `held_timeout`);
-- a handshake whose connection libzmq drops for silence (the producer's libzmq greeted, then
-  its process was not run for `peer_timeout_s`, as a loaded machine runs one in bursts) starts
-  over on a new connection: the producer may yet answer the hello it read on the dropped one,
-  and that answer never arrives here. Its host held a connection within the last
-  `peer_timeout_s`, so the handshake is held, not late, meanwhile;
+- a handshake whose connection drops (libzmq's heartbeats unanswered: the producer's libzmq
+  greeted, then its process was not run for `peer_timeout_s`, as a loaded machine runs one in
+  bursts; or the producer closed it) starts over on a new connection, at most once a
+  `heartbeat_s`: the producer may yet answer the hello it read on the dropped one, an answer
+  that never arrives here, and libzmq's own reconnect sends no hello again. While its host
+  took a connection within the last `peer_timeout_s` the handshake is held, not late;
 - a live producer is also pinged every `heartbeat_s` by this loop: its answers keep the
   producer's side of the session fresh (it drops a consumer it has not heard from for its
   `session_timeout_s`), and say nothing about liveness here;
@@ -143,8 +145,9 @@ class ProducerSession:
     # process exists); a first handshake's deadline is the caller's.
     reconnect: bool = False
     connected: bool = False  # libzmq holds a connection to the producer's address now
-    connected_at: float = 0.0  # when libzmq last connected it
-    dropped_at: float = float("-inf")  # when a silent connection of its handshake dropped
+    dropped_at: float = float("-inf")  # when a connection of its handshake last dropped
+    redialed_at: float = 0.0  # when its handshake last started on a new socket
+    redial_due: bool = False  # a connection dropped mid-handshake: start it over (`tick`)
     refused: bool = False  # its address refused a connection: nothing listened there then
 
     @property
@@ -261,6 +264,7 @@ class ProducerSessions:
         held = float("inf") if reconnect else max(deadline, now + (held_timeout or 0.0))
         session.held_deadline = held
         session.reconnect = reconnect
+        session.redialed_at = now
         self._start_handshake(session)
         return session
 
@@ -283,21 +287,23 @@ class ProducerSessions:
         self._open[session.sock] = session
         self._monitors[session.monitor] = session
 
-    def _dropped_for_silence(self, session: ProducerSession) -> bool:
-        """Whether the handshake's connection that just dropped lived `peer_timeout_s`: libzmq
-        dropped it for unanswered heartbeats (a connection the producer's side closed sooner
-        is dialled again by libzmq itself, every 100 ms, within the handshake's deadline)."""
-        return time.monotonic() - session.connected_at >= self._peer_timeout_s
+    def _may_redial(self, session: ProducerSession, now: float) -> bool:
+        """At most one new socket a `heartbeat_s` per handshake: a peer that takes each
+        connection and closes it is not dialled in a loop (its handshake ends at its deadline,
+        a reconnect's fetches at theirs)."""
+        return now - session.redialed_at >= self._heartbeat_s
 
     def _redial(self, session: ProducerSession) -> None:
         """The connection of a session still shaking hands dropped (its producer answered no
-        heartbeat: frozen, or not run by a loaded machine, after its libzmq greeted): the
-        producer may have read the hello and answer it on that connection, never seen again
-        here, so the handshake starts over on a new socket, with the same deadlines."""
+        heartbeat: frozen, or not run by a loaded machine, after its libzmq greeted; or it
+        closed it): the producer may have read the hello and answer it on that connection,
+        never seen again here, and libzmq's own reconnect sends no hello again, so the
+        handshake starts over on a new socket, with the same deadlines."""
         self._open.pop(session.sock, None)
         self._close_sockets(session)
         session.sock, session.monitor, session.client = self._dial(session.address)
-        session.connected, session.dropped_at = False, time.monotonic()
+        session.connected, session.redial_due = False, False
+        session.redialed_at = time.monotonic()
         self._start_handshake(session)
 
     @staticmethod
@@ -358,6 +364,9 @@ class ProducerSessions:
         for session in list(self._open.values()):
             if session.state is SessionState.CONNECTING and self._handshake_late(session, now):
                 self.fail(session, _late_handshake(session))
+            elif session.state is SessionState.CONNECTING and session.redial_due:
+                if self._may_redial(session, now):
+                    self._redial(session)
             elif session.state is SessionState.LIVE and self._ping_due(session, now):
                 session.last_ping = now
                 self.send(session, Ping())
@@ -372,7 +381,6 @@ class ProducerSessions:
                 session.deadline += seconds
                 session.held_deadline += seconds
                 session.dropped_at += seconds
-                session.connected_at += seconds
 
     def _handshake_late(self, session: ProducerSession, now: float) -> bool:
         """Past its deadline, or past its `held_deadline` while its producer's host holds its
@@ -489,12 +497,12 @@ class ProducerSessions:
         nothing listens at the address, the producer's process ended: dead); dropped (the
         producer closed it, or answered no heartbeat for `peer_timeout_s`: a live session is
         lost, its unread chunks asked again on a new one, whose connection tells which; a
-        handshake dropped for silence starts over)."""
+        handshake's starts over on a new socket)."""
         for event in connection_events(session.monitor):
             if session.state is SessionState.DEAD:
                 return  # its monitor is closed
             if event == zmq.EVENT_CONNECTED:
-                session.connected, session.connected_at = True, time.monotonic()
+                session.connected = True
             elif event == zmq.EVENT_CLOSED:
                 session.refused = True
                 self.fail(
@@ -506,7 +514,8 @@ class ProducerSessions:
                 if session.state is SessionState.LIVE:
                     self._lose(session)
                     return
-                if self._dropped_for_silence(session):
+                session.dropped_at, session.redial_due = time.monotonic(), True
+                if self._may_redial(session, session.dropped_at):
                     self._redial(session)
                     return  # the old monitor is closed
 
