@@ -24,11 +24,14 @@ SGLang's own status message (a prefill rank failed a request: to its decode rank
 reason) travels under the tag `STATUS_TAG` with a proof frame appended over all its frames
 (`signed_status`), and a decode rank drops one whose proof does not hold (`verified_status`).
 A prefill rank ends a request on an `Abandoned` whose proof holds wherever the request stands.
-One whose proof does not hold, or SGLang's own unsigned ABORT, ends it only while no decode
-rank proved that it reads it (no `Reading` held): a request that a decode rank with the secret
-reads cannot be failed by an engine without it, and a decode engine refused for its secret
-still frees the prefill's request at once rather than at SGLang's bootstrap timeout. Nothing
-of the request was published then, so the unproven abort reads or writes no KV.
+One whose proof does not hold, or SGLang's own unsigned ABORT, ends only a request the rank
+has and that no decode rank has proved it reads (no `Reading` held), and is never kept for a
+request to come: a request that a decode rank with the secret reads cannot be failed by an
+engine without it, and a decode engine refused for its secret still frees the prefill's
+request at once rather than at SGLang's bootstrap timeout. Nothing of the request was
+published then, so the unproven abort reads or writes no KV. What an engine without the secret
+can still do is end a request in the moment between the prefill's taking it and its decode
+ranks' `Reading` (it must know the room, a random 63-bit number).
 
 A prefill rank answers only a `Register` whose proof holds, and sends `Published` only to the
 decode ranks whose `Reading` held; a decode rank believes only a `Registered` and a `Published`

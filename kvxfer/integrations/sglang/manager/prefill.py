@@ -133,12 +133,14 @@ class PrefillSide(Rank):
             self._abandon(message.room, proven=True)
 
     def _abandon(self, room: int, proven: bool) -> None:
-        """A decode engine gave the request up: fail it here, unless the notice is `proven`
-        false while a decode rank proved that it reads the request (control's docstring)."""
-        if not proven and self.transfer_infos.get(room):
+        """A decode engine gave the request up: fail it here. An unproven notice only for a
+        request this rank has and that no decode rank proved it reads (control's docstring):
+        it is never kept for a request to come."""
+        if not proven and (self.transfer_infos.get(room) or room not in self.request_status):
             log.warning(
                 "kvxfer: dropped an abort of request %s without a proof that holds: a decode "
-                "rank with the secret reads it (give both engines the same secret)",
+                "rank with the secret reads it, or this rank has no such request (give both "
+                "engines the same secret)",
                 room,
             )
             return
