@@ -305,7 +305,9 @@ def _attention(cfg: RankConfig, layers: Sequence[int]) -> Any:
         if cfg.kv_dtype != "auto":
             method = BaseKVCacheMethod(None)
             method.create_weights(attention)
-            k_scale, v_scale = kv_scales(layer)
+            # An MLA checkpoint without KV scales (as DeepSeek's): kvxfer refuses others
+            # (`manager.model.latent_scales`: SGLang's MLA backends differ with them).
+            k_scale, v_scale = (1.0, 1.0) if cfg.mla else kv_scales(layer)
             attention.k_scale.data.fill_(k_scale)  # as the checkpoint's weight loader does
             attention.v_scale.data.fill_(v_scale)
             method.process_weights_after_loading(attention)
@@ -429,12 +431,13 @@ DRAFT_KV_HEADS, DRAFT_LAYERS = 4, 1  # the draft model's (tests/integration_sgla
 
 def draft_config(cfg: RankConfig) -> RankConfig:
     """The rank as its draft model's pool sees it: the draft's heads and layers (its own KV,
-    from another seed); the pages are the target's, as SGLang shares them."""
+    from another seed, full attention); the pages are the target's, as SGLang shares them."""
     import dataclasses
 
     return dataclasses.replace(
-        cfg, kv_heads=DRAFT_KV_HEADS, layers=DRAFT_LAYERS, pp_size=1, pp_rank=0, seed=cfg.seed + 7
-    )
+        cfg, kv_heads=DRAFT_KV_HEADS, layers=DRAFT_LAYERS, pp_size=1, pp_rank=0,
+        seed=cfg.seed + 7, window=0, window_pages=[],
+    )  # fmt: skip
 
 
 def _draft_pool(cfg: RankConfig, kv_args: Any) -> tuple[Any, Any]:
@@ -622,9 +625,15 @@ def _run(cfg: RankConfig, conn: Any) -> dict[str, Any]:
         kv_args.kv_head_num = pool.head_num
         kv_args.total_kv_head_num = cfg.kv_heads
     kv_args.page_size = cfg.page_size
-    if prefill:
-        kv_args.prefill_start_layer = start
-        kv_args.prefill_end_layer = start + layers
+    if prefill:  # as prefill.py fills them: a SWAKVPool's start is 0 on every stage
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.disaggregation.prefill import _transfer_start_layer
+
+        hf_text_config = ModelConfig.from_server_args(args).hf_text_config
+        kv_args.prefill_start_layer = _transfer_start_layer(
+            pool=pool, hf_text_config=hf_text_config
+        )
+        kv_args.prefill_end_layer = getattr(pool, "end_layer", None)
     kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = meta.get_buf_infos()
     kv_args.ib_device = None
     kv_args.gpu_id = 0

@@ -410,6 +410,25 @@ def test_a_sliding_window_model_changes_dtype_with_each_layers_scales(
         assert result["untouched"], f"decode rank {cfg.tp_rank} wrote outside the window"
 
 
+def test_a_sliding_window_models_draft_kv_moves_beside_both_pools(
+    window_model_dir, draft_model_dir, bootstrap_port
+):
+    """EAGLE with a sliding-window target: the draft's pool (full attention, its own heads)
+    follows the target's full pool in `KVArgs`, the window pool is a state of the target's
+    alone; the draft rides on the target's pages beside both, every one bit for bit."""
+    prefills, decodes, cfgs = _run_pair(
+        window_model_dir, bootstrap_port, 5201, (1, 16), (2, 32), window=WINDOW,
+        draft_dir=draft_model_dir,
+    )  # fmt: skip
+    _assert_window_exact(prefills, decodes, cfgs)
+    held = torch.cat([torch.from_numpy(p["draft_held"]) for p in prefills], 3)
+    assert torch.equal(held, global_kv(draft_config(cfgs[0])).view(torch.int16))
+    for result, cfg in zip(decodes, cfgs, strict=True):
+        want = held[:, :, :, heads_of(draft_config(cfg))]
+        got = torch.from_numpy(result["draft_held"])
+        assert torch.equal(got, want), f"decode rank {cfg.tp_rank}: its draft KV differs"
+
+
 def _assert_window_exact(prefills: list[dict], decodes: list[dict], cfgs: list[RankConfig]):
     """The prefill pools hold SGLang's writes of the full layers' tokens and of the window
     layers' fetched tokens; each decode rank its heads of those, and nothing else written."""

@@ -32,6 +32,7 @@ from kvxfer.integrations.sglang.mamba import MAMBA, mamba_groups, mamba_model
 from kvxfer.integrations.sglang.manager.decode import DecodeLoad, DecodeSide
 from kvxfer.integrations.sglang.manager.model import (
     SWA,
+    latent_scales,
     load_settings,
     model_of,
     pool_device,
@@ -172,8 +173,10 @@ class KvxferKVManager(PrefillSide, DecodeSide):
         ptrs, lens, item_lens = (
             args.state_data_ptrs[0], args.state_data_lens[0], args.state_item_lens[0]
         )  # fmt: skip
-        split = window_split(config, args, mla)
-        scales = scales_of(split.stage_window) if target.dtype in FP8_DTYPES else ((), ())
+        split = window_split(config, args, mla, self.pp_size)
+        scales: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
+        if target.dtype in FP8_DTYPES:
+            scales = (latent_scales if mla else scales_of)(split.stage_window)
         model = dataclasses.replace(
             target, total_layers=len(split.window), k_scales=scales[0], v_scales=scales[1],
             layer_start=split.window.index(split.stage_window[0]),

@@ -96,17 +96,14 @@ def model_of(
     # multiplies by): a pipeline stage's layers (MHA: a K and a V buffer each), or the draft's.
     ids: Sequence[int]
     if not draft and state_kinds(kv_args) == [SWA]:  # the full pool's layers
-        ids = window_split(config, kv_args, is_mla).stage_full
+        ids = window_split(config, kv_args, is_mla, server_args.pp_size).stage_full
     else:
         ids = pool_layer_ids(kv_args, pool_layers)
     layers: Sequence[int] | int = pool_layers if draft else ids
     k_scales: tuple[float, ...] = ()
     v_scales: tuple[float, ...] = ()
     if dtype in FP8_DTYPES:
-        # SGLang's MLA pool casts the latent to fp8 with no scale (`MLATokenToKVPool.
-        # _write_mla_kv_buffer`, whatever the layer's k_scale); its MHA pools divide by each
-        # layer's scales.
-        k_scales, v_scales = ((1.0,) * pool_layers, ()) if is_mla else scales_of(layers, draft)
+        k_scales, v_scales = latent_scales(layers, draft) if is_mla else scales_of(layers, draft)
     start, total = (0, pool_layers) if draft else _pool_place(config, kv_args, ids)
     if is_mla:
         # The latent width (kv_lora_rank + qk_rope_head_dim) is the pool's row.
@@ -115,6 +112,32 @@ def model_of(
         return SGLangModel(1, head_dim, total, dtype, True, k_scales, layer_start=start)
     heads = config.get_total_num_kv_heads()
     return SGLangModel(heads, config.head_dim, total, dtype, False, k_scales, v_scales, start)
+
+
+def latent_scales(
+    layers: Sequence[int] | int, draft: bool = False
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """An fp8 MLA pool's scales (K: the latent's; no V): 1.0 for every layer, where every
+    layer's recorded `k_scale` is 1.0 (a checkpoint without MLA KV scales, as DeepSeek's).
+    SGLang's MLA attention backends write a latent in two ways: `MLATokenToKVPool` casts it
+    (FlashInfer, FlashMLA, TRT-LLM), the Triton backend divides it by `k_scale` first. With
+    scales of 1.0 the two agree; with others the pool does not say which one wrote it.
+
+    Raises:
+        ValueError: a layer's `k_scale` other than 1.0, naming the layers and the fix.
+    """
+    k_scales, _ = scales_of(layers, draft)
+    ids = range(layers) if isinstance(layers, int) else layers
+    other = {layer: k for layer, k in zip(ids, k_scales, strict=True) if k != 1.0}
+    if other:
+        raise ValueError(
+            f"an fp8 MLA pool whose model has KV scales other than 1.0 (k_scale by layer: "
+            f"{other}): SGLang's MLA attention backends write the latent differently with them "
+            "(Triton divides it by k_scale, FlashInfer, FlashMLA and TRT-LLM cast it), and the "
+            "pool does not say which wrote it; kvxfer does not guess: serve with "
+            "--kv-cache-dtype auto, or a checkpoint without MLA KV scales"
+        )
+    return k_scales, ()
 
 
 def _pool_place(config: Any, kv_args: KVArgs, layers: Sequence[int]) -> tuple[int, int]:
@@ -160,30 +183,34 @@ class WindowSplit:
     stage_window: list[int]
 
 
-def window_split(config: Any, kv_args: KVArgs, mla: bool) -> WindowSplit:
+def window_split(config: Any, kv_args: KVArgs, mla: bool, pp_size: int) -> WindowSplit:
     """Which layers a sliding-window pool's two pools hold: SGLang's split of the model's
-    layers, cut to the pipeline stage as its model runner cuts it (the layers it owns, from
-    `prefill_start_layer`: as many as the two pools hold together).
+    layers, cut to the pipeline stage as its model runner cuts it (the layers the stage's model
+    owns: SGLang's `get_pp_indices` for `KVArgs.pp_rank` of `pp_size`, which honours
+    `SGLANG_PP_LAYER_PARTITION`; a `SWAKVPool`'s `prefill_start_layer` is 0 on every stage).
 
     Raises:
         ValueError: SGLang's `ModelConfig` names no split (not a model SGLang keeps in a
             `SWAKVPool`), or the stage's layers of each kind are not what its pools hold.
     """
+    from sglang.srt.distributed.utils import get_pp_indices
+
     full = list(getattr(config, "full_attention_layer_ids", None) or [])
     window = list(getattr(config, "swa_attention_layer_ids", None) or [])
     per_layer = 1 if mla else 2
-    held_full = len(kv_args.kv_data_ptrs) // per_layer
+    held_full = pool_entries(kv_args)[0].stop // per_layer  # the target's (a draft's follow)
     held_window = len(kv_args.state_data_ptrs[0]) // per_layer
-    start = getattr(kv_args, "prefill_start_layer", 0) or 0
-    owned = range(start, start + held_full + held_window)
+    pp_rank = getattr(kv_args, "pp_rank", 0) or 0
+    owned = range(*get_pp_indices(config.num_hidden_layers, pp_rank, pp_size))
     split = WindowSplit(
         full, window, [i for i in full if i in owned], [i for i in window if i in owned]
     )
     if not window or len(split.stage_full) != held_full or len(split.stage_window) != held_window:
         raise ValueError(
-            f"a sliding-window pool of {held_full} full and {held_window} window layers from "
-            f"layer {start}, but SGLang's model config splits the model's layers as full "
-            f"{full} and window {window}: not a layout kvxfer's SGLang backend has verified"
+            f"a sliding-window pool of {held_full} full and {held_window} window layers on "
+            f"pipeline stage {pp_rank} of {pp_size} (layers {owned.start}-{owned.stop - 1}), "
+            f"but SGLang's model config splits the model's layers as full {full} and window "
+            f"{window}: not a layout kvxfer's SGLang backend has verified"
         )
     if not split.stage_window:
         raise ValueError(
