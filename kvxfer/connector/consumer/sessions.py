@@ -385,8 +385,8 @@ class ProducerSessions:
     def _handshake_late(self, session: ProducerSession, now: float) -> bool:
         """Past its deadline, or past its `held_deadline` while its producer's host holds its
         connection (the process exists, and is not run yet) or held one within the last
-        `peer_timeout_s` (a dropped one is dialled again at once: a host that takes no
-        connection for that long is lost)."""
+        `peer_timeout_s` (a dropped one is dialled again within a `heartbeat_s`: a host that
+        takes no connection for that long is lost)."""
         held = session.connected or now - session.dropped_at < self._peer_timeout_s
         return now > (session.held_deadline if held else session.deadline)
 
