@@ -151,6 +151,18 @@ def _ask_a_frozen_producer(rig, request: Request, mid_transfer: bool = False):
     return producer, consumer, ids
 
 
+def _assert_served_exact(producer, consumer, request: Request, ids) -> None:
+    """The fetch of `request` completed with nothing failed, every block exact, and neither
+    side kept anything of it."""
+    result = consumer.result(request.request_id, timeout=120.0 + 5)
+    assert result["ok"], result["errors"][:3]
+    consumer.model.settle(ids, request, result["failed_block_ids"])
+    bad = consumer.model.mismatches()
+    assert not bad, describe(bad, {"request": ids})
+    problems = leaks([producer], [consumer], timeout=10.0)
+    assert not problems, problems
+
+
 @pytest.mark.parametrize("mid_transfer", [False, True], ids=["before-answering", "mid-transfer"])
 def test_a_producer_not_run_for_longer_than_the_peer_timeout_serves_once_it_runs(rig, mid_transfer):
     """Silence is not death: a frozen producer looks like one a loaded machine does not run.
@@ -164,13 +176,7 @@ def test_a_producer_not_run_for_longer_than_the_peer_timeout_serves_once_it_runs
     consumer.pump()
     assert not any(k == "result" for k, _ in consumer.events), "the fetch gave up"
     producer.thaw()
-    result = consumer.result(big.request_id, timeout=120.0 + 5)
-    assert result["ok"], result["errors"][:3]
-    consumer.model.settle(ids, big, result["failed_block_ids"])
-    bad = consumer.model.mismatches()
-    assert not bad, describe(bad, {"request": ids})
-    problems = leaks([producer], [consumer], timeout=10.0)
-    assert not problems, problems
+    _assert_served_exact(producer, consumer, big, ids)
 
 
 def test_a_frozen_producer_killed_fails_the_fetch_at_once(rig):
@@ -214,10 +220,4 @@ def test_a_producer_run_in_bursts_is_waited_for_across_dropped_handshakes(rig):
         poll(lambda: link.connections, lambda n: n >= 4, timeout=60.0)
         link.flow()
         producer.reply(held, timeout=60.0)
-        result = consumer.result(big.request_id, timeout=120.0 + 5)
-    assert result["ok"], result["errors"][:3]
-    consumer.model.settle(ids, big, result["failed_block_ids"])
-    bad = consumer.model.mismatches()
-    assert not bad, describe(bad, {"request": ids})
-    problems = leaks([producer], [consumer], timeout=10.0)
-    assert not problems, problems
+        _assert_served_exact(producer, consumer, big, ids)
