@@ -243,8 +243,9 @@ def test_a_hybrid_models_kv_changes_dtype_by_its_full_layers_scales(
     holds what SGLang's own fp8 write makes of the request's KV; out of fp8, the prefill's fp8
     KV times its scales; each layer by the scales of its model layer (`ranks.kv_scales`, other
     for every layer: those of layers 0 and 1 would show), as SGLang's `kv_layer_ids` name them.
-    The Mamba state moves as bytes, as in another dtype's absence; every other byte and slot
-    keeps its poison."""
+    Kimi-Linear's full layers are MLA: its latent converts unscaled (a checkpoint without MLA
+    KV scales; others are refused, `manager.model.latent_scales`). The Mamba state moves as
+    bytes, as in another dtype's absence; every other byte and slot keeps its poison."""
     room = 7600 + 10 * prefill[0] + decode[0] + slots[0]
     fields = _mamba_fields(kind, slots, (prefill[0], decode[0]))
     _, decodes, cfgs = _run_pair(
