@@ -42,6 +42,8 @@ nothing that its first copy did not (the reader is noted once, the aux row kept 
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import msgspec
 
 from kvxfer.session import auth
@@ -127,6 +129,9 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
 
 
+_M = TypeVar("_M", bound=Control)
+
+
 class ControlError(ValueError):
     """A control message that is malformed, or whose proof does not hold."""
 
@@ -204,26 +209,30 @@ def verified_status(frames: list[bytes], secret: str | None) -> list[bytes]:
     return parts
 
 
+def _unproven(frames: list[bytes], kind: type[_M]) -> _M | None:
+    """The `kind` message `frames` carry, its proof not checked; None where they are no
+    readable one (what a refusal answers, or an unproven notice names)."""
+    if len(frames) != 2 or frames[0] != TAGS[kind]:
+        return None
+    try:
+        return msgspec.msgpack.decode(frames[1], type=kind)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
 def unproven_abandon(frames: list[bytes]) -> int | None:
     """The room an `Abandoned` whose proof did not hold names; None where `frames` are no
     readable `Abandoned`. The prefill honours it only for a request no decode rank proved it
     reads (the module docstring)."""
-    if len(frames) != 2 or frames[0] != TAGS[Abandoned]:
-        return None
-    try:
-        return msgspec.msgpack.decode(frames[1], type=Abandoned).room
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
+    abandoned = _unproven(frames, Abandoned)
+    return None if abandoned is None else abandoned.room
 
 
 def refused_registration(frames: list[bytes], reason: str) -> tuple[str, list[bytes]] | None:
     """Where to answer a registration whose proof failed, and the `Refused` to send there;
     None where `frames` are no readable `Register` (nothing to answer)."""
-    if len(frames) != 2 or frames[0] != TAGS[Register]:
-        return None
-    try:
-        register = msgspec.msgpack.decode(frames[1], type=Register)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    register = _unproven(frames, Register)
+    if register is None:
         return None
     refused = Refused(group=register.group, reason=reason)
     return f"tcp://{register.ip}:{register.port}", frames_of(refused, None)
