@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -158,6 +158,11 @@ def copy_cells_torch(
     check_copy_pair(src, dst, src_side.shape, dst_side.shape, token_start, token_end, num_heads,
                     scales)  # fmt: skip
     device = src.layers[0].device
+    if device.type == "cpu":
+        plan = _short_copy_plan(src, src_side, dst, dst_side, token_start, token_end, num_heads)
+        if plan is not None:
+            _run_short_copy(plan, src, src_side, dst, dst_side)
+            return
     head_dim, planes = src_side.shape[4], src_side.shape[0]
     src_off = _moved_cells(src, src_side, token_start, token_end, num_heads)
     dst_off = _moved_cells(dst, dst_side, token_start, token_end, num_heads)
@@ -219,6 +224,159 @@ def copy_cells_torch(
     src_index = _on(src_rows, device)
     for r, w in zip(reads, writes, strict=True):
         w.index_copy_(0, dst_index, r.index_select(0, src_index))
+
+
+@dataclass(frozen=True)
+class _ShortCopy:
+    """A short CPU copy between a dense staging buffer and a cache, as rows, for any block
+    table: made once per shape (`_short_copy_plan`), kept on the cache's `_Side`.
+
+    The staging side's rows are consecutive from `dense_first`; the cache side's are
+    `cache_rows + block_ids[row_blocks] * block_rows` (its rows with every block id 0, plus
+    each row's block's own), so a copy of a new request's blocks costs three numpy calls
+    besides the data: its host work was most of a 16-token chunk's copy (about 105 of 120 us
+    on the project's CPU machine, benchmarks/history/2026-12-07.md)."""
+
+    word: torch.dtype
+    unit: int  # words a row
+    src_step: int  # words between the starts of two source rows
+    into_staging: bool  # a gather (cache -> staging) rather than a scatter
+    dense_first: int
+    cache_rows: np.ndarray
+    row_blocks: np.ndarray  # each cache row's index into the block table
+    block_rows: int
+
+
+# Where the key's plan is None the copy is not a short one (or its rows depend on the block
+# ids in a way `_ShortCopy` cannot say): the general path runs.
+_NOT_SHORT = object()
+# Plans kept a cache: a chunk's shape repeats (its length, where it starts in a block), but a
+# chunked prefill's steps of every length must not grow them without end.
+_SHORT_COPIES_MAX = 512
+
+
+def _short_copy_plan(
+    src: KVBuffer,
+    src_side: _Side,
+    dst: KVBuffer,
+    dst_side: _Side,
+    token_start: int,
+    token_end: int,
+    num_heads: int,
+) -> _ShortCopy | None:
+    """The `_ShortCopy` of a copy between staging and a cache, made once per shape (on the
+    cache's `_Side`, which lives as long as the cache); None where the general path runs: no
+    cache side or two, two dtypes, more than `_COARSE_BYTES` (the general path may merge
+    rows), or rows that do not follow the block ids linearly."""
+    if (src.block_ids is None) == (dst.block_ids is None) or src_side.dtype != dst_side.dtype:
+        return None
+    cache_side = dst_side if src.block_ids is None else src_side
+    plans = cache_side.short_copies
+    if plans is None:
+        return None
+    staging_side = src_side if cache_side is dst_side else dst_side
+    key = (
+        cache_side is dst_side,
+        staging_side.shape,
+        staging_side.strides,
+        staging_side.starts,
+        staging_side.spans,
+        token_start - src.token_shift,
+        token_start - dst.token_shift,
+        token_end - token_start,
+        src.head_offset,
+        dst.head_offset,
+        num_heads,
+    )
+    plan = plans.get(key, _NOT_SHORT)
+    if plan is _NOT_SHORT:
+        if len(plans) >= _SHORT_COPIES_MAX:
+            plans.clear()
+        plan = plans[key] = _make_short_copy(
+            src, src_side, dst, dst_side, token_start, token_end, num_heads
+        )
+    return plan  # type: ignore[return-value]
+
+
+def _make_short_copy(
+    src: KVBuffer,
+    src_side: _Side,
+    dst: KVBuffer,
+    dst_side: _Side,
+    token_start: int,
+    token_end: int,
+    num_heads: int,
+) -> _ShortCopy | None:
+    """`copy_cells_torch`'s choice of rows, made with every block id 0, and the conditions
+    under which it holds for every block table (else None)."""
+    head_dim, itemsize = src_side.shape[4], src_side.dtype.itemsize
+    if _grain(head_dim, src_side, dst_side) != head_dim:
+        return None
+    into_staging = dst.block_ids is None
+    cache, cache_side = (src, src_side) if into_staging else (dst, dst_side)
+    zeros = torch.zeros_like(cache.block_ids)  # type: ignore[arg-type]
+    template = replace(cache, block_ids=zeros)
+    src_off = _moved_cells(template if into_staging else src, src_side, token_start, token_end,
+                           num_heads)  # fmt: skip
+    dst_off = _moved_cells(dst if into_staging else template, dst_side, token_start, token_end,
+                           num_heads)  # fmt: skip
+    block_stride = cache_side.strides[1]
+    unit = head_dim
+    merged = unit * num_heads
+    if (
+        num_heads > 1
+        and src_side.strides[3] == head_dim == dst_side.strides[3]
+        and bool((dst_off[..., 0] % merged == 0).all())
+        and (into_staging or block_stride % merged == 0)
+    ):
+        unit = merged
+        src_off, dst_off = src_off[..., 0], dst_off[..., 0]
+    aligned = bool((src_off % unit == 0).all()) and (not into_staging or block_stride % unit == 0)
+    src_step = unit if aligned else head_dim
+    cache_step = src_step if into_staging else unit
+    if block_stride % cache_step:
+        return None
+    src_rows, dst_rows = (src_off // src_step).reshape(-1), (dst_off // unit).reshape(-1)
+    dense_rows, cache_rows = (dst_rows, src_rows) if into_staging else (src_rows, dst_rows)
+    dense_first = _first_of_run(dense_rows)
+    nbytes = dense_rows.size * unit * itemsize
+    if dense_first is None or nbytes >= _COARSE_BYTES or nbytes > _HOST_GATHER_BYTES:
+        return None  # the general path may merge rows, or gather in torch
+    word, dtype = _word_for([src_side, dst_side], itemsize, head_dim * itemsize)
+    pos = np.arange(token_start - cache.token_shift, token_end - cache.token_shift)
+    logical = pos // cache_side.shape[2]  # each token's, broadcast as the rows are made
+    per_token = logical[None, :, None] if src_off.ndim == 3 else logical[None, :]
+    blocks = np.broadcast_to(per_token, src_off.shape)
+    cache_rows.flags.writeable = False
+    return _ShortCopy(
+        dtype,
+        unit * itemsize // word,
+        src_step * itemsize // word,
+        into_staging,
+        dense_first,
+        cache_rows,
+        np.ascontiguousarray(blocks).reshape(-1),
+        block_stride // cache_step,
+    )
+
+
+def _run_short_copy(
+    plan: _ShortCopy, src: KVBuffer, src_side: _Side, dst: KVBuffer, dst_side: _Side
+) -> None:
+    """Run a `_ShortCopy` on this copy's block table: the cache side's rows from it, then one
+    numpy gather or scatter per layer."""
+    cache = src if plan.into_staging else dst
+    ids = _host(cache.block_ids)  # type: ignore[arg-type]
+    rows = plan.cache_rows + ids[plan.row_blocks] * plan.block_rows
+    reads = _host_rows(src, src_side, plan.word, plan.unit, plan.src_step)
+    writes = _host_rows(dst, dst_side, plan.word, plan.unit, plan.unit)
+    first, n = plan.dense_first, rows.size
+    if plan.into_staging:
+        for r, w in zip(reads, writes, strict=True):
+            np.take(r, rows, axis=0, out=w[first : first + n])
+    else:
+        for r, w in zip(reads, writes, strict=True):
+            w[rows] = r[first : first + n]
 
 
 def _copy_rows_host(
@@ -379,6 +537,8 @@ class _Side:
     spans: tuple[int, ...]
     rows: dict[tuple[torch.dtype, int, int], list[torch.Tensor]] | None = None
     host_rows: dict[tuple[torch.dtype, int, int], list[np.ndarray]] | None = None
+    # (a cache's) `_ShortCopy`s by shape; None where the general path runs
+    short_copies: dict[tuple[Any, ...], _ShortCopy | None] | None = None
 
 
 def _side(buf: KVBuffer, name: str) -> _Side:
@@ -422,7 +582,7 @@ def _cache_side(buf: KVBuffer) -> _Side:
         spans = (_span(view),) * len(layers)
     else:
         spans = tuple(_span(v) for v in buf.canonical_layers())
-    return _Side(tuple(view.shape), view.stride(), view.dtype, starts, spans, {}, {})
+    return _Side(tuple(view.shape), view.stride(), view.dtype, starts, spans, {}, {}, {})
 
 
 class _CacheSides:

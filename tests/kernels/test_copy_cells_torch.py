@@ -176,3 +176,76 @@ def test_a_blocks_consecutive_rows_move_as_one_row_bit_exact(monkeypatch, merge)
     write_rank_cells(spec, want, dst_ids, kv, 0, tokens)
     _assert_holds(dst, want)
     assert merged == ([True, True] if merge else [])  # the pack and the unpack
+
+
+def _wire(spec, tokens: int, heads: int) -> torch.Tensor:
+    wire = torch.empty((spec.num_layers, 2, tokens, heads, spec.head_dim), dtype=torch.bfloat16)
+    bits(wire).fill_(POISON)
+    return wire
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_a_short_copys_plan_serves_every_block_table_of_its_shape(monkeypatch, layout):
+    """A short copy's rows are planned once per shape and cache (block ids 0, plus each
+    request's own): round after round of new block tables on the same caches, the pack and
+    the unpack are planned once each and the cache holds what the reference writes."""
+    module = importlib.import_module("kvxfer.kernels.copy_cells_torch")  # not the function
+    made: list[bool] = []
+    real = module._make_short_copy
+
+    def recording(*args):
+        plan = real(*args)
+        made.append(plan is not None)
+        return plan
+
+    monkeypatch.setattr(module, "_make_short_copy", recording)
+    spec = _spec(layout, num_blocks=8)
+    src, dst = _poisoned(spec), _poisoned(spec)
+    heads = spec.heads_per_rank
+    rng = np.random.default_rng(5)
+    for seed in range(4):
+        src_ids, dst_ids = rng.permutation(8)[:3], rng.permutation(8)[:3]
+        kv = random_global_kv(spec, TOKENS, seed=seed)
+        write_rank_cells(spec, src, src_ids, kv, 0, TOKENS)
+        wire = _wire(spec, TOKENS, heads)
+        paged = KVBuffer(src, layout, "kv_first", False, torch.from_numpy(src_ids))
+        gather_kv_torch(paged, wire_kv_buffer(wire, 0), 0, TOKENS, heads)
+        for t in dst:
+            bits(t).fill_(POISON)
+        _scatter(spec, dst, dst_ids, wire)
+        _assert_holds(dst, _expected(spec, dst_ids, kv))
+    assert made == [True, True]  # the pack's plan and the unpack's, then reused
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("heads,head_offset", [(1, 1), (2, 0)], ids=["one-head", "both"])
+@pytest.mark.parametrize("start", [0, 5], ids=["from-0", "mid-block"])
+def test_a_short_copy_moves_what_the_general_path_moves(
+    monkeypatch, layout, heads, head_offset, start
+):
+    """A planned short copy and the general path, on the same poisoned buffers, some heads
+    or all, from a block's start or its middle: the same bytes in the wire and the cache."""
+    module = importlib.import_module("kvxfer.kernels.copy_cells_torch")  # not the function
+    spec = _spec(layout, num_blocks=8)
+    kv = random_global_kv(spec, TOKENS, seed=9)
+    src_ids = np.array([6, 1, 4], dtype=np.int64)
+    dst_ids = np.array([2, 7, 0], dtype=np.int64)
+    real, made = module._make_short_copy, []
+    monkeypatch.setattr(module, "_make_short_copy", lambda *a: made.append(real(*a)) or made[-1])
+    outcomes = []
+    for planned in (True, False):
+        if not planned:
+            monkeypatch.setattr(module, "_short_copy_plan", lambda *args: None)
+        src, dst = _poisoned(spec), _poisoned(spec)
+        write_rank_cells(spec, src, src_ids, kv, 0, TOKENS)
+        wire = _wire(spec, TOKENS - start, heads)
+        paged = KVBuffer(src, layout, "kv_first", False, torch.from_numpy(src_ids), 0, head_offset)
+        gather_kv_torch(paged, wire_kv_buffer(wire, start), start, TOKENS, heads)
+        into = KVBuffer(dst, layout, "kv_first", False, torch.from_numpy(dst_ids), 0, head_offset)
+        scatter_kv_torch(wire_kv_buffer(wire, start), into, start, TOKENS, heads)
+        outcomes.append([bits(wire).clone(), *(bits(t).clone() for t in dst)])
+    assert len(made) == 2 and None not in made  # the planned run's pack and unpack were short
+    planned_run, general_run = outcomes
+    for got, want in zip(planned_run, general_run, strict=True):
+        assert torch.equal(got, want)
+    assert not torch.equal(planned_run[1], bits(_poisoned(spec)[0]))  # something moved
