@@ -270,13 +270,13 @@ def _short_copy_plan(
     rows), or rows that do not follow the block ids linearly."""
     if (src.block_ids is None) == (dst.block_ids is None) or src_side.dtype != dst_side.dtype:
         return None
-    cache_side = dst_side if src.block_ids is None else src_side
+    into_staging = dst.block_ids is None  # by the buffers: both sides may share one `_Side`
+    cache_side, staging_side = (src_side, dst_side) if into_staging else (dst_side, src_side)
     plans = cache_side.short_copies
     if plans is None:
         return None
-    staging_side = src_side if cache_side is dst_side else dst_side
     key = (
-        cache_side is dst_side,
+        into_staging,
         staging_side.shape,
         staging_side.strides,
         staging_side.starts,
@@ -365,9 +365,15 @@ def _run_short_copy(
 ) -> None:
     """Run a `_ShortCopy` on this copy's block table: the cache side's rows from it, then one
     numpy gather or scatter per layer."""
-    cache = src if plan.into_staging else dst
-    ids = _host(cache.block_ids)  # type: ignore[arg-type]
-    rows = plan.cache_rows + ids[plan.row_blocks] * plan.block_rows
+    cache, cache_side = (src, src_side) if plan.into_staging else (dst, dst_side)
+    blocks = _host(cache.block_ids)[plan.row_blocks]  # type: ignore[arg-type]
+    if int(blocks.min()) < 0 or int(blocks.max()) >= cache_side.shape[1]:
+        bad = sorted({int(b) for b in blocks if not 0 <= b < cache_side.shape[1]})
+        raise ValueError(
+            f"block_ids: {bad} outside the cache's {cache_side.shape[1]} blocks; pass the "
+            "request's block ids"
+        )
+    rows = plan.cache_rows + blocks * plan.block_rows
     reads = _host_rows(src, src_side, plan.word, plan.unit, plan.src_step)
     writes = _host_rows(dst, dst_side, plan.word, plan.unit, plan.unit)
     first, n = plan.dense_first, rows.size

@@ -15,6 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from kvxfer import allocate_kv_caches
 from kvxfer.kernels import KVBuffer, gather_kv_torch, scatter_kv_torch, wire_kv_buffer
+from kvxfer.layout import layer_shape
 from kvxfer.reference import random_global_kv, write_rank_cells
 from kvxfer.testing import POISON, bits, side_specs
 
@@ -249,3 +250,86 @@ def test_a_short_copy_moves_what_the_general_path_moves(
     for got, want in zip(planned_run, general_run, strict=True):
         assert torch.equal(got, want)
     assert not torch.equal(planned_run[1], bits(_poisoned(spec)[0]))  # something moved
+
+
+@pytest.mark.parametrize(
+    "layout,mla", [("NHD", False), ("HND", False), ("NHD", True)], ids=["NHD", "HND", "MLA"]
+)
+def test_short_copies_of_many_shapes_on_one_cache_move_what_the_general_path_moves(
+    monkeypatch, layout, mla
+):
+    """One cache, forty copies of random shapes (heads and their offset, the cache's token
+    shift, where the range starts in a block, its length, gather or scatter, block ids
+    repeated): each planned copy, with the plans of every earlier shape kept on that cache,
+    leaves the wire and the cache as the general path leaves a copy of them."""
+    module = importlib.import_module("kvxfer.kernels.copy_cells_torch")  # not the function
+    real_plan, real_run = module._short_copy_plan, module._run_short_copy
+    planned: list[bool] = []
+    monkeypatch.setattr(module, "_run_short_copy", lambda *a: planned.append(True) or real_run(*a))
+    heads, head_dim, block_size, blocks, layers = (1 if mla else 3), 8, 4, 8, 2
+    shape = layer_shape(blocks, block_size, heads, head_dim, layout, "kv_first", mla)
+    gen = torch.Generator().manual_seed(17)
+
+    def random_bits(size):
+        return torch.randint(-(1 << 15), 1 << 15, size, dtype=torch.int16, generator=gen)
+
+    caches = [random_bits(shape).view(torch.bfloat16) for _ in range(layers)]
+    rng = np.random.default_rng(17)
+    for _ in range(40):
+        num_heads = int(rng.integers(1, heads + 1))
+        offset, shift = int(rng.integers(0, heads - num_heads + 1)), int(rng.integers(0, 6))
+        start = shift + int(rng.integers(0, 2 * block_size))
+        end = start + int(rng.integers(1, 3 * block_size))
+        ids = torch.from_numpy(rng.integers(0, blocks, (end - 1 - shift) // block_size + 1))
+        wire_shape = (layers, end - start, head_dim) if mla else (
+            layers, 2, end - start, num_heads, head_dim)  # fmt: skip
+        wire = random_bits(wire_shape).view(torch.bfloat16)
+        gather = bool(rng.integers(0, 2))
+        before = [t.clone() for t in caches]
+        outcomes = []
+        # the planned path on the cache itself (its plans kept), the general one on a copy
+        for plan, layer_set in ((real_plan, caches), (lambda *a: None, before)):
+            monkeypatch.setattr(module, "_short_copy_plan", plan)
+            moved = wire.clone()
+            cache = KVBuffer(layer_set, layout, "kv_first", mla, ids, shift, offset)
+            staging = wire_kv_buffer(moved, start, mla)
+            src, dst = (cache, staging) if gather else (staging, cache)
+            copy = gather_kv_torch if gather else scatter_kv_torch
+            copy(src, dst, start, end, num_heads)
+            outcomes.append([bits(moved), *(bits(t) for t in layer_set)])
+        for got, want in zip(*outcomes, strict=True):
+            assert torch.equal(got, want)
+    assert len(planned) >= 20  # most copies took the planned path
+
+
+def test_a_dense_buffer_on_the_caches_own_layers_is_planned_apart_both_ways():
+    """A gather into a dense buffer made of the cache's own layer tensors, then a scatter back
+    (both sides then share one `_Side`): each direction has its own plan, and the scatter
+    moves the gathered bytes back where the general path would."""
+    layers = [torch.arange(512.0).view(4, 2, 4, 2, 8) + i for i in range(2)]  # NHD, blocks_first
+    paged = KVBuffer(layers, "NHD", "blocks_first", False, torch.tensor([2]))
+    dense = KVBuffer(layers, "NHD", "blocks_first", False, None)
+    want = [t.clone() for t in layers]
+    want_paged = KVBuffer(want, "NHD", "blocks_first", False, torch.tensor([2]))
+    want_dense = KVBuffer(want, "NHD", "blocks_first", False, None)
+    module = importlib.import_module("kvxfer.kernels.copy_cells_torch")
+    module.copy_cells_torch(paged, dense, 0, 4, 2)
+    module.copy_cells_torch(dense, paged, 0, 4, 2)
+    for src, dst in ((want_paged, want_dense), (want_dense, want_paged)):
+        module.copy_elements_torch(src, dst, torch.arange(4), 2, None)
+    for got, exp in zip(layers, want, strict=True):
+        assert torch.equal(got, exp)
+
+
+def test_a_short_copy_refuses_block_ids_outside_the_cache_naming_them():
+    """A block id past the cache's blocks, or a negative one (numpy would wrap it), is refused
+    before any byte moves, naming the ids."""
+    spec = _spec("HND", num_blocks=6)
+    caches = _poisoned(spec)
+    wire = _wire(spec, TOKENS, spec.heads_per_rank)
+    for ids in ([0, 6, 1], [0, -1, 1]):
+        paged = KVBuffer(caches, "HND", "kv_first", False, torch.tensor(ids))
+        with pytest.raises(ValueError, match=r"outside the cache's 6 blocks") as raised:
+            scatter_kv_torch(wire_kv_buffer(wire, 0), paged, 0, TOKENS, spec.heads_per_rank)
+        assert str(ids[1]) in str(raised.value)
+    assert all(bits(t).eq(POISON).all() for t in caches)
