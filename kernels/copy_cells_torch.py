@@ -176,11 +176,7 @@ def copy_cells_torch(
             _split_cells(dst_off, head_dim, grain),
         )
         unit = grain
-    elif (
-        num_heads > 1
-        and src_side.strides[3] == head_dim == dst_side.strides[3]
-        and bool((dst_off[..., 0] % (num_heads * head_dim) == 0).all())
-    ):
+    elif _token_rows(src_side, dst_side, dst_off, num_heads):
         unit = num_heads * head_dim
         src_off, dst_off = src_off[..., 0], dst_off[..., 0]
     # Rows that tile memory (a contiguous [rows, unit] view) let index_select/index_copy_
@@ -323,11 +319,8 @@ def _make_short_copy(
     block_stride = cache_side.strides[1]
     unit = head_dim
     merged = unit * num_heads
-    if (
-        num_heads > 1
-        and src_side.strides[3] == head_dim == dst_side.strides[3]
-        and bool((dst_off[..., 0] % merged == 0).all())
-        and (into_staging or block_stride % merged == 0)
+    if _token_rows(src_side, dst_side, dst_off, num_heads) and (
+        into_staging or block_stride % merged == 0
     ):
         unit = merged
         src_off, dst_off = src_off[..., 0], dst_off[..., 0]
@@ -383,6 +376,18 @@ def _run_short_copy(
     else:
         for r, w in zip(reads, writes, strict=True):
             w[rows] = r[first : first + n]
+
+
+def _token_rows(src_side: _Side, dst_side: _Side, dst_off: np.ndarray, num_heads: int) -> bool:
+    """Whether a token's moved heads travel as one row: both sides keep them side by side
+    (NHD, the wire layout) and the destination's cells (`dst_off`, `[..., heads]`) start on
+    whole multiples of them."""
+    head_dim = src_side.shape[4]
+    return (
+        num_heads > 1
+        and src_side.strides[3] == head_dim == dst_side.strides[3]
+        and bool((dst_off[..., 0] % (num_heads * head_dim) == 0).all())
+    )
 
 
 def _copy_rows_host(
