@@ -229,7 +229,7 @@ class _ShortCopy:
 
     The staging side's rows are consecutive from `dense_first`; the cache side's are
     `cache_rows + block_ids[row_blocks] * block_rows` (its rows with every block id 0, plus
-    each row's block's own), so a copy of a new request's blocks costs three numpy calls
+    each row's block's own), so a copy of a new request's blocks costs a few numpy calls
     besides the data: its host work was most of a 16-token chunk's copy (about 105 of 120 us
     on the project's CPU machine, benchmarks/history/2026-12-07.md)."""
 
