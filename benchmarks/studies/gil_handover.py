@@ -37,7 +37,7 @@ def main() -> None:
     inbox = context.socket(zmq.PAIR)
     inbox.bind("tcp://127.0.0.1:*")
     outbox = context.socket(zmq.PAIR)
-    outbox.connect(inbox.getsockopt(zmq.LAST_ENDPOINT).decode())
+    outbox.connect(str(inbox.getsockopt_string(zmq.LAST_ENDPOINT)))
     frames = [b"x" * 16, b"y" * 200, b"z" * 32]
     calls: dict[str, Callable[[], object]] = {
         "zmq send_multipart": lambda: outbox.send_multipart(frames, zmq.NOBLOCK),
